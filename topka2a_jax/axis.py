@@ -1,0 +1,78 @@
+"""The mesh axis that gradients are exchanged over, checked at trace time.
+
+Every collective in this package runs inside ``jax.shard_map`` over one named
+mesh axis. The helpers here turn JAX's terse failures (an unbound axis name,
+gradients that were silently summed already) into errors that say what is
+wrong and how to fix it.
+
+Example:
+  >>> def step(x):
+  ...   return x * bound_axis_size("data")  # inside shard_map over "data"
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def bound_axis_size(axis_name: Hashable) -> int:
+  """Returns the size of ``axis_name``, or explains why it is not bound.
+
+  Args:
+    axis_name: the mesh axis to exchange over.
+
+  Returns:
+    The number of devices along the axis, a static Python int.
+
+  Raises:
+    ValueError: the axis is not bound, because the caller is not inside
+      ``jax.shard_map`` or the mesh has no axis of that name.
+
+  Example:
+    >>> jax.shard_map(lambda x: x * bound_axis_size("data"), ...)
+  """
+  try:
+    return int(lax.axis_size(axis_name))
+  except NameError as error:
+    raise ValueError(
+        f"axis name {axis_name!r} is not bound here. Call the update inside "
+        f"jax.shard_map over a mesh that has an axis named {axis_name!r}, or "
+        "pass the right one with axis_name=... (JAX said: "
+        f"{error})"
+    ) from None
+
+
+def tracks_varying_axes(axis_name: Hashable) -> bool:
+  """Whether shard_map is checking which values vary along ``axis_name``.
+
+  That is the default (``check_vma=True``); with ``check_vma=False`` JAX keeps
+  no such types and nothing can be checked.
+
+  Args:
+    axis_name: a bound mesh axis.
+
+  Returns:
+    True when values carry their varying-axes type.
+  """
+  probe = lax.pcast(jnp.zeros((), jnp.float32), axis_name, to="varying")
+  return is_varying(probe, axis_name)
+
+
+def is_varying(x: jax.Array, axis_name: Hashable) -> bool:
+  """Whether ``x`` is typed as differing from device to device along the axis.
+
+  Args:
+    x: a value inside shard_map.
+    axis_name: a bound mesh axis.
+
+  Returns:
+    True when ``x`` may differ between the devices of ``axis_name``.
+  """
+  aval = jax.typeof(x)
+  manual_axis_type = getattr(aval, "mat", None)  # JAX >= 0.10
+  varying = aval.vma if manual_axis_type is None else manual_axis_type.varying
+  return axis_name in varying

@@ -1,0 +1,109 @@
+"""How many entries to send, and which: top-k by magnitude.
+
+The counts are static Python ints computed from static shapes, so every
+exchange has fixed shapes and compiles once.
+
+* ``k = ceil(density * n)`` entries of an ``n``-element buffer
+  (:func:`sparse_count`).
+* TopKA2A splits the buffer into ``P`` contiguous shards of
+  ``ceil(n / P)`` elements and takes ``ceil(k / P)`` from each
+  (:class:`ShardLayout`).
+
+Example:
+  >>> layout = ShardLayout.create(length=10, num_shards=4, density=0.5)
+  >>> layout.shard_length, layout.per_shard
+  (3, 2)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# A density times a length that is an integer in exact arithmetic may come out
+# a hair above it in floating point (0.07 * 100 = 7.000000000000001); this
+# relative slack keeps ceil() from counting one entry too many.
+_ROUNDING_SLACK = 1e-12
+
+
+def sparse_count(length: int, density: float) -> int:
+  """Returns ``k``, the number of entries sent from ``length`` at ``density``.
+
+  Args:
+    length: number of elements, at least 1.
+    density: fraction to send, in (0, 1].
+
+  Returns:
+    ``ceil(density * length)``, at least 1 and at most ``length``.
+
+  Example:
+    >>> sparse_count(1000, 0.01)
+    10
+  """
+  k = math.ceil(density * length * (1.0 - _ROUNDING_SLACK))
+  return min(length, max(1, k))
+
+
+class ShardLayout(NamedTuple):
+  """Static shapes of TopKA2A's shard-wise selection for one buffer.
+
+  Attributes:
+    length: elements in the caller's buffer.
+    num_shards: P, the devices along the axis; shard ``i`` is owned by device
+      ``i``.
+    shard_length: elements per shard, ``ceil(length / P)``; the buffer is
+      zero-padded to ``P * shard_length``.
+    per_shard: entries selected from every shard, ``ceil(k / P)``.
+  """
+
+  length: int
+  num_shards: int
+  shard_length: int
+  per_shard: int
+
+  @classmethod
+  def create(cls, length: int, num_shards: int, density: float) -> ShardLayout:
+    """Lays out a ``length``-element buffer over ``num_shards`` owners.
+
+    Args:
+      length: elements in the buffer, at least 1.
+      num_shards: devices along the axis.
+      density: fraction to send, in (0, 1].
+
+    Returns:
+      The layout.
+    """
+    shard_length = -(-length // num_shards)
+    per_shard = -(-sparse_count(length, density) // num_shards)
+    # ceil(ceil(d*n)/P) <= ceil(n/P) for d <= 1, so shards always hold enough.
+    return cls(length, num_shards, shard_length, per_shard)
+
+  @property
+  def padded_length(self) -> int:
+    """Elements after padding: ``num_shards * shard_length``."""
+    return self.num_shards * self.shard_length
+
+
+def top_magnitudes(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """Selects the ``k`` largest-magnitude entries of every row, exactly.
+
+  Ties go to the lower index, so the result is deterministic.
+
+  Args:
+    rows: array of shape ``(..., n)``.
+    k: entries per row, ``1 <= k <= n``.
+
+  Returns:
+    ``(values, indices)``, each of shape ``(..., k)``: the selected entries
+    with their signs, and their distinct positions within the row (int32).
+
+  Example:
+    >>> top_magnitudes(jnp.array([[1.0, -5.0, 3.0]]), 2)
+    (Array([[-5., 3.]], dtype=float32), Array([[1, 2]], dtype=int32))
+  """
+  _, indices = lax.top_k(jnp.abs(rows), k)
+  return jnp.take_along_axis(rows, indices, axis=-1), indices
