@@ -1,0 +1,70 @@
+"""What XLA really emits for a jitted training step, read from compiled HLO."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import topka2a_jax
+
+PARAMS = {"w1": jnp.ones((64, 128)), "w2": jnp.ones((128, 32))}
+COLLECTIVES = ("all-to-all", "all-gather", "all-reduce", "reduce-scatter",
+               "collective-permute")
+
+
+def compiled_collectives(mesh, algorithm):
+  """Names of the collective ops in a compiled shard_map training step."""
+  tx = optax.chain(topka2a_jax.topka2a(0.01, algorithm=algorithm),
+                   optax.sgd(0.1))
+  state = topka2a_jax.init(tx, PARAMS, mesh)
+  specs = topka2a_jax.state_specs(state)
+
+  def loss(params, x):
+    return jnp.sum(jnp.tanh(x @ params["w1"]) @ params["w2"])
+
+  def step(params, state, x):
+    grads = jax.grad(loss)(lax.pcast(params, "data", to="varying"), x)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data")),
+                              out_specs=(P(), specs)))
+  params = jax.device_put(PARAMS, NamedSharding(mesh, P()))
+  x = jax.device_put(jnp.ones((16, 64)), NamedSharding(mesh, P("data")))
+  text = run.lower(params, state, x).compile().as_text()
+  ops = re.findall(r"\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(", text)
+  return set(ops)
+
+
+def test_topka2a_step_is_all_to_all_and_all_gather(mesh):
+  assert compiled_collectives(mesh, "topka2a") == {"all-to-all", "all-gather"}
+
+
+def test_allgather_step_is_one_all_gather(mesh):
+  assert compiled_collectives(mesh, "allgather") == {"all-gather"}
+
+
+def test_dense_step_is_all_reduce(mesh):
+  assert compiled_collectives(mesh, "dense") == {"all-reduce"}
+
+
+@pytest.mark.parametrize("algorithm", ["topka2a", "allgather"])
+def test_one_message_per_bucket_carries_values_and_indices(mesh, algorithm):
+  # Two buckets (one per weight at this bucket size): one exchange each.
+  tx = topka2a_jax.topka2a(0.01, algorithm=algorithm, bucket_size=1)
+  grads = jax.device_put(
+      jax.tree.map(lambda p: jnp.ones((8, *p.shape)), PARAMS),
+      NamedSharding(mesh, P("data")))
+  state = topka2a_jax.init(tx, PARAMS, mesh)
+  specs = topka2a_jax.state_specs(state)
+  run = jax.jit(jax.shard_map(lambda g, s: tx.update(jax.tree.map(lambda a: a[0], g), s),
+                              mesh=mesh, in_specs=(P("data"), specs),
+                              out_specs=(P(), specs)))
+  hlo = run.lower(grads, state).as_text()  # before XLA combines anything
+  first = "all_to_all" if algorithm == "topka2a" else "all_gather"
+  assert len(re.findall(rf"stablehlo\.{first}\b", hlo)) == 2

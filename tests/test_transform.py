@@ -1,0 +1,240 @@
+"""The optax transform against the NumPy model, leaf by leaf and fused."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import reference
+import topka2a_jax
+
+SHAPES = {"a": (3, 50), "b": (130,), "c": (2, 2, 30)}
+
+
+def random_grads(seed, shapes=SHAPES, dtype=np.float32):
+  rng = np.random.default_rng(seed)
+  return {k: rng.normal(size=(8, *s)).astype(dtype) for k, s in shapes.items()}
+
+
+def params_like(grads):
+  return jax.tree.map(lambda g: jnp.zeros(g.shape[1:], g.dtype), grads)
+
+
+def run_steps(tx, mesh, grads_per_step):
+  """Applies tx.update on every device for each step's stacked gradients.
+
+  Returns:
+    (updates, state) per step: updates with a leading device axis, and the
+    global state (per-device residuals as (8 * n,) arrays).
+  """
+  state = topka2a_jax.init(tx, params_like(grads_per_step[0]), mesh)
+  specs = topka2a_jax.state_specs(state)
+
+  def step(grads, state):
+    updates, state = tx.update(jax.tree.map(lambda g: g[0], grads), state)
+    return jax.tree.map(lambda u: u[None], updates), state
+
+  run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("data"), specs),
+                              out_specs=(P("data"), specs)))
+  history = []
+  for grads in grads_per_step:
+    grads = jax.device_put(grads, jax.NamedSharding(mesh, P("data")))
+    updates, state = run(grads, state)
+    history.append((jax.tree.map(np.asarray, updates), state))
+  return history
+
+
+def residuals_of(state):
+  """The per-device residuals of a chain's first state, as (8, n) arrays."""
+  return {k: np.asarray(v).reshape(8, -1)
+          for k, v in state[0].residuals.items()
+          if not isinstance(v, optax.MaskedNode)}
+
+
+def model_leafwise(algorithm, grads, residuals, density):
+  """The NumPy model with every leaf in a bucket of its own."""
+  means, unsent = {}, {}
+  for k, g in grads.items():
+    acc = g.reshape(8, -1).astype(np.float64) + residuals.get(k, 0.0)
+    mean, rest = reference.ALGORITHMS[algorithm](acc, density)
+    means[k], unsent[k] = mean.reshape(g.shape[1:]), rest
+  return means, unsent
+
+
+@pytest.mark.parametrize("algorithm", ["topka2a", "allgather"])
+def test_error_feedback_over_steps_matches_model(mesh, algorithm):
+  tx = optax.chain(topka2a_jax.topka2a(0.1, algorithm=algorithm, min_size=0,
+                                       bucket_size=1))
+  steps = [random_grads(seed) for seed in range(3)]
+  residuals = {}
+  for grads, (updates, state) in zip(steps, run_steps(tx, mesh, steps)):
+    want, residuals = model_leafwise(algorithm, grads, residuals, 0.1)
+    for k in grads:
+      np.testing.assert_allclose(updates[k], np.broadcast_to(want[k], updates[k].shape),
+                                 rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(residuals_of(state)[k], residuals[k],
+                                 rtol=1e-5, atol=1e-5)
+
+
+def test_fused_bucket_is_the_leaves_in_reverse_order(mesh):
+  # One bucket holding c, b, a (flattened, last leaf first) goes through
+  # TopKA2A as one buffer: its selection differs from the leaf-wise one.
+  tx = topka2a_jax.topka2a(0.05, min_size=0, bucket_size=10**6)
+  grads = random_grads(11)
+  [(updates, state)] = run_steps(optax.chain(tx), mesh, [grads])
+  buffer = np.concatenate([grads[k].reshape(8, -1) for k in ("c", "b", "a")], 1)
+  mean, unsent = reference.topka2a(buffer, 0.05)
+  sizes = [grads[k][0].size for k in ("c", "b", "a")]
+  for k, m, u in zip(("c", "b", "a"), np.split(mean, np.cumsum(sizes)[:-1]),
+                     np.split(unsent, np.cumsum(sizes)[:-1], axis=1)):
+    np.testing.assert_allclose(updates[k][3], m.reshape(SHAPES[k]), rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_allclose(residuals_of(state)[k], u, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("algorithm", ["topka2a", "allgather", "dense"])
+def test_density_one_equals_pmean(mesh, algorithm):
+  tx = optax.chain(topka2a_jax.topka2a(1.0, algorithm=algorithm, min_size=100,
+                                       bucket_size=200))
+  grads = random_grads(21)
+  [(updates, _)] = run_steps(tx, mesh, [grads])
+  for k, g in grads.items():
+    np.testing.assert_allclose(updates[k], np.broadcast_to(g.mean(0), g.shape),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_dense_algorithm_is_pmean_at_any_density(mesh):
+  tx = optax.chain(topka2a_jax.topka2a(0.01, algorithm="dense"))
+  grads = random_grads(22)
+  [(updates, state)] = run_steps(tx, mesh, [grads])
+  pmean = jax.jit(jax.shard_map(lambda g: lax.pmean(g, "data"), mesh=mesh,
+                                in_specs=P("data"), out_specs=P("data")))
+  for k, g in grads.items():
+    placed = jax.device_put(g, jax.NamedSharding(mesh, P("data")))
+    np.testing.assert_allclose(updates[k], np.asarray(pmean(placed)), rtol=1e-6)
+  assert residuals_of(state) == {}
+
+
+def test_replicas_are_bitwise_identical(mesh):
+  tx = optax.chain(topka2a_jax.topka2a(0.05, min_size=0))
+  [(updates, _)] = run_steps(tx, mesh, [random_grads(23)])
+  for u in updates.values():
+    for device in range(1, 8):
+      np.testing.assert_array_equal(u[device], u[0])
+
+
+@pytest.mark.parametrize("algorithm", ["topka2a", "allgather"])
+def test_nothing_is_lost_across_steps(mesh, algorithm):
+  tx = optax.chain(topka2a_jax.topka2a(0.02, algorithm=algorithm, min_size=0))
+  steps = [random_grads(seed) for seed in (31, 32, 33)]
+  old = {k: np.zeros((8, g[0].size)) for k, g in steps[0].items()}
+  for grads, (updates, state) in zip(steps, run_steps(tx, mesh, steps)):
+    new = residuals_of(state)
+    for k, g in grads.items():
+      had = g.reshape(8, -1).sum(0) + old[k].sum(0)
+      kept = 8 * updates[k][0].reshape(-1) + new[k].sum(0)
+      np.testing.assert_allclose(kept, had, rtol=1e-5, atol=1e-5)
+    old = new
+
+
+def test_small_leaves_go_dense_without_residual(mesh):
+  shapes = {"bias": (10,), "kernel": (40, 40)}
+  tx = optax.chain(topka2a_jax.topka2a(0.01))  # default min_size=1024
+  grads = random_grads(41, shapes)
+  [(updates, state)] = run_steps(tx, mesh, [grads])
+  np.testing.assert_allclose(updates["bias"][0], grads["bias"].mean(0), rtol=1e-6)
+  assert isinstance(state[0].residuals["bias"], optax.MaskedNode)
+  assert state[0].residuals["kernel"].shape == (8 * 1600,)
+
+
+def test_without_error_feedback_nothing_is_kept(mesh):
+  tx = optax.chain(topka2a_jax.topka2a(0.1, min_size=0, bucket_size=1,
+                                       error_feedback=False))
+  steps = [random_grads(seed) for seed in (51, 52)]
+  for grads, (updates, state) in zip(steps, run_steps(tx, mesh, steps)):
+    want, _ = model_leafwise("topka2a", grads, {}, 0.1)
+    for k in grads:
+      np.testing.assert_allclose(updates[k][0], want[k], rtol=1e-5, atol=1e-6)
+    assert jax.tree.leaves(state) == []
+
+
+def test_keeps_each_leafs_dtype_and_shape(mesh):
+  grads = random_grads(61)
+  grads["b"] = grads["b"].astype(jnp.bfloat16)
+  tx = optax.chain(topka2a_jax.topka2a(0.1, min_size=0, bucket_size=10**6))
+  [(updates, state)] = run_steps(tx, mesh, [grads])
+  assert updates["b"].dtype == jnp.bfloat16 and updates["a"].dtype == np.float32
+  assert {k: u.shape[1:] for k, u in updates.items()} == SHAPES
+  # Residuals stay float32, so nothing is rounded away.
+  assert state[0].residuals["b"].dtype == jnp.float32
+  had = grads["b"].astype(np.float32).sum(0)
+  kept = 8 * updates["b"][0].astype(np.float32) + residuals_of(state)["b"].sum(0)
+  np.testing.assert_allclose(kept, had, rtol=2e-2, atol=2e-2)
+
+
+def test_flax_model_parameters(mesh):
+  class Model(nnx.Module):
+
+    def __init__(self, rngs):
+      self.embed = nnx.Embed(50, 16, rngs=rngs)
+      self.conv = nnx.Conv(16, 32, kernel_size=(3,), rngs=rngs)
+      self.norm = nnx.LayerNorm(32, rngs=rngs)
+      self.head = nnx.Linear(32, 10, rngs=rngs)
+
+  params = nnx.state(Model(nnx.Rngs(0)), nnx.Param)
+  leaves, treedef = jax.tree.flatten(params)
+  rng = np.random.default_rng(7)
+  stacked = treedef.unflatten(
+      [rng.normal(size=(8, *x.shape)).astype(np.float32) for x in leaves])
+  tx = optax.chain(topka2a_jax.topka2a(1.0, min_size=100),
+                   optax.sgd(1.0))
+  state = topka2a_jax.init(tx, params, mesh)
+  specs = topka2a_jax.state_specs(state)
+
+  def step(grads, state):
+    updates, state = tx.update(jax.tree.map(lambda g: g[0], grads), state)
+    return jax.tree.map(lambda u: u[None], updates), state
+
+  updates, _ = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("data"), specs),
+                                     out_specs=(P("data"), specs)))(
+      jax.device_put(stacked, jax.NamedSharding(mesh, P("data"))), state)
+  for got, g in zip(jax.tree.leaves(updates), jax.tree.leaves(stacked)):
+    np.testing.assert_allclose(np.asarray(got)[0], -g.mean(0), rtol=1e-5, atol=1e-6)
+
+
+def test_state_specs_mark_residuals_per_device(mesh):
+  tx = optax.chain(topka2a_jax.topka2a(0.1, min_size=100), optax.adam(1e-3))
+  params = {"big": jnp.zeros((20, 20)), "small": jnp.zeros(3)}
+  state = topka2a_jax.init(tx, params, mesh, axis_name="data")
+  specs = topka2a_jax.state_specs(state)
+  assert specs[0].residuals == {"big": P("data"), "small": optax.MaskedNode()}
+  assert jax.tree.leaves(specs[1]) == [P()] * len(jax.tree.leaves(state[1]))
+  assert state[0].residuals["big"].sharding.spec == P("data")
+  assert state[1][0].mu["big"].sharding.spec == P()
+  assert topka2a_jax.state_specs(jax.eval_shape(lambda: state)) == specs
+
+
+def test_one_device_mesh_trains():
+  mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+  tx = optax.chain(topka2a_jax.topka2a(0.1, min_size=0), optax.sgd(0.1))
+  params = {"w": jnp.ones((40,))}
+  state = topka2a_jax.init(tx, params, mesh)
+  specs = topka2a_jax.state_specs(state)
+
+  def step(params, state):
+    local = lax.pcast(params, "data", to="varying")
+    grads = jax.grad(lambda p: jnp.sum(p["w"] ** 2))(local)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs),
+                              out_specs=(P(), specs)))
+  params = jax.device_put(params, jax.NamedSharding(mesh, P()))
+  for _ in range(50):
+    params, state = run(params, state)
+  # Every weight decays, the unsent ones through the residual.
+  assert float(jnp.max(jnp.abs(params["w"]))) < 0.5

@@ -1,0 +1,37 @@
+"""topka2a-jax: top-k sparse gradient averaging over AlltoAll, as an optax transform.
+
+Data-parallel training averages every gradient across devices at every step.
+This package sends only the largest ``density`` fraction of each device's
+gradient, keeps the rest in a per-device residual (error feedback) and
+averages the sparse pieces with the TopKA2A algorithm (ICPP 2024), whose
+volume does not grow with the number of devices.
+
+Read it top-down:
+
+* :mod:`topka2a_jax.transform`: the optax transform users chain first.
+* :mod:`topka2a_jax.buckets`: fusing gradient leaves into flat buffers.
+* :mod:`topka2a_jax.collectives`: the dense, TopkA and TopKA2A exchanges.
+* :mod:`topka2a_jax.selection`: how many entries to send, and which.
+* :mod:`topka2a_jax.wire`: values and indices packed into one message.
+* :mod:`topka2a_jax.axis`: trace-time checks of the mesh axis.
+* :mod:`topka2a_jax.placement`: laying the optimizer state out on a mesh.
+
+Example:
+  >>> tx = optax.chain(topka2a_jax.topka2a(density=0.01), optax.adam(1e-3))
+  >>> opt_state = topka2a_jax.init(tx, params, mesh)
+  >>> specs = topka2a_jax.state_specs(opt_state)
+"""
+
+from topka2a_jax import collectives
+from topka2a_jax.collectives import Exchange
+from topka2a_jax.placement import init, state_specs
+from topka2a_jax.transform import TopKA2AState, topka2a
+
+__all__ = [
+    "Exchange",
+    "TopKA2AState",
+    "collectives",
+    "init",
+    "state_specs",
+    "topka2a",
+]

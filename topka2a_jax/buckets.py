@@ -1,0 +1,98 @@
+"""Tensor fusion: packing gradient leaves into a few flat buffers.
+
+Every exchange pays a per-message latency, so leaves are fused into buckets
+and each bucket goes through one collective. Leaves are taken in reverse
+order, roughly the order in which the backward pass produces them, and a
+bucket is closed once it holds at least ``bucket_size`` elements. Leaves of
+different algorithms (small ones go dense) never share a bucket. A leaf is
+never split, so a leaf larger than ``bucket_size`` gets a bucket of its own.
+
+The plan depends only on static sizes, so it is computed at trace time and
+every step compiles to the same fixed shapes.
+
+Example:
+  >>> plan_buckets([10, 3, 10], ["topka2a", "dense", "topka2a"], 15)
+  (Bucket(leaves=(2, 0), algorithm='topka2a', size=20),
+   Bucket(leaves=(1,), algorithm='dense', size=3))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Bucket(NamedTuple):
+  """Leaves fused into one flat buffer and exchanged by one collective.
+
+  Attributes:
+    leaves: positions of the leaves in the flattened gradient pytree, in the
+      order they are packed.
+    algorithm: the collective's name, a key of
+      :data:`topka2a_jax.collectives.ALGORITHMS`.
+    size: total elements.
+  """
+
+  leaves: tuple[int, ...]
+  algorithm: str
+  size: int
+
+
+def plan_buckets(
+    sizes: Sequence[int], algorithms: Sequence[str], bucket_size: int
+) -> tuple[Bucket, ...]:
+  """Fuses leaves, last first, into buckets of at least ``bucket_size``.
+
+  Args:
+    sizes: element count of every leaf, in pytree order.
+    algorithms: the collective chosen for every leaf.
+    bucket_size: elements at which a bucket is closed.
+
+  Returns:
+    The buckets, in the order they are closed; every leaf is in exactly one.
+  """
+  closed: list[Bucket] = []
+  open_buckets: dict[str, Bucket] = {}
+  for leaf in reversed(range(len(sizes))):
+    algorithm = algorithms[leaf]
+    members, _, size = open_buckets.get(algorithm, ((), algorithm, 0))
+    bucket = Bucket(members + (leaf,), algorithm, size + sizes[leaf])
+    if bucket.size >= bucket_size:
+      closed.append(bucket)
+      open_buckets.pop(algorithm, None)
+    else:
+      open_buckets[algorithm] = bucket
+  return tuple(closed) + tuple(open_buckets.values())
+
+
+def pack(leaves: Sequence[jax.Array], dtype: jnp.dtype) -> jax.Array:
+  """Concatenates the leaves, flattened and cast to ``dtype``, into one buffer.
+
+  Args:
+    leaves: the bucket's arrays, in packing order.
+    dtype: the buffer's dtype.
+
+  Returns:
+    A 1-D array of the leaves' total size.
+  """
+  return jnp.concatenate([jnp.ravel(leaf).astype(dtype) for leaf in leaves])
+
+
+def unpack(buffer: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:
+  """Splits a flat buffer back into consecutive 1-D pieces of ``sizes``.
+
+  Args:
+    buffer: what :func:`pack` made (or a buffer of the same length).
+    sizes: element count of every piece, in packing order.
+
+  Returns:
+    The pieces, flat; reshape them to the leaves' shapes.
+  """
+  pieces, start = [], 0
+  for size in sizes:
+    pieces.append(buffer[start : start + size])
+    start += size
+  return pieces
