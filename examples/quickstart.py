@@ -19,24 +19,24 @@ os.environ.setdefault(
     "XLA_FLAGS", "--xla_force_host_platform_device_count=8"
 )  # 8 CPU devices; must be set before JAX starts
 
-import argparse  # noqa: E402
-import time  # noqa: E402
+import argparse
+import time
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import topka2a_jax  # noqa: E402
+import topka2a_jax
 
 BATCH_PER_DEVICE = 32
 RUNS = {
-    "dense (pmean)": dict(density=1.0, algorithm="dense"),
-    "topka2a 1%": dict(density=0.01),
-    "topka2a 5%": dict(density=0.05),
-    "topka2a 5%, no error feedback": dict(density=0.05, error_feedback=False),
-    "allgather (TopkA) 5%": dict(density=0.05, algorithm="allgather"),
+    "dense (pmean)": {"density": 1.0, "algorithm": "dense"},
+    "topka2a 1%": {"density": 0.01},
+    "topka2a 5%": {"density": 0.05},
+    "topka2a 5%, no error feedback": {"density": 0.05, "error_feedback": False},
+    "allgather (TopkA) 5%": {"density": 0.05, "algorithm": "allgather"},
 }
 
 

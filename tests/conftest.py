@@ -7,8 +7,8 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402  (must come after the flags above)
-import pytest  # noqa: E402
+import jax
+import pytest
 
 NUM_DEVICES = 8
 

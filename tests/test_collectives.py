@@ -3,10 +3,10 @@
 import jax
 import numpy as np
 import pytest
-from jax import lax
-
 import reference
+from jax import lax
 from sharded import per_device
+
 from topka2a_jax import collectives
 
 ALGORITHMS = sorted(collectives.ALGORITHMS)

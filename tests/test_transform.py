@@ -5,11 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import reference
 from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-import reference
 import topka2a_jax
 
 SHAPES = {"a": (3, 50), "b": (130,), "c": (2, 2, 30)}
