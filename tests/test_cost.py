@@ -1,0 +1,62 @@
+"""The α-β cost model: hand-computed cases and the paper's break-even points."""
+
+import pytest
+
+from topka2a_jax.cost import (
+    NETWORKS,
+    Network,
+    breakeven_density,
+    exchange_cost,
+    get_network,
+)
+
+NO_LATENCY = Network(latency=0.0, bandwidth=1e9)
+
+
+def test_hand_computed_costs():
+  # d = 1000, P = 8, density 0.01: k = 10, s = 125, q = 2; 4-byte values/indices.
+  assert exchange_cost("dense", 1000, 8, 0.01).bytes == 2 * 7 / 8 * 1000 * 4
+  assert exchange_cost("allgather", 1000, 8, 0.01).bytes == 7 * 10 * 8
+  assert exchange_cost("topka2a", 1000, 8, 0.01).bytes == 7 * (2 * 8 + 125 * 4)
+  assert exchange_cost("topka2a_sparse", 1000, 8, 0.01).bytes == 7 * 2 * 2 * 8
+  assert [exchange_cost(a, 1000, 8, 0.01).messages
+          for a in ("dense", "allgather", "topka2a", "topka2a_sparse")] == [14, 7, 14, 14]
+  assert exchange_cost("topka2a", 1000, 1, 0.01).bytes == 0
+
+
+def test_seconds_add_latency_and_bandwidth():
+  cost = exchange_cost("dense", 1000, 8, 0.01)
+  net = Network(latency=1e-5, bandwidth=1e6)
+  assert cost.seconds(net) == pytest.approx(14 * 1e-5 + 7000 / 1e6)
+
+
+@pytest.mark.parametrize("num_devices", [2, 4, 8, 32, 256])
+def test_bandwidth_only_breakevens(num_devices):
+  d = 1e8
+  assert breakeven_density("topka2a", "dense", d, num_devices, NO_LATENCY) == (
+      pytest.approx(0.5, rel=1e-6))
+  assert breakeven_density("topka2a", "allgather", d, num_devices, NO_LATENCY) == (
+      pytest.approx(1 / (2 * (num_devices - 1)), rel=1e-6))
+
+
+def test_latency_moves_the_topka_breakeven_up_for_small_buffers():
+  # TopKA2A pays two phases, TopkA one: latency favours TopkA on small buffers.
+  big = breakeven_density("topka2a", "allgather", 1e8, 8, "eth10")
+  small = breakeven_density("topka2a", "allgather", 1e4, 8, "eth10")
+  assert 1 / 14 <= big < small
+
+
+def test_no_crossing_is_none():
+  # On a 100-element buffer TopKA2A's extra phase of latency always loses.
+  assert breakeven_density("topka2a", "allgather", 100, 8, "eth1") is None
+
+
+def test_presets_and_errors():
+  assert get_network("eth10").bandwidth == 10e9 / 8
+  assert all(net.source for net in NETWORKS.values())
+  with pytest.raises(ValueError, match="unknown network 'eth100'.*eth10"):
+    get_network("eth100")
+  with pytest.raises(ValueError, match="bandwidth must be bytes/s > 0"):
+    Network(latency=1e-6, bandwidth=0)
+  with pytest.raises(ValueError, match="no cost model for algorithm 'auto'"):
+    exchange_cost("auto", 10, 2, 0.5)
