@@ -1,0 +1,61 @@
+"""The communication report against the cost model and hand-written HLO."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import topka2a_jax
+from topka2a_jax import collectives
+from topka2a_jax.cost import exchange_cost
+
+
+def lowered_exchange(mesh, algorithm, length, density):
+  fn = collectives.ALGORITHMS[algorithm]
+  run = jax.jit(jax.shard_map(lambda b: tuple(fn(b, "data", density)), mesh=mesh,
+                              in_specs=P("data"), out_specs=(P(), P("data"))))
+  x = jax.device_put(np.ones(8 * length, np.float32), NamedSharding(mesh, P("data")))
+  return run.lower(x)
+
+
+@pytest.mark.parametrize("algorithm", ["dense", "allgather", "topka2a"])
+@pytest.mark.parametrize("length", [1000, 12345, 100_003])
+@pytest.mark.parametrize("density", [0.01, 0.05, 0.3])
+def test_report_matches_the_model(mesh, algorithm, length, density):
+  report = topka2a_jax.comm_report(lowered_exchange(mesh, algorithm, length, density))
+  model = exchange_cost(algorithm, length, 8, density)
+  assert report.total_bytes == pytest.approx(model.bytes, rel=0.05)
+
+
+def test_report_rows(mesh):
+  report = topka2a_jax.comm_report(lowered_exchange(mesh, "topka2a", 1000, 0.01))
+  assert [(r.kind, r.count) for r in report.collectives] == [
+      ("all-gather", 1), ("all-to-all", 1)]
+  # all-to-all: 8 rows of 2 (value, index) pairs; all-gather: 8 shards of 125.
+  assert report.bytes_of("all-to-all") == 7 / 8 * (8 * 2 * 8)
+  assert report.bytes_of("all-gather") == 7 / 8 * (8 * 125 * 4)
+  assert "total" in str(report)
+
+
+HLO = """
+HloModule step, num_partitions=4
+  %a = f32[100]{0} all-reduce(f32[100]{0} %x), replica_groups={{0,1,2,3}}, to_apply=%add
+  %b = (f32[10]{0}, bf16[20]{0}) all-reduce(%y, %z), replica_groups=[1,4]<=[4]
+  %c = (f32[25]{0}, f32[100]{0}) all-gather-start(f32[25]{0} %p), dimensions={0}
+  %d = f32[100]{0} all-gather-done(%c)
+  %e = u8[4,16]{1,0} all-to-all(u8[4,16]{1,0} %q), replica_groups={{0,1},{2,3}}
+  %f = f32[8]{0} collective-permute(f32[8]{0} %r), source_target_pairs={{0,1}}
+  %g = f32[5]{0} reduce-scatter(f32[20]{0} %s), replica_groups={}, dimensions={0}
+"""
+
+
+def test_hand_written_hlo():
+  report = topka2a_jax.comm_report(HLO)
+  assert report.count_of("all-reduce") == 2
+  assert report.bytes_of("all-reduce") == 2 * 3 / 4 * (400 + 40 + 40)
+  assert report.count_of("all-gather") == 1
+  assert report.bytes_of("all-gather") == 3 / 4 * 400
+  assert report.bytes_of("all-to-all") == 1 / 2 * 64  # groups of 2
+  assert report.bytes_of("collective-permute") == 32
+  assert report.bytes_of("reduce-scatter") == 3 / 4 * 80
