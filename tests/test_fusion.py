@@ -1,0 +1,82 @@
+"""The fusion planner: its threshold search against an exhaustive sweep."""
+
+import math
+
+import pytest
+
+from topka2a_jax.cost import Network
+from topka2a_jax.fusion import plan_fusion
+from topka2a_jax.model_shapes import MODELS
+
+PARAMETER_COUNTS = {"resnet50": 25_557_032, "bert-base": 109_482_240,
+                    "gpt2": 124_439_808}
+
+
+def sizes_of(model):
+  return [math.prod(shape) for _, shape in MODELS[model]()]
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_model_shapes_have_the_published_sizes(model):
+  assert sum(sizes_of(model)) == PARAMETER_COUNTS[model]
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("network, num_devices", [("nvlink", 32), ("eth10", 8)])
+def test_search_is_within_two_percent_of_a_sweep(model, network, num_devices):
+  sizes = sizes_of(model)
+  planned = plan_fusion(sizes, num_devices, 0.01, network=network)
+  low, high = min(sizes), sum(sizes)
+  sweep = sorted({round(low * (high / low) ** (j / 1023)) for j in range(1024)})
+  best = min(plan_fusion(sizes, num_devices, 0.01, network=network,
+                         threshold=t).step_seconds for t in sweep)
+  assert planned.step_seconds <= 1.02 * best
+
+
+def test_hand_computed_plan():
+  # Two 1000-element leaves and a 10-element bias, P = 2, density 0.5, no
+  # latency, 1000 B/s, backward 10 s: a threshold of 1000 gives one bucket per
+  # weight (the bias dense on its own). Leaf 2 is ready at 1000/2010 * 10 s.
+  net = Network(latency=0.0, bandwidth=1000.0)
+  plan = plan_fusion([1000, 10, 1000], 2, 0.5, network=net, algorithm="topka2a",
+                     threshold=1000, min_size=100, backward_seconds=10.0,
+                     selection_seconds_per_element=0.0)
+  assert [(b.bucket.leaves, b.bucket.algorithm) for b in plan.buckets] == [
+      ((2,), "topka2a"), ((1,), "dense"), ((0,), "topka2a")]
+  # topka2a of 1000 on 2 devices: 1 * (250 * 8 + 500 * 4) = 4000 bytes, 4 s.
+  first = plan.buckets[0]
+  assert first.ready == pytest.approx(10 * 1000 / 2010)
+  assert first.finish == pytest.approx(first.ready + 4.0)
+  assert plan.buckets[-1].finish == pytest.approx(
+      max(10.0, plan.buckets[1].finish) + 4.0)
+
+
+@pytest.mark.parametrize("size, num_devices, density, network, want", [
+    (10_000_000, 8, 0.1, "eth10", "topka2a"),  # between 1/(2(P-1)) = 0.071 and 1/2
+    (10_000_000, 32, 0.01, "eth10", "allgather"),  # below 1/(2(P-1)) = 0.016
+    (10_000_000, 8, 0.9, "eth10", "dense"),  # above 1/2
+    (2_000, 32, 0.01, "eth10", "allgather"),  # latency-bound: one phase wins
+])
+def test_auto_takes_the_cheapest_algorithm(size, num_devices, density, network, want):
+  plan = plan_fusion([size], num_devices, density, network=network, threshold=1,
+                     min_size=0, selection_seconds_per_element=0.0)
+  assert plan.buckets[0].bucket.algorithm == want
+
+
+def test_plan_is_printable_and_deterministic():
+  sizes = sizes_of("resnet50")
+  first, second = (plan_fusion(sizes, 16, 0.01, network="ib100") for _ in range(2))
+  assert first == second
+  text = str(first)
+  assert "predicted step end" in text and "all dense" in text
+  assert first.step_seconds <= first.dense_seconds
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"algorithm": "topk"}, "unknown algorithm 'topk'"),
+    ({"threshold": 0}, "threshold must be 'auto' or a positive int"),
+    ({"network": "wifi"}, "unknown network 'wifi'"),
+])
+def test_bad_planner_arguments(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    plan_fusion([100, 200], 8, 0.01, **kwargs)

@@ -1,0 +1,267 @@
+"""Planning the buckets: a size threshold found by binary search on a cost model.
+
+Fusing leaves into fewer, larger buckets saves per-message latency, but a
+bucket can only be sent once its last leaf's gradient exists, so large
+buckets start late and overlap less with the backward pass. The planner
+predicts the step's end for a threshold from static sizes only:
+
+* backward time is spread over the leaves in proportion to their size, last
+  leaf first, so a bucket is ready when its last-produced leaf is;
+* exchanges run one at a time, each as soon as its bucket is ready and the
+  previous exchange is done, taking selection plus α-β communication time;
+* with ``algorithm="auto"`` every bucket takes its cheapest algorithm, so
+  tiny buckets go dense.
+
+The threshold is found by a coarse log-spaced sweep followed by a binary
+search on the sign of the discrete slope around the best point; the plan is
+deterministic and printable.
+
+Example:
+  >>> plan = plan_fusion([4096, 64, 1_000_000], num_devices=32, density=0.01)
+  >>> print(plan)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+from topka2a_jax.buckets import Bucket, plan_buckets
+from topka2a_jax.cost import Network, exchange_cost, get_network
+
+IMPLEMENTED = ("dense", "allgather", "topka2a")
+"""The algorithms ``"auto"`` chooses from."""
+
+DEFAULT_SELECTION_SECONDS_PER_ELEMENT = 1e-10
+"""Selection cost: 10 G elements/s, a few passes over accelerator memory.
+
+Pass a measured figure for other hardware (``lax.top_k`` on a CPU is ~3e-8).
+"""
+
+_GRID = 512  # thresholds tried between the smallest leaf and the whole model
+_COARSE = 2  # every _COARSE-th grid point is tried first
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedBucket:
+  """A bucket with its predicted timing.
+
+  Attributes:
+    bucket: leaves, algorithm and size.
+    ready: seconds into the backward pass when its last leaf is ready.
+    seconds: its selection plus communication time.
+    finish: when its exchange ends.
+  """
+
+  bucket: Bucket
+  ready: float
+  seconds: float
+  finish: float
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionPlan:
+  """Buckets in exchange order, and the predicted step against baselines.
+
+  Attributes:
+    buckets: the planned buckets, in the order they are exchanged.
+    threshold: the bucket size threshold used, in elements.
+    names: a printable name per leaf.
+    num_devices: P.
+    density: the density planned for.
+    network: the network planned for.
+    backward_seconds: the backward pass time assumed.
+    step_seconds: predicted end of the last exchange, from the start of
+      backward.
+    dense_seconds: the same with every bucket dense (its own best threshold).
+    allgather_seconds: the same with every sparse bucket TopkA.
+  """
+
+  buckets: tuple[PlannedBucket, ...]
+  threshold: int
+  names: tuple[str, ...]
+  num_devices: int
+  density: float
+  network: Network
+  backward_seconds: float
+  step_seconds: float
+  dense_seconds: float
+  allgather_seconds: float
+
+  def __str__(self) -> str:
+    header = (f"fusion plan: {len(self.names)} leaves, "
+              f"{sum(b.bucket.size for b in self.buckets):,} elements, "
+              f"P={self.num_devices}, density={self.density:g}, "
+              f"network={self.network.name}, threshold={self.threshold:,} elements")
+    columns = (f"{'bucket':>6s} {'leaves':>6s} {'first .. last leaf':40s} "
+               f"{'elements':>12s} {'algorithm':>10s} {'ms':>9s} {'ends at ms':>10s}")
+    lines = [header, columns]
+    for i, planned in enumerate(self.buckets):
+      leaves = planned.bucket.leaves
+      span = f"{self.names[leaves[0]]} .. {self.names[leaves[-1]]}"
+      lines.append(
+          f"{i:6d} {len(leaves):6d} {span[:40]:40s} {planned.bucket.size:12,d} "
+          f"{planned.bucket.algorithm:>10s} {1e3 * planned.seconds:9.3f} "
+          f"{1e3 * planned.finish:10.3f}")
+    lines.append(f"backward pass (assumed): {1e3 * self.backward_seconds:.3f} ms")
+    lines.append(
+        f"predicted step end: {1e3 * self.step_seconds:.3f} ms; all dense: "
+        f"{1e3 * self.dense_seconds:.3f} ms "
+        f"(speedup {self.dense_seconds / self.step_seconds:.2f}x); all TopkA: "
+        f"{1e3 * self.allgather_seconds:.3f} ms "
+        f"(speedup {self.allgather_seconds / self.step_seconds:.2f}x)")
+    return "\n".join(lines)
+
+
+def _simulate(
+    sizes: Sequence[int],
+    buckets: Sequence[Bucket],
+    backward_seconds: float,
+    bucket_seconds: Callable[[Bucket], float],
+) -> tuple[PlannedBucket, ...]:
+  """Times the exchanges of ``buckets`` against a backward pass."""
+  total = sum(sizes)
+  ready_at, produced = [0.0] * len(sizes), 0
+  for leaf in reversed(range(len(sizes))):
+    produced += sizes[leaf]
+    ready_at[leaf] = backward_seconds * produced / total
+  timed = sorted(
+      ((max(ready_at[i] for i in b.leaves), b) for b in buckets),
+      key=lambda pair: pair[0])
+  planned, clock = [], 0.0
+  for ready, bucket in timed:
+    seconds = bucket_seconds(bucket)
+    clock = max(clock, ready) + seconds
+    planned.append(PlannedBucket(bucket, ready, seconds, clock))
+  return tuple(planned)
+
+
+def _search(evaluate: Callable[[int], float], low: int, high: int) -> int:
+  """A threshold in [low, high] minimising ``evaluate``: sweep, then bisect.
+
+  The thresholds form a log-spaced grid. Every ``_COARSE``-th is tried; in
+  the interval around each of the best three, a binary search on the sign of
+  ``evaluate(g[m + 1]) - evaluate(g[m])`` finds a local minimum, and the
+  best of those wins. Ties go to the larger threshold: fewer buckets, fewer
+  messages.
+  """
+  if high <= low:
+    return low
+  ratio = high / low
+  grid = sorted({round(low * ratio ** (j / (_GRID - 1))) for j in range(_GRID)})
+  cache: dict[int, float] = {}
+
+  def at(j: int) -> float:
+    if grid[j] not in cache:
+      cache[grid[j]] = evaluate(grid[j])
+    return cache[grid[j]]
+
+  coarse = list(range(0, len(grid), _COARSE)) + [len(grid) - 1]
+  found = []
+  for best in sorted(coarse, key=lambda j: (at(j), -j))[:3]:
+    lo = max(0, best - _COARSE)
+    hi = min(len(grid) - 1, best + _COARSE)
+    while lo < hi:  # bisect on the sign of the slope
+      mid = (lo + hi) // 2
+      if at(mid + 1) <= at(mid):
+        lo = mid + 1
+      else:
+        hi = mid
+    found += [lo, best]
+  return grid[min(found, key=lambda j: (at(j), -j))]  # ties: fewer, larger buckets
+
+
+def plan_fusion(
+    sizes: Sequence[int],
+    num_devices: int,
+    density: float,
+    *,
+    names: Sequence[str] | None = None,
+    network: str | Network = "eth10",
+    algorithm: str = "auto",
+    threshold: int | str = "auto",
+    min_size: int = 1024,
+    backward_seconds: float | None = None,
+    selection_seconds_per_element: float = DEFAULT_SELECTION_SECONDS_PER_ELEMENT,
+    value_bytes: int = 4,
+    index_bytes: int = 4,
+) -> FusionPlan:
+  """Plans the buckets of a model's gradient from its leaf sizes alone.
+
+  Args:
+    sizes: elements of every leaf, in pytree order (backward produces the
+      last leaf first).
+    num_devices: P, devices on the data-parallel axis.
+    density: fraction of each sparse bucket sent.
+    names: printable leaf names; by default their positions.
+    network: a preset name or a :class:`topka2a_jax.Network`.
+    algorithm: ``"auto"`` (cheapest per bucket), or one algorithm for every
+      bucket of leaves with at least ``min_size`` elements.
+    threshold: bucket size in elements, or ``"auto"`` to search for it.
+    min_size: smaller leaves go dense, in buckets of their own.
+    backward_seconds: the backward pass's duration; by default the time of
+      one dense exchange of the whole model on ``network`` (a
+      communication-bound step, the case this library is for).
+    selection_seconds_per_element: cost of selecting top-k, per element.
+    value_bytes: bytes per value on the wire.
+    index_bytes: bytes per index on the wire.
+
+  Returns:
+    The :class:`FusionPlan`.
+
+  Raises:
+    ValueError: empty ``sizes``, an unknown algorithm or network, or a bad
+      threshold.
+
+  Example:
+    >>> plan_fusion([4096, 64, 1_000_000], 32, 0.01, network="eth10").threshold
+  """
+  if not sizes or min(sizes) < 1:
+    raise ValueError(f"need at least one leaf, all non-empty; got sizes {sizes}")
+  if algorithm != "auto" and algorithm not in IMPLEMENTED:
+    raise ValueError(f"unknown algorithm {algorithm!r}; choose 'auto' or one of "
+                     f"{', '.join(IMPLEMENTED)}")
+  if threshold != "auto" and (not isinstance(threshold, int) or threshold < 1):
+    raise ValueError(f"threshold must be 'auto' or a positive int, got {threshold!r}")
+  net = get_network(network)
+  names = tuple(names) if names is not None else tuple(map(str, range(len(sizes))))
+  if backward_seconds is None:
+    backward_seconds = exchange_cost("dense", sum(sizes), num_devices,
+                                     density, value_bytes).seconds(net)
+
+  def seconds(algorithm: str, size: int) -> float:
+    comm = exchange_cost(algorithm, size, num_devices, density, value_bytes,
+                         index_bytes).seconds(net)
+    selecting = 0.0 if algorithm == "dense" else selection_seconds_per_element * size
+    return comm + selecting
+
+  def layout(choice: str, at: int) -> tuple[PlannedBucket, ...]:
+    labels = ["dense" if s < min_size else choice for s in sizes]
+    chosen = []
+    for bucket in plan_buckets(sizes, labels, at):
+      if bucket.algorithm == "auto":
+        best = min(IMPLEMENTED, key=lambda a: seconds(a, bucket.size))
+        bucket = bucket._replace(algorithm=best)
+      chosen.append(bucket)
+    return _simulate(sizes, chosen, backward_seconds,
+                     lambda b: seconds(b.algorithm, b.size))
+
+  def best_threshold(choice: str) -> int:
+    if threshold != "auto":
+      return threshold
+    return _search(lambda t: layout(choice, t)[-1].finish, min(sizes), sum(sizes))
+
+  chosen_threshold = best_threshold(algorithm)
+  planned = layout(algorithm, chosen_threshold)
+  return FusionPlan(
+      buckets=planned,
+      threshold=chosen_threshold,
+      names=names,
+      num_devices=num_devices,
+      density=density,
+      network=net,
+      backward_seconds=backward_seconds,
+      step_seconds=planned[-1].finish,
+      dense_seconds=layout("dense", best_threshold("dense"))[-1].finish,
+      allgather_seconds=layout("allgather", best_threshold("allgather"))[-1].finish,
+  )
