@@ -15,6 +15,11 @@ Read it top-down:
 * :mod:`topka2a_jax.wire`: values and indices packed into one message.
 * :mod:`topka2a_jax.axis`: trace-time checks of the mesh axis.
 * :mod:`topka2a_jax.placement`: laying the optimizer state out on a mesh.
+* :mod:`topka2a_jax.fusion`: planning buckets with the cost model.
+* :mod:`topka2a_jax.cost`: the α-β cost of each exchange.
+* :mod:`topka2a_jax.report`: the collectives a compiled program really runs.
+* :mod:`topka2a_jax.plan`: the command-line planner; shapes of known models
+  in :mod:`topka2a_jax.model_shapes`.
 
 Example:
   >>> tx = optax.chain(topka2a_jax.topka2a(density=0.01), optax.adam(1e-3))
@@ -24,14 +29,25 @@ Example:
 
 from topka2a_jax import collectives
 from topka2a_jax.collectives import Exchange
+from topka2a_jax.cost import NETWORKS, Network, breakeven_density, exchange_cost
+from topka2a_jax.fusion import FusionPlan, plan_fusion
 from topka2a_jax.placement import init, state_specs
+from topka2a_jax.report import CommReport, comm_report
 from topka2a_jax.transform import TopKA2AState, topka2a
 
 __all__ = [
+    "NETWORKS",
+    "CommReport",
     "Exchange",
+    "FusionPlan",
+    "Network",
     "TopKA2AState",
+    "breakeven_density",
     "collectives",
+    "comm_report",
+    "exchange_cost",
     "init",
+    "plan_fusion",
     "state_specs",
     "topka2a",
 ]
