@@ -35,7 +35,10 @@ def test_unknown_algorithm_lists_the_choices():
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"min_size": -1}, ValueError, "min_size must be at least 0"),
     ({"min_size": 1.5}, TypeError, "min_size must be an int"),
-    ({"bucket_size": 0}, ValueError, "bucket_size must be at least 1"),
+    ({"fusion": 0}, ValueError, "fusion must be at least 1"),
+    ({"fusion": "big"}, TypeError, "fusion must be an int"),
+    ({"network": "wifi"}, ValueError, "unknown network 'wifi'"),
+    ({"backward_seconds": -1.0}, ValueError, "backward_seconds must be None or"),
     ({"error_feedback": "yes"}, TypeError, "error_feedback must be True or False"),
     ({"axis_name": ["data"]}, TypeError, "axis_name must be a mesh axis name"),
 ])

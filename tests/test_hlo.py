@@ -1,5 +1,6 @@
 """What XLA really emits for a jitted training step, read from compiled HLO."""
 
+import math
 import re
 
 import jax
@@ -56,7 +57,7 @@ def test_dense_step_is_all_reduce(mesh):
 @pytest.mark.parametrize("algorithm", ["topka2a", "allgather"])
 def test_one_message_per_bucket_carries_values_and_indices(mesh, algorithm):
   # Two buckets (one per weight at this bucket size): one exchange each.
-  tx = topka2a_jax.topka2a(0.01, algorithm=algorithm, bucket_size=1)
+  tx = topka2a_jax.topka2a(0.01, algorithm=algorithm, fusion=1)
   grads = jax.device_put(
       jax.tree.map(lambda p: jnp.ones((8, *p.shape)), PARAMS),
       NamedSharding(mesh, P("data")))
@@ -68,3 +69,28 @@ def test_one_message_per_bucket_carries_values_and_indices(mesh, algorithm):
   hlo = run.lower(grads, state).as_text()  # before XLA combines anything
   first = "all_to_all" if algorithm == "topka2a" else "all_gather"
   assert len(re.findall(rf"stablehlo\.{first}\b", hlo)) == 2
+
+
+def test_auto_plan_is_what_the_step_runs(mesh):
+  # The transform plans at trace time with the same model plan_fusion prints.
+  shapes = {"a": (1000, 1000), "b": (300,), "c": (3000,), "d": (20, 50)}
+  params = {k: jnp.ones(s) for k, s in shapes.items()}
+  tx = topka2a_jax.topka2a(0.1, algorithm="auto", fusion="auto", min_size=1000,
+                           network="eth10")
+  sizes = [math.prod(shapes[k]) for k in sorted(shapes)]
+  plan = topka2a_jax.plan_fusion(sizes, 8, 0.1, algorithm="auto", min_size=1000,
+                                 network="eth10")
+  chosen = [b.bucket.algorithm for b in plan.buckets]
+  grads = jax.device_put(jax.tree.map(lambda p: jnp.ones((8, *p.shape)), params),
+                         NamedSharding(mesh, P("data")))
+  state = topka2a_jax.init(tx, params, mesh)
+  specs = topka2a_jax.state_specs(state)
+  run = jax.jit(jax.shard_map(lambda g, s: tx.update(jax.tree.map(lambda a: a[0], g), s),
+                              mesh=mesh, in_specs=(P("data"), specs),
+                              out_specs=(P(), specs)))
+  hlo = run.lower(grads, state).as_text()
+  assert len(re.findall(r"stablehlo\.all_to_all\b", hlo)) == chosen.count("topka2a")
+  assert len(re.findall(r"stablehlo\.all_gather\b", hlo)) == (
+      chosen.count("topka2a") + chosen.count("allgather"))
+  assert len(re.findall(r"stablehlo\.all_reduce\b", hlo)) == chosen.count("dense")
+  assert {"topka2a", "dense"} <= set(chosen)

@@ -68,7 +68,7 @@ def model_leafwise(algorithm, grads, residuals, density):
 @pytest.mark.parametrize("algorithm", ["topka2a", "allgather"])
 def test_error_feedback_over_steps_matches_model(mesh, algorithm):
   tx = optax.chain(topka2a_jax.topka2a(0.1, algorithm=algorithm, min_size=0,
-                                       bucket_size=1))
+                                       fusion=1))
   steps = [random_grads(seed) for seed in range(3)]
   residuals = {}
   for grads, (updates, state) in zip(steps, run_steps(tx, mesh, steps)):
@@ -83,7 +83,7 @@ def test_error_feedback_over_steps_matches_model(mesh, algorithm):
 def test_fused_bucket_is_the_leaves_in_reverse_order(mesh):
   # One bucket holding c, b, a (flattened, last leaf first) goes through
   # TopKA2A as one buffer: its selection differs from the leaf-wise one.
-  tx = topka2a_jax.topka2a(0.05, min_size=0, bucket_size=10**6)
+  tx = topka2a_jax.topka2a(0.05, min_size=0, fusion=10**6)
   grads = random_grads(11)
   [(updates, state)] = run_steps(optax.chain(tx), mesh, [grads])
   buffer = np.concatenate([grads[k].reshape(8, -1) for k in ("c", "b", "a")], 1)
@@ -96,10 +96,10 @@ def test_fused_bucket_is_the_leaves_in_reverse_order(mesh):
     np.testing.assert_allclose(residuals_of(state)[k], u, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("algorithm", ["topka2a", "allgather", "dense"])
+@pytest.mark.parametrize("algorithm", ["topka2a", "allgather", "dense", "auto"])
 def test_density_one_equals_pmean(mesh, algorithm):
   tx = optax.chain(topka2a_jax.topka2a(1.0, algorithm=algorithm, min_size=100,
-                                       bucket_size=200))
+                                       fusion=200))
   grads = random_grads(21)
   [(updates, _)] = run_steps(tx, mesh, [grads])
   for k, g in grads.items():
@@ -127,7 +127,7 @@ def test_replicas_are_bitwise_identical(mesh):
       np.testing.assert_array_equal(u[device], u[0])
 
 
-@pytest.mark.parametrize("algorithm", ["topka2a", "allgather"])
+@pytest.mark.parametrize("algorithm", ["topka2a", "allgather", "auto"])
 def test_nothing_is_lost_across_steps(mesh, algorithm):
   tx = optax.chain(topka2a_jax.topka2a(0.02, algorithm=algorithm, min_size=0))
   steps = [random_grads(seed) for seed in (31, 32, 33)]
@@ -152,7 +152,7 @@ def test_small_leaves_go_dense_without_residual(mesh):
 
 
 def test_without_error_feedback_nothing_is_kept(mesh):
-  tx = optax.chain(topka2a_jax.topka2a(0.1, min_size=0, bucket_size=1,
+  tx = optax.chain(topka2a_jax.topka2a(0.1, min_size=0, fusion=1,
                                        error_feedback=False))
   steps = [random_grads(seed) for seed in (51, 52)]
   for grads, (updates, state) in zip(steps, run_steps(tx, mesh, steps)):
@@ -165,7 +165,7 @@ def test_without_error_feedback_nothing_is_kept(mesh):
 def test_keeps_each_leafs_dtype_and_shape(mesh):
   grads = random_grads(61)
   grads["b"] = grads["b"].astype(jnp.bfloat16)
-  tx = optax.chain(topka2a_jax.topka2a(0.1, min_size=0, bucket_size=10**6))
+  tx = optax.chain(topka2a_jax.topka2a(0.1, min_size=0, fusion=10**6))
   [(updates, state)] = run_steps(tx, mesh, [grads])
   assert updates["b"].dtype == jnp.bfloat16 and updates["a"].dtype == np.float32
   assert {k: u.shape[1:] for k, u in updates.items()} == SHAPES

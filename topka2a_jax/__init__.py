@@ -15,7 +15,8 @@ Read it top-down:
 * :mod:`topka2a_jax.wire`: values and indices packed into one message.
 * :mod:`topka2a_jax.axis`: trace-time checks of the mesh axis.
 * :mod:`topka2a_jax.placement`: laying the optimizer state out on a mesh.
-* :mod:`topka2a_jax.fusion`: planning buckets with the cost model.
+* :mod:`topka2a_jax.fusion`: planning buckets with the cost model; the
+  online variant that times real steps is :mod:`topka2a_jax.tuning`.
 * :mod:`topka2a_jax.cost`: the α-β cost of each exchange.
 * :mod:`topka2a_jax.report`: the collectives a compiled program really runs.
 * :mod:`topka2a_jax.plan`: the command-line planner; shapes of known models
@@ -34,6 +35,7 @@ from topka2a_jax.fusion import FusionPlan, plan_fusion
 from topka2a_jax.placement import init, state_specs
 from topka2a_jax.report import CommReport, comm_report
 from topka2a_jax.transform import TopKA2AState, topka2a
+from topka2a_jax.tuning import time_call, tune_fusion
 
 __all__ = [
     "NETWORKS",
@@ -49,5 +51,7 @@ __all__ = [
     "init",
     "plan_fusion",
     "state_specs",
+    "time_call",
     "topka2a",
+    "tune_fusion",
 ]

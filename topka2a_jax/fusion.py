@@ -38,8 +38,8 @@ DEFAULT_SELECTION_SECONDS_PER_ELEMENT = 1e-10
 Pass a measured figure for other hardware (``lax.top_k`` on a CPU is ~3e-8).
 """
 
-_GRID = 512  # thresholds tried between the smallest leaf and the whole model
-_COARSE = 2  # every _COARSE-th grid point is tried first
+MODEL_GRID = 512  # thresholds considered between the smallest leaf and the model
+MODEL_COARSE = 2  # every MODEL_COARSE-th of them is evaluated first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,10 +136,17 @@ def _simulate(
   return tuple(planned)
 
 
-def _search(evaluate: Callable[[int], float], low: int, high: int) -> int:
+def search_threshold(
+    evaluate: Callable[[int], float],
+    low: int,
+    high: int,
+    points: int = MODEL_GRID,
+    coarse: int = MODEL_COARSE,
+) -> int:
   """A threshold in [low, high] minimising ``evaluate``: sweep, then bisect.
 
-  The thresholds form a log-spaced grid. Every ``_COARSE``-th is tried; in
+  The thresholds form a log-spaced grid of ``points``. Every ``coarse``-th is
+  tried (with ``coarse >= points`` only the two ends); in
   the interval around each of the best three, a binary search on the sign of
   ``evaluate(g[m + 1]) - evaluate(g[m])`` finds a local minimum, and the
   best of those wins. Ties go to the larger threshold: fewer buckets, fewer
@@ -148,7 +155,7 @@ def _search(evaluate: Callable[[int], float], low: int, high: int) -> int:
   if high <= low:
     return low
   ratio = high / low
-  grid = sorted({round(low * ratio ** (j / (_GRID - 1))) for j in range(_GRID)})
+  grid = sorted({round(low * ratio ** (j / (points - 1))) for j in range(points)})
   cache: dict[int, float] = {}
 
   def at(j: int) -> float:
@@ -156,11 +163,11 @@ def _search(evaluate: Callable[[int], float], low: int, high: int) -> int:
       cache[grid[j]] = evaluate(grid[j])
     return cache[grid[j]]
 
-  coarse = list(range(0, len(grid), _COARSE)) + [len(grid) - 1]
+  tried = list(range(0, len(grid), coarse)) + [len(grid) - 1]
   found = []
-  for best in sorted(coarse, key=lambda j: (at(j), -j))[:3]:
-    lo = max(0, best - _COARSE)
-    hi = min(len(grid) - 1, best + _COARSE)
+  for best in sorted(tried, key=lambda j: (at(j), -j))[:3]:
+    lo = max(0, best - coarse)
+    hi = min(len(grid) - 1, best + coarse)
     while lo < hi:  # bisect on the sign of the slope
       mid = (lo + hi) // 2
       if at(mid + 1) <= at(mid):
@@ -171,20 +178,110 @@ def _search(evaluate: Callable[[int], float], low: int, high: int) -> int:
   return grid[min(found, key=lambda j: (at(j), -j))]  # ties: fewer, larger buckets
 
 
+@dataclasses.dataclass(frozen=True)
+class StepModel:
+  """Predicted exchange times of one model's buckets on one network.
+
+  Attributes:
+    sizes: elements of every leaf, in pytree order (backward produces the
+      last leaf first); all at least 1.
+    num_devices: P, devices on the data-parallel axis.
+    density: fraction of each sparse bucket sent.
+    network: the network.
+    min_size: smaller leaves go dense, in buckets of their own.
+    backward_seconds: the backward pass's duration.
+    selection_seconds_per_element: cost of selecting top-k, per element.
+    value_bytes: bytes per value on the wire.
+    index_bytes: bytes per index on the wire.
+  """
+
+  sizes: tuple[int, ...]
+  num_devices: int
+  density: float
+  network: Network
+  min_size: int
+  backward_seconds: float
+  selection_seconds_per_element: float = DEFAULT_SELECTION_SECONDS_PER_ELEMENT
+  value_bytes: int = 4
+  index_bytes: int = 4
+
+  def seconds(self, algorithm: str, size: int) -> float:
+    """Selection plus communication time of one bucket."""
+    comm = exchange_cost(algorithm, size, self.num_devices, self.density,
+                         self.value_bytes, self.index_bytes).seconds(self.network)
+    if algorithm == "dense":
+      return comm
+    return comm + self.selection_seconds_per_element * size
+
+  def layout(self, algorithm: str, threshold: int) -> tuple[PlannedBucket, ...]:
+    """Buckets under ``threshold``, timed; ``"auto"`` buckets take the cheapest."""
+    labels = ["dense" if s < self.min_size else algorithm for s in self.sizes]
+    chosen = []
+    for bucket in plan_buckets(self.sizes, labels, threshold):
+      if bucket.algorithm == "auto":
+        best = min(IMPLEMENTED, key=lambda a: self.seconds(a, bucket.size))
+        bucket = bucket._replace(algorithm=best)
+      chosen.append(bucket)
+    return _simulate(self.sizes, chosen, self.backward_seconds,
+                     lambda b: self.seconds(b.algorithm, b.size))
+
+  def best_threshold(self, algorithm: str) -> int:
+    """The threshold :func:`search_threshold` finds for ``algorithm``."""
+    return search_threshold(lambda t: self.layout(algorithm, t)[-1].finish,
+                            min(self.sizes), sum(self.sizes))
+
+
+def step_model(
+    sizes: Sequence[int],
+    num_devices: int,
+    density: float,
+    *,
+    network: str | Network = "eth10",
+    min_size: int = 1024,
+    backward_seconds: float | None = None,
+    selection_seconds_per_element: float = DEFAULT_SELECTION_SECONDS_PER_ELEMENT,
+    value_bytes: int = 4,
+    index_bytes: int = 4,
+) -> StepModel:
+  """Validates the inputs and builds a :class:`StepModel`.
+
+  ``backward_seconds=None`` assumes the backward pass takes as long as one
+  dense exchange of the whole model on ``network``: a communication-bound
+  step, the case this library is for. Pass a measured figure otherwise.
+
+  Raises:
+    ValueError: empty ``sizes`` or an unknown network.
+  """
+  if not sizes or min(sizes) < 1:
+    raise ValueError(f"need at least one leaf, all non-empty; got sizes {sizes}")
+  net = get_network(network)
+  if backward_seconds is None:
+    backward_seconds = exchange_cost("dense", sum(sizes), num_devices, density,
+                                     value_bytes).seconds(net)
+  return StepModel(tuple(sizes), num_devices, density, net, min_size,
+                   backward_seconds, selection_seconds_per_element, value_bytes,
+                   index_bytes)
+
+
+def check_plan_options(algorithm: str, threshold: int | str) -> None:
+  """Raises ValueError for an algorithm or threshold the planner cannot use."""
+  if algorithm != "auto" and algorithm not in IMPLEMENTED:
+    raise ValueError(f"unknown algorithm {algorithm!r}; choose 'auto' or one of "
+                     f"{', '.join(IMPLEMENTED)}")
+  if threshold != "auto" and (
+      isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1):
+    raise ValueError(f"threshold must be 'auto' or a positive int, got {threshold!r}")
+
+
 def plan_fusion(
     sizes: Sequence[int],
     num_devices: int,
     density: float,
     *,
     names: Sequence[str] | None = None,
-    network: str | Network = "eth10",
     algorithm: str = "auto",
     threshold: int | str = "auto",
-    min_size: int = 1024,
-    backward_seconds: float | None = None,
-    selection_seconds_per_element: float = DEFAULT_SELECTION_SECONDS_PER_ELEMENT,
-    value_bytes: int = 4,
-    index_bytes: int = 4,
+    **model_options,
 ) -> FusionPlan:
   """Plans the buckets of a model's gradient from its leaf sizes alone.
 
@@ -194,20 +291,17 @@ def plan_fusion(
     num_devices: P, devices on the data-parallel axis.
     density: fraction of each sparse bucket sent.
     names: printable leaf names; by default their positions.
-    network: a preset name or a :class:`topka2a_jax.Network`.
     algorithm: ``"auto"`` (cheapest per bucket), or one algorithm for every
       bucket of leaves with at least ``min_size`` elements.
     threshold: bucket size in elements, or ``"auto"`` to search for it.
-    min_size: smaller leaves go dense, in buckets of their own.
-    backward_seconds: the backward pass's duration; by default the time of
-      one dense exchange of the whole model on ``network`` (a
-      communication-bound step, the case this library is for).
-    selection_seconds_per_element: cost of selecting top-k, per element.
-    value_bytes: bytes per value on the wire.
-    index_bytes: bytes per index on the wire.
+    **model_options: ``network`` (preset name or :class:`topka2a_jax.Network`,
+      default ``"eth10"``), ``min_size``, ``backward_seconds``,
+      ``selection_seconds_per_element``, ``value_bytes``, ``index_bytes``;
+      see :func:`step_model`.
 
   Returns:
-    The :class:`FusionPlan`.
+    The :class:`FusionPlan`, with all-dense and all-TopkA baselines planned
+    the same way.
 
   Raises:
     ValueError: empty ``sizes``, an unknown algorithm or network, or a bad
@@ -216,52 +310,24 @@ def plan_fusion(
   Example:
     >>> plan_fusion([4096, 64, 1_000_000], 32, 0.01, network="eth10").threshold
   """
-  if not sizes or min(sizes) < 1:
-    raise ValueError(f"need at least one leaf, all non-empty; got sizes {sizes}")
-  if algorithm != "auto" and algorithm not in IMPLEMENTED:
-    raise ValueError(f"unknown algorithm {algorithm!r}; choose 'auto' or one of "
-                     f"{', '.join(IMPLEMENTED)}")
-  if threshold != "auto" and (not isinstance(threshold, int) or threshold < 1):
-    raise ValueError(f"threshold must be 'auto' or a positive int, got {threshold!r}")
-  net = get_network(network)
+  check_plan_options(algorithm, threshold)
+  model = step_model(sizes, num_devices, density, **model_options)
   names = tuple(names) if names is not None else tuple(map(str, range(len(sizes))))
-  if backward_seconds is None:
-    backward_seconds = exchange_cost("dense", sum(sizes), num_devices,
-                                     density, value_bytes).seconds(net)
 
-  def seconds(algorithm: str, size: int) -> float:
-    comm = exchange_cost(algorithm, size, num_devices, density, value_bytes,
-                         index_bytes).seconds(net)
-    selecting = 0.0 if algorithm == "dense" else selection_seconds_per_element * size
-    return comm + selecting
+  def end(choice: str) -> tuple[int, tuple[PlannedBucket, ...]]:
+    at = model.best_threshold(choice) if threshold == "auto" else threshold
+    return at, model.layout(choice, at)
 
-  def layout(choice: str, at: int) -> tuple[PlannedBucket, ...]:
-    labels = ["dense" if s < min_size else choice for s in sizes]
-    chosen = []
-    for bucket in plan_buckets(sizes, labels, at):
-      if bucket.algorithm == "auto":
-        best = min(IMPLEMENTED, key=lambda a: seconds(a, bucket.size))
-        bucket = bucket._replace(algorithm=best)
-      chosen.append(bucket)
-    return _simulate(sizes, chosen, backward_seconds,
-                     lambda b: seconds(b.algorithm, b.size))
-
-  def best_threshold(choice: str) -> int:
-    if threshold != "auto":
-      return threshold
-    return _search(lambda t: layout(choice, t)[-1].finish, min(sizes), sum(sizes))
-
-  chosen_threshold = best_threshold(algorithm)
-  planned = layout(algorithm, chosen_threshold)
+  chosen_threshold, planned = end(algorithm)
   return FusionPlan(
       buckets=planned,
       threshold=chosen_threshold,
       names=names,
       num_devices=num_devices,
       density=density,
-      network=net,
-      backward_seconds=backward_seconds,
+      network=model.network,
+      backward_seconds=model.backward_seconds,
       step_seconds=planned[-1].finish,
-      dense_seconds=layout("dense", best_threshold("dense"))[-1].finish,
-      allgather_seconds=layout("allgather", best_threshold("allgather"))[-1].finish,
+      dense_seconds=end("dense")[1][-1].finish,
+      allgather_seconds=end("allgather")[1][-1].finish,
   )

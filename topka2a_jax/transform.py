@@ -30,6 +30,8 @@ import optax
 from topka2a_jax import buckets
 from topka2a_jax.axis import bound_axis_size, is_varying, tracks_varying_axes
 from topka2a_jax.collectives import ALGORITHMS
+from topka2a_jax.cost import Network, get_network
+from topka2a_jax.fusion import step_model
 
 DEFAULT_MIN_SIZE = 1024
 """Leaves with fewer elements go dense.
@@ -40,8 +42,6 @@ step), their shard-wise selection would send nearly every entry anyway, and
 keeping them exact is what users of gradient compression do to keep accuracy.
 """
 
-DEFAULT_BUCKET_SIZE = 1 << 22
-"""Elements at which a fusion bucket is closed: 4,194,304, 16 MiB of float32."""
 
 
 class TopKA2AState(NamedTuple):
@@ -86,24 +86,27 @@ def _check_options(
     algorithm: Any,
     error_feedback: Any,
     min_size: Any,
-    bucket_size: Any,
+    fusion: Any,
+    backward_seconds: Any,
     axis_name: Any,
-) -> tuple[float, int, int]:
+) -> tuple[float, int]:
   """Validates the constructor's arguments; returns the normalised numbers."""
-  if algorithm not in ALGORITHMS:
+  if algorithm != "auto" and algorithm not in ALGORITHMS:
     raise ValueError(
-        f"unknown algorithm {algorithm!r}; choose one of "
+        f"unknown algorithm {algorithm!r}; choose one of 'auto', "
         f"{', '.join(repr(a) for a in ALGORITHMS)}"
     )
+  if fusion != "auto":
+    _check_count("fusion", fusion, 1)
   if not isinstance(error_feedback, bool):
     raise TypeError(f"error_feedback must be True or False, got {error_feedback!r}")
   if not isinstance(axis_name, Hashable):
     raise TypeError(f"axis_name must be a mesh axis name, got {axis_name!r}")
-  return (
-      _check_density(density),
-      _check_count("min_size", min_size, 0),
-      _check_count("bucket_size", bucket_size, 1),
-  )
+  if backward_seconds is not None and not (
+      isinstance(backward_seconds, numbers.Real) and 0 <= backward_seconds < math.inf):
+    raise ValueError(
+        f"backward_seconds must be None or seconds >= 0, got {backward_seconds!r}")
+  return _check_density(density), _check_count("min_size", min_size, 0)
 
 
 def _check_floating(leaves: Sequence[Any], paths: Sequence[str], what: str) -> None:
@@ -128,7 +131,9 @@ def topka2a(
     algorithm: str = "topka2a",
     error_feedback: bool = True,
     min_size: int = DEFAULT_MIN_SIZE,
-    bucket_size: int = DEFAULT_BUCKET_SIZE,
+    fusion: int | str = "auto",
+    network: str | Network = "eth10",
+    backward_seconds: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Averages gradients across a mesh axis, sending only the top ``density``.
 
@@ -146,13 +151,21 @@ def topka2a(
       1.0 sends everything and equals ``lax.pmean``.
     axis_name: the data-parallel mesh axis.
     algorithm: ``"topka2a"`` (AlltoAll, the default), ``"allgather"`` (TopkA,
-      the baseline whose volume grows with the number of devices) or
-      ``"dense"`` (``lax.pmean``; ``density`` is then ignored).
+      the baseline whose volume grows with the number of devices),
+      ``"dense"`` (``lax.pmean``; ``density`` is then ignored) or ``"auto"``
+      (each bucket takes the cheapest under the cost model on ``network``).
     error_feedback: keep what was not sent and add it to the next step's
       gradient. Without it the unsent mass is dropped and accuracy suffers.
     min_size: leaves with fewer elements are averaged densely.
-    bucket_size: leaves are fused, last first, into flat buckets of at least
-      this many elements; a larger leaf gets a bucket of its own.
+    fusion: leaves are fused, last first, into flat buckets of at least this
+      many elements (a larger leaf gets a bucket of its own); ``"auto"``
+      finds the threshold at trace time by binary search on the cost model's
+      predicted step time (:mod:`topka2a_jax.fusion`).
+    network: the link the cost model plans for: a preset name
+      (:data:`topka2a_jax.NETWORKS`) or a measured :class:`topka2a_jax.Network`.
+      Used by ``fusion="auto"`` and ``algorithm="auto"``.
+    backward_seconds: the backward pass's duration, which bucket exchanges
+      overlap; by default as long as one dense exchange of the gradient.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state
@@ -167,15 +180,21 @@ def topka2a(
     >>> tx = optax.chain(topka2a(density=0.01), optax.adam(1e-3))
     >>> opt_state = topka2a_jax.init(tx, params, mesh)
   """
-  density, min_size, bucket_size = _check_options(
-      density, algorithm, error_feedback, min_size, bucket_size, axis_name
+  density, min_size = _check_options(
+      density, algorithm, error_feedback, min_size, fusion, backward_seconds,
+      axis_name
   )
-
-  def algorithm_for(leaf: jax.Array) -> str:
-    return "dense" if leaf.size < min_size else algorithm
+  network = get_network(network)
 
   def keeps_residual(leaf: jax.Array) -> bool:
-    return error_feedback and leaf.size > 0 and algorithm_for(leaf) != "dense"
+    return (error_feedback and algorithm != "dense" and leaf.size > 0
+            and leaf.size >= min_size)
+
+  def plan(sizes: list[int], num_devices: int) -> list[buckets.Bucket]:
+    model = step_model(sizes, num_devices, density, network=network,
+                       min_size=min_size, backward_seconds=backward_seconds)
+    threshold = model.best_threshold(algorithm) if fusion == "auto" else fusion
+    return [planned.bucket for planned in model.layout(algorithm, threshold)]
 
   def init_fn(params: optax.Params) -> TopKA2AState:
     paths, leaves, treedef = _flatten(params)
@@ -198,18 +217,15 @@ def topka2a(
     paths, grads, treedef = _flatten(updates)
     _check_floating(grads, paths, "gradient")
     residuals = _matching_residuals(treedef, state, grads, paths, keeps_residual)
-    bound_axis_size(axis_name)
+    num_devices = bound_axis_size(axis_name)
     _check_per_device(grads, paths, axis_name)
 
     means: list[jax.Array] = list(grads)  # empty leaves pass through as they are
     new_residuals: list[Any] = [optax.MaskedNode()] * len(grads)
     live = [i for i, g in enumerate(grads) if g.size > 0]
-    plan = buckets.plan_buckets(
-        [grads[i].size for i in live],
-        [algorithm_for(grads[i]) for i in live],
-        bucket_size,
-    )
-    for bucket in plan:
+    if not live:
+      return updates, state
+    for bucket in plan([grads[i].size for i in live], num_devices):
       members = [live[j] for j in bucket.leaves]
       sizes = [grads[i].size for i in members]
       dtype = jnp.result_type(*(_residual_dtype(grads[i]) for i in members))

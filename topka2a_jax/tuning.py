@@ -1,0 +1,91 @@
+"""The paper's online variant: tune the fusion threshold by timing real steps.
+
+The cost model plans from static shapes; real systems have effects it does
+not see (kernel launch overheads, contention, the collective library's own
+algorithms). :func:`tune_fusion` times the real jitted step for thresholds
+chosen by the same sweep-then-bisect search as the planner, on a short
+log-spaced grid so that only a handful of steps are compiled.
+
+Example:
+  >>> def make_step(threshold):
+  ...   tx = optax.chain(topka2a_jax.topka2a(0.01, fusion=threshold),
+  ...                    optax.sgd(0.1))
+  ...   ...  # init the state, jit the shard_map step
+  ...   return lambda: train_step(params, opt_state, batch)
+  >>> best, timings = tune_fusion(make_step, low=2**16, high=2**26)
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from topka2a_jax.fusion import search_threshold
+
+
+def time_call(run: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> float:
+  """Median wall time of ``run()``, waiting for its results each time.
+
+  Args:
+    run: a zero-argument callable, e.g. one jitted training step.
+    repeats: timed calls.
+    warmup: untimed calls first (the first one compiles).
+
+  Returns:
+    Seconds.
+  """
+  for _ in range(warmup):
+    jax.block_until_ready(run())
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(run())
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def tune_fusion(
+    make_step: Callable[[int], Callable[[], Any]],
+    low: int,
+    high: int,
+    *,
+    points: int = 16,
+    repeats: int = 5,
+    measure: Callable[[Callable[[], Any]], float] | None = None,
+) -> tuple[int, dict[int, float]]:
+  """Finds the fastest fusion threshold by timing real steps.
+
+  Args:
+    make_step: builds, for a threshold, a zero-argument callable that runs
+      one training step with ``topka2a(..., fusion=threshold)``.
+    low: smallest threshold, in elements.
+    high: largest threshold, in elements.
+    points: log-spaced thresholds on the grid searched; a binary search
+      visits about ``2 * log2(points)`` of them.
+    repeats: timed steps per threshold (the median counts).
+    measure: how to time a step; :func:`time_call` by default.
+
+  Returns:
+    ``(best threshold, {threshold: seconds for every one timed})``.
+
+  Raises:
+    ValueError: ``low`` or ``high`` out of order, or fewer than 2 points.
+  """
+  if not 1 <= low <= high:
+    raise ValueError(f"need 1 <= low <= high, got low={low}, high={high}")
+  if points < 2:
+    raise ValueError(f"points must be at least 2, got {points}")
+  measure = measure or (lambda run: time_call(run, repeats=repeats))
+  timings: dict[int, float] = {}
+
+  def evaluate(threshold: int) -> float:
+    if threshold not in timings:
+      timings[threshold] = measure(make_step(threshold))
+    return timings[threshold]
+
+  best = search_threshold(evaluate, low, high, points=points, coarse=points)
+  return best, timings
