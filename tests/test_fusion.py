@@ -2,6 +2,8 @@
 
 import math
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from topka2a_jax.cost import Network
@@ -80,3 +82,11 @@ def test_plan_is_printable_and_deterministic():
 def test_bad_planner_arguments(kwargs, match):
   with pytest.raises(ValueError, match=match):
     plan_fusion([100, 200], 8, 0.01, **kwargs)
+
+
+def test_plans_from_a_pytree_of_shapes():
+  params = {"dense": {"kernel": jax.ShapeDtypeStruct((512, 512), jnp.float32),
+                      "bias": jax.ShapeDtypeStruct((512,), jnp.float32)}}
+  plan = plan_fusion(params, 8, 0.1, threshold=1)
+  assert plan.names == ("['dense']['bias']", "['dense']['kernel']")
+  assert sorted(b.bucket.size for b in plan.buckets) == [512, 512 * 512]

@@ -24,7 +24,11 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
 
 from topka2a_jax.buckets import Bucket, plan_buckets
 from topka2a_jax.cost import Network, exchange_cost, get_network
@@ -274,7 +278,7 @@ def check_plan_options(algorithm: str, threshold: int | str) -> None:
 
 
 def plan_fusion(
-    sizes: Sequence[int],
+    sizes: Sequence[int] | Any,
     num_devices: int,
     density: float,
     *,
@@ -287,10 +291,11 @@ def plan_fusion(
 
   Args:
     sizes: elements of every leaf, in pytree order (backward produces the
-      last leaf first).
+      last leaf first); or the parameter pytree itself (arrays or
+      ``jax.ShapeDtypeStruct``), whose paths then name the leaves.
     num_devices: P, devices on the data-parallel axis.
     density: fraction of each sparse bucket sent.
-    names: printable leaf names; by default their positions.
+    names: printable leaf names; by default their paths or positions.
     algorithm: ``"auto"`` (cheapest per bucket), or one algorithm for every
       bucket of leaves with at least ``min_size`` elements.
     threshold: bucket size in elements, or ``"auto"`` to search for it.
@@ -311,6 +316,10 @@ def plan_fusion(
     >>> plan_fusion([4096, 64, 1_000_000], 32, 0.01, network="eth10").threshold
   """
   check_plan_options(algorithm, threshold)
+  if not (isinstance(sizes, Sequence) and all(isinstance(s, int) for s in sizes)):
+    with_paths = jax.tree_util.tree_flatten_with_path(sizes)[0]
+    names = names or [jax.tree_util.keystr(path) for path, _ in with_paths]
+    sizes = [math.prod(leaf.shape) for _, leaf in with_paths]
   model = step_model(sizes, num_devices, density, **model_options)
   names = tuple(names) if names is not None else tuple(map(str, range(len(sizes))))
 
