@@ -1,10 +1,11 @@
 """Data-parallel training with sparse gradient averaging on 8 emulated devices.
 
 Trains the same small MLP on a fixed synthetic regression task (noisy labels
-from a random teacher network, minibatches on every device) five ways and
+from a random teacher network, minibatches on every device) seven ways and
 prints the held-out loss of each: dense ``lax.pmean`` averaging, TopKA2A at
-1% and 5% density, TopKA2A without error feedback, and the TopkA allgather
-baseline.
+1% and 5% density, TopKA2A without error feedback, the TopkA allgather
+baseline, TopKA2A with a sparse second phase, and TopKA2A sending bfloat16
+values.
 
 Run:
   python examples/quickstart.py [--steps 400] [--lr 3e-3]
@@ -37,6 +38,8 @@ RUNS = {
     "topka2a 5%": {"density": 0.05},
     "topka2a 5%, no error feedback": {"density": 0.05, "error_feedback": False},
     "allgather (TopkA) 5%": {"density": 0.05, "algorithm": "allgather"},
+    "topka2a_sparse 5%": {"density": 0.05, "algorithm": "topka2a_sparse"},
+    "topka2a 5%, bfloat16 values": {"density": 0.05, "value_dtype": jnp.bfloat16},
 }
 
 

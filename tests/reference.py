@@ -42,8 +42,8 @@ def allgather(buffers: np.ndarray, density: float):
   return total / num_devices, unsent
 
 
-def topka2a(buffers: np.ndarray, density: float):
-  """TopKA2A: P zero-padded shards, ceil(k/P) from each, summed by owner."""
+def _first_phase(buffers: np.ndarray, density: float):
+  """TopKA2A's shard-wise selection, summed by owner: (total, unsent, sizes)."""
   buffers = buffers.astype(np.float64)
   num_devices, n = buffers.shape
   shard = math.ceil(n / num_devices)
@@ -59,7 +59,30 @@ def topka2a(buffers: np.ndarray, density: float):
       chosen = start + top_positions(piece, per_shard)
       total[chosen] += padded[device, chosen]
       unsent[device, chosen] = 0.0
+  return total, unsent, (num_devices, n, shard, per_shard)
+
+
+def topka2a(buffers: np.ndarray, density: float):
+  """TopKA2A: P zero-padded shards, ceil(k/P) from each, summed by owner."""
+  total, unsent, (num_devices, n, _, _) = _first_phase(buffers, density)
   return total[:n] / num_devices, unsent[:, :n]
 
 
-ALGORITHMS = {"dense": dense, "allgather": allgather, "topka2a": topka2a}
+def topka2a_sparse(buffers: np.ndarray, density: float):
+  """TopKA2A whose owners send only the top ceil(k/P) of their summed shard.
+
+  What an owner does not send of its summed shard stays in its residual.
+  """
+  total, unsent, (num_devices, n, shard, per_shard) = _first_phase(buffers, density)
+  sent = np.zeros_like(total)
+  for owner in range(num_devices):
+    start = owner * shard
+    chosen = start + top_positions(total[start : start + shard], per_shard)
+    sent[chosen] = total[chosen]
+    unsent[owner, start : start + shard] += total[start : start + shard] - sent[
+        start : start + shard]
+  return sent[:n] / num_devices, unsent[:, :n]
+
+
+ALGORITHMS = {"dense": dense, "allgather": allgather, "topka2a": topka2a,
+              "topka2a_sparse": topka2a_sparse}

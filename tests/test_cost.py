@@ -14,11 +14,19 @@ NO_LATENCY = Network(latency=0.0, bandwidth=1e9)
 
 
 def test_hand_computed_costs():
-  # d = 1000, P = 8, density 0.01: k = 10, s = 125, q = 2; 4-byte values/indices.
+  # d = 1000, P = 8, density 0.01: k = 10, s = 125, q = 2; 4-byte values and
+  # 2-byte indices (at most 65,536 positions addressed).
   assert exchange_cost("dense", 1000, 8, 0.01).bytes == 2 * 7 / 8 * 1000 * 4
-  assert exchange_cost("allgather", 1000, 8, 0.01).bytes == 7 * 10 * 8
-  assert exchange_cost("topka2a", 1000, 8, 0.01).bytes == 7 * (2 * 8 + 125 * 4)
-  assert exchange_cost("topka2a_sparse", 1000, 8, 0.01).bytes == 7 * 2 * 2 * 8
+  assert exchange_cost("allgather", 1000, 8, 0.01).bytes == 7 * 10 * 6
+  assert exchange_cost("topka2a", 1000, 8, 0.01).bytes == 7 * (2 * 6 + 125 * 4)
+  assert exchange_cost("topka2a_sparse", 1000, 8, 0.01).bytes == 7 * 2 * 2 * 6
+  # bfloat16 values; TopkA's indices need 4 bytes past 65,536 elements, a
+  # shard's only past 65,536 elements per shard.
+  assert exchange_cost("allgather", 100_000, 8, 0.01, value_bytes=2).bytes == (
+      7 * 1000 * 6)
+  assert exchange_cost("topka2a", 100_000, 8, 0.01, value_bytes=2).bytes == (
+      7 * (125 * 4 + 12_500 * 2))
+  assert exchange_cost("topka2a", 800_000, 8, 0.01).bytes == 7 * (1000 * 8 + 100_000 * 4)
   assert [exchange_cost(a, 1000, 8, 0.01).messages
           for a in ("dense", "allgather", "topka2a", "topka2a_sparse")] == [14, 7, 14, 14]
   assert exchange_cost("topka2a", 1000, 1, 0.01).bytes == 0
@@ -41,8 +49,8 @@ def test_bandwidth_only_breakevens(num_devices):
 
 def test_latency_moves_the_topka_breakeven_up_for_small_buffers():
   # TopKA2A pays two phases, TopkA one: latency favours TopkA on small buffers.
-  big = breakeven_density("topka2a", "allgather", 1e8, 8, "eth10")
-  small = breakeven_density("topka2a", "allgather", 1e4, 8, "eth10")
+  big = breakeven_density("topka2a", "allgather", 1e8, 8, "eth10", index_bytes=4)
+  small = breakeven_density("topka2a", "allgather", 1e4, 8, "eth10", index_bytes=4)
   assert 1 / 14 <= big < small
 
 

@@ -45,18 +45,19 @@ def test_hand_computed_plan():
                      selection_seconds_per_element=0.0)
   assert [(b.bucket.leaves, b.bucket.algorithm) for b in plan.buckets] == [
       ((2,), "topka2a"), ((1,), "dense"), ((0,), "topka2a")]
-  # topka2a of 1000 on 2 devices: 1 * (250 * 8 + 500 * 4) = 4000 bytes, 4 s.
+  # topka2a of 1000 on 2 devices, 2-byte indices: 1 * (250 * 6 + 500 * 4)
+  # = 3500 bytes, 3.5 s.
   first = plan.buckets[0]
   assert first.ready == pytest.approx(10 * 1000 / 2010)
-  assert first.finish == pytest.approx(first.ready + 4.0)
+  assert first.finish == pytest.approx(first.ready + 3.5)
   assert plan.buckets[-1].finish == pytest.approx(
-      max(10.0, plan.buckets[1].finish) + 4.0)
+      max(10.0, plan.buckets[1].finish) + 3.5)
 
 
 @pytest.mark.parametrize("size, num_devices, density, network, want", [
-    (10_000_000, 8, 0.1, "eth10", "topka2a"),  # between 1/(2(P-1)) = 0.071 and 1/2
-    (10_000_000, 32, 0.01, "eth10", "allgather"),  # below 1/(2(P-1)) = 0.016
-    (10_000_000, 8, 0.9, "eth10", "dense"),  # above 1/2
+    (10_000_000, 8, 0.1, "eth10", "topka2a_sparse"),  # O(k) beats all
+    (10_000_000, 32, 0.01, "eth10", "topka2a_sparse"),
+    (10_000_000, 8, 0.9, "eth10", "dense"),  # above 1/2 everything sparse loses
     (2_000, 32, 0.01, "eth10", "allgather"),  # latency-bound: one phase wins
 ])
 def test_auto_takes_the_cheapest_algorithm(size, num_devices, density, network, want):

@@ -10,17 +10,38 @@ def run(capsys, *args):
   return capsys.readouterr().out
 
 
+def chosen(out):
+  [row] = [line for line in out.splitlines() if "gradient .. gradient" in line]
+  return row.split()[-3]
+
+
 @pytest.mark.parametrize("density, want", [
     (0.01, "allgather"),  # below 1/(2(P-1)) = 0.0714 for P = 8
     (0.2, "topka2a"),     # between the two break-evens
     (0.8, "dense"),       # above 1/2
 ])
-def test_choice_follows_the_breakevens(capsys, density, want):
-  out = run(capsys, "--params", "25000000", "--devices", "8", "--density",
-            str(density), "--network", "eth1")
-  [row] = [line for line in out.splitlines() if "gradient .. gradient" in line]
-  assert row.split()[-3] == want
-  assert "beats TopkA above density 0.07" in out  # 1/14, moved up by latency
+def test_topka2a_choice_follows_its_breakevens(capsys, density, want):
+  # Among TopkA, TopKA2A and dense, the cheapest flips at 1/(2(P-1)) and 1/2.
+  def predicted(algorithm):
+    out = run(capsys, "--params", "25000000", "--devices", "8", "--density",
+              str(density), "--network", "eth1", "--algorithm", algorithm)
+    assert ("TopKA2A beats dense below density 0.5 and beats TopkA above "
+            "density 0.07") in out  # 1/14, moved up a little by latency
+    return float(out.split("predicted step end: ")[1].split()[0])
+
+  times = {a: predicted(a) for a in ("allgather", "topka2a", "dense")}
+  assert min(times, key=times.get) == want
+
+
+@pytest.mark.parametrize("size, devices, density, want", [
+    ("25000000", "8", "0.01", "topka2a_sparse"),
+    ("25000000", "8", "0.8", "dense"),
+    ("2000", "32", "0.01", "allgather"),  # latency-bound: one phase wins
+])
+def test_auto_choice(capsys, size, devices, density, want):
+  out = run(capsys, "--params", size, "--devices", devices, "--density", density,
+            "--network", "eth1")
+  assert chosen(out) == want
 
 
 def test_model_preset_prints_speedups(capsys):

@@ -1,6 +1,7 @@
 """The communication report against the cost model and hand-written HLO."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
@@ -19,7 +20,8 @@ def lowered_exchange(mesh, algorithm, length, density):
   return run.lower(x)
 
 
-@pytest.mark.parametrize("algorithm", ["dense", "allgather", "topka2a"])
+@pytest.mark.parametrize("algorithm", ["dense", "allgather", "topka2a",
+                                       "topka2a_sparse"])
 @pytest.mark.parametrize("length", [1000, 12345, 100_003])
 @pytest.mark.parametrize("density", [0.01, 0.05, 0.3])
 def test_report_matches_the_model(mesh, algorithm, length, density):
@@ -32,8 +34,9 @@ def test_report_rows(mesh):
   report = topka2a_jax.comm_report(lowered_exchange(mesh, "topka2a", 1000, 0.01))
   assert [(r.kind, r.count) for r in report.collectives] == [
       ("all-gather", 1), ("all-to-all", 1)]
-  # all-to-all: 8 rows of 2 (value, index) pairs; all-gather: 8 shards of 125.
-  assert report.bytes_of("all-to-all") == 7 / 8 * (8 * 2 * 8)
+  # all-to-all: 8 rows of 2 (float32 value, uint16 index) pairs; all-gather:
+  # 8 shards of 125 float32.
+  assert report.bytes_of("all-to-all") == 7 / 8 * (8 * 2 * 6)
   assert report.bytes_of("all-gather") == 7 / 8 * (8 * 125 * 4)
   assert "total" in str(report)
 
@@ -59,3 +62,36 @@ def test_hand_written_hlo():
   assert report.bytes_of("all-to-all") == 1 / 2 * 64  # groups of 2
   assert report.bytes_of("collective-permute") == 32
   assert report.bytes_of("reduce-scatter") == 3 / 4 * 80
+
+
+@pytest.mark.parametrize("algorithm", ["allgather", "topka2a", "topka2a_sparse"])
+@pytest.mark.parametrize("length", [4096, 600_000])  # uint16, then uint32 indices
+def test_narrow_wire_formats_send_fewer_bytes(mesh, algorithm, length):
+  fn = collectives.ALGORITHMS[algorithm]
+
+  def report(**options):
+    run = jax.jit(jax.shard_map(lambda b: tuple(fn(b, "data", 0.01, **options)),
+                                mesh=mesh, in_specs=P("data"),
+                                out_specs=(P(), P("data"))))
+    x = jax.device_put(np.ones(8 * length, np.float32),
+                       NamedSharding(mesh, P("data")))
+    return topka2a_jax.comm_report(run.lower(x))
+
+  wide = report()
+  narrow = report(value_dtype=jnp.bfloat16)
+  model = exchange_cost(algorithm, length, 8, 0.01, value_bytes=2)
+  assert narrow.total_bytes == pytest.approx(model.bytes, rel=0.05)
+  assert narrow.total_bytes < wide.total_bytes
+  # Indices: 2 bytes while the addressed range fits 65,536 positions.
+  addressed = length if algorithm == "allgather" else length // 8
+  index_bytes = 2 if addressed <= 65536 else 4
+  assert exchange_cost(algorithm, length, 8, 0.01, value_bytes=2) == exchange_cost(
+      algorithm, length, 8, 0.01, value_bytes=2, index_bytes=index_bytes)
+
+
+def test_sparse_second_phase_is_under_five_percent_of_dense(mesh):
+  length = 1_000_000
+  dense = topka2a_jax.comm_report(lowered_exchange(mesh, "dense", length, 0.01))
+  sparse = topka2a_jax.comm_report(
+      lowered_exchange(mesh, "topka2a_sparse", length, 0.01))
+  assert sparse.total_bytes < 0.05 * dense.total_bytes

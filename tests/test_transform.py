@@ -65,7 +65,7 @@ def model_leafwise(algorithm, grads, residuals, density):
   return means, unsent
 
 
-@pytest.mark.parametrize("algorithm", ["topka2a", "allgather"])
+@pytest.mark.parametrize("algorithm", ["topka2a", "allgather", "topka2a_sparse"])
 def test_error_feedback_over_steps_matches_model(mesh, algorithm):
   tx = optax.chain(topka2a_jax.topka2a(0.1, algorithm=algorithm, min_size=0,
                                        fusion=1))
@@ -96,7 +96,8 @@ def test_fused_bucket_is_the_leaves_in_reverse_order(mesh):
     np.testing.assert_allclose(residuals_of(state)[k], u, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("algorithm", ["topka2a", "allgather", "dense", "auto"])
+@pytest.mark.parametrize("algorithm", ["topka2a", "allgather", "dense", "auto",
+                                       "topka2a_sparse"])
 def test_density_one_equals_pmean(mesh, algorithm):
   tx = optax.chain(topka2a_jax.topka2a(1.0, algorithm=algorithm, min_size=100,
                                        fusion=200))
@@ -127,9 +128,13 @@ def test_replicas_are_bitwise_identical(mesh):
       np.testing.assert_array_equal(u[device], u[0])
 
 
-@pytest.mark.parametrize("algorithm", ["topka2a", "allgather", "auto"])
-def test_nothing_is_lost_across_steps(mesh, algorithm):
-  tx = optax.chain(topka2a_jax.topka2a(0.02, algorithm=algorithm, min_size=0))
+@pytest.mark.parametrize("algorithm, value_dtype", [
+    ("topka2a", None), ("allgather", None), ("auto", None),
+    ("topka2a_sparse", None), ("topka2a_sparse", jnp.bfloat16),
+    ("topka2a", jnp.bfloat16)])
+def test_nothing_is_lost_across_steps(mesh, algorithm, value_dtype):
+  tx = optax.chain(topka2a_jax.topka2a(0.02, algorithm=algorithm, min_size=0,
+                                       value_dtype=value_dtype))
   steps = [random_grads(seed) for seed in (31, 32, 33)]
   old = {k: np.zeros((8, g[0].size)) for k, g in steps[0].items()}
   for grads, (updates, state) in zip(steps, run_steps(tx, mesh, steps)):

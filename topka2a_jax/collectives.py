@@ -12,6 +12,12 @@ send, which error feedback keeps for the next step.
 * :func:`topka2a` (TopKA2A, ICPP 2024): shard-wise top-k, one AlltoAll to the
   shards' owners, a scatter-add there, and an AllGather of the dense shards.
   The volume no longer grows with P.
+* :func:`topka2a_sparse`: TopKA2A whose owners re-select the top of their
+  summed shard, so the second phase is a sparse AllGather too: O(k) volume.
+
+The sparse ones take ``value_dtype`` (values on the wire, e.g. bfloat16;
+accumulation stays in the buffer's dtype and the rounding stays in the
+residual) and send indices in the narrowest unsigned type that fits.
 
 Example:
   >>> def step(grad):  # inside jax.shard_map over "data"
@@ -21,16 +27,16 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
-from typing import NamedTuple
+from collections.abc import Hashable
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from topka2a_jax import wire
 from topka2a_jax.axis import bound_axis_size
 from topka2a_jax.selection import ShardLayout, sparse_count, top_magnitudes
+from topka2a_jax.wire import WireFormat
 
 
 class Exchange(NamedTuple):
@@ -74,13 +80,18 @@ def _scatter_add_rows(
   return lax.fori_loop(0, indices.shape[0], add_row, zeros)
 
 
-def dense(buffer: jax.Array, axis_name: Hashable, density: float) -> Exchange:
+def dense(
+    buffer: jax.Array, axis_name: Hashable, density: float, *,
+    value_dtype: jnp.dtype | None = None,
+) -> Exchange:
   """The dense mean, ``lax.pmean``; sends everything, so nothing is unsent.
 
   Args:
     buffer: this device's 1-D floating buffer.
     axis_name: the mesh axis to average over.
     density: ignored; every entry is sent.
+    value_dtype: ignored: an all-reduce adds in transit, so it runs in the
+      buffer's dtype.
 
   Returns:
     The :class:`Exchange`.
@@ -88,13 +99,16 @@ def dense(buffer: jax.Array, axis_name: Hashable, density: float) -> Exchange:
   Example:
     >>> mean, unsent = dense(grad, "data", density=1.0)
   """
-  del density
+  del density, value_dtype
   _check_buffer(buffer)
   bound_axis_size(axis_name)
   return Exchange(lax.pmean(buffer, axis_name), jnp.zeros_like(buffer))
 
 
-def allgather(buffer: jax.Array, axis_name: Hashable, density: float) -> Exchange:
+def allgather(
+    buffer: jax.Array, axis_name: Hashable, density: float, *,
+    value_dtype: jnp.dtype | None = None,
+) -> Exchange:
   """TopkA: all-gather every device's top-k pairs and sum them everywhere.
 
   Each device selects ``k = ceil(density * n)`` entries of its whole buffer
@@ -106,6 +120,7 @@ def allgather(buffer: jax.Array, axis_name: Hashable, density: float) -> Exchang
     buffer: this device's 1-D floating buffer of ``n`` elements.
     axis_name: the mesh axis to average over.
     density: fraction of entries to send, in (0, 1].
+    value_dtype: dtype of the values on the wire; None sends them as they are.
 
   Returns:
     The :class:`Exchange`.
@@ -116,18 +131,52 @@ def allgather(buffer: jax.Array, axis_name: Hashable, density: float) -> Exchang
   _check_buffer(buffer)
   num_devices = bound_axis_size(axis_name)
   length = buffer.shape[0]
-  k = sparse_count(length, density)
-  values, indices = top_magnitudes(buffer[None], k)
-  gathered = lax.all_gather(
-      wire.pack(values, indices), axis_name, tiled=True, to="invarying"
-  )
-  all_values, all_indices = wire.unpack(gathered, values.dtype, indices.dtype)
-  total = _scatter_add_rows(length, all_indices, all_values)
+  fmt = WireFormat.create(value_dtype, length, buffer.dtype)
+  values, indices = top_magnitudes(buffer[None], sparse_count(length, density))
+  values = fmt.rounded(values)
+  gathered = lax.all_gather(fmt.encode(values, indices), axis_name, tiled=True,
+                            to="invarying")
+  total = _scatter_add_rows(length, *reversed(fmt.decode(gathered, buffer.dtype)))
   unsent = buffer.at[indices[0]].add(-values[0], unique_indices=True)
   return Exchange(total / num_devices, unsent)
 
 
-def topka2a(buffer: jax.Array, axis_name: Hashable, density: float) -> Exchange:
+def _to_owners(
+    buffer: jax.Array, axis_name: Hashable, density: float,
+    value_dtype: jnp.dtype | None,
+) -> tuple[ShardLayout, WireFormat, jax.Array, jax.Array]:
+  """TopKA2A's first phase: shard-wise top-k, one AlltoAll, sum at the owner.
+
+  Returns:
+    ``(layout, wire format, owned, unsent)``: this device's summed shard
+    ``(shard_length,)`` and its unsent entries as ``(P, shard_length)``.
+  """
+  _check_buffer(buffer)
+  num_devices = bound_axis_size(axis_name)
+  layout = ShardLayout.create(buffer.shape[0], num_devices, density)
+  fmt = WireFormat.create(value_dtype, layout.shard_length, buffer.dtype)
+  shards = jnp.pad(buffer, (0, layout.padded_length - layout.length)).reshape(
+      num_devices, layout.shard_length)
+  values, indices = top_magnitudes(shards, layout.per_shard)
+  values = fmt.rounded(values)
+  received = lax.all_to_all(fmt.encode(values, indices), axis_name, 0, 0,
+                            tiled=True)
+  from_values, from_indices = fmt.decode(received, buffer.dtype)
+  owned = _scatter_add_rows(layout.shard_length, from_indices, from_values)
+  owners = jnp.arange(num_devices)[:, None]
+  unsent = shards.at[owners, indices].add(-values, unique_indices=True)
+  return layout, fmt, owned, unsent
+
+
+def _keep_at_owner(unsent: jax.Array, axis_name: Hashable, kept: jax.Array):
+  """Adds ``kept`` (the owner's shard-sized leftover) to this device's own shard."""
+  return unsent.at[lax.axis_index(axis_name)].add(kept)
+
+
+def topka2a(
+    buffer: jax.Array, axis_name: Hashable, density: float, *,
+    value_dtype: jnp.dtype | None = None,
+) -> Exchange:
   """TopKA2A: shard-wise top-k, AlltoAll to owners, AllGather of the shards.
 
   1. Pad the buffer to ``P`` equal contiguous shards; shard ``i`` is owned by
@@ -138,13 +187,15 @@ def topka2a(buffer: jax.Array, axis_name: Hashable, density: float) -> Exchange:
      device ``i``.
   3. Each owner adds the ``P`` received pieces into a dense zero shard: the
      exact sum of everyone's selection for that shard.
-  4. A tiled ``all_gather`` of the dense shards gives every device the whole,
-     identical aggregate, divided by ``P``.
+  4. A tiled ``all_gather`` of the dense shards, divided by ``P``, gives every
+     device the whole, identical mean. With a narrower ``value_dtype`` the
+     owner keeps the rounding of its shard in its own residual.
 
   Args:
     buffer: this device's 1-D floating buffer of ``n`` elements.
     axis_name: the mesh axis to average over.
     density: fraction of entries to send, in (0, 1].
+    value_dtype: dtype of the values on the wire; None sends them as they are.
 
   Returns:
     The :class:`Exchange`.
@@ -152,31 +203,68 @@ def topka2a(buffer: jax.Array, axis_name: Hashable, density: float) -> Exchange:
   Example:
     >>> mean, unsent = topka2a(grad, "data", density=0.01)
   """
-  _check_buffer(buffer)
-  num_devices = bound_axis_size(axis_name)
-  layout = ShardLayout.create(buffer.shape[0], num_devices, density)
-  shards = jnp.pad(buffer, (0, layout.padded_length - layout.length)).reshape(
-      num_devices, layout.shard_length
-  )
-  values, indices = top_magnitudes(shards, layout.per_shard)
-  received = lax.all_to_all(
-      wire.pack(values, indices), axis_name, 0, 0, tiled=True
-  )
-  from_values, from_indices = wire.unpack(received, values.dtype, indices.dtype)
-  owned = _scatter_add_rows(layout.shard_length, from_indices, from_values)
-  gathered = lax.all_gather(
-      owned / num_devices, axis_name, tiled=True, to="invarying"
-  )
-  owners = jnp.arange(num_devices)[:, None]
-  unsent = shards.at[owners, indices].add(-values, unique_indices=True)
+  layout, fmt, owned, unsent = _to_owners(buffer, axis_name, density, value_dtype)
+  shard_mean = owned / layout.num_shards
+  if fmt.value_dtype != buffer.dtype:
+    sent = fmt.rounded(shard_mean)
+    unsent = _keep_at_owner(unsent, axis_name, owned - sent * layout.num_shards)
+    shard_mean = sent
+  gathered = fmt.decode_values(
+      lax.all_gather(fmt.encode_values(shard_mean), axis_name, tiled=True,
+                     to="invarying"), buffer.dtype)
   return Exchange(gathered[: layout.length], unsent.reshape(-1)[: layout.length])
 
 
-Collective = Callable[[jax.Array, Hashable, float], Exchange]
+def topka2a_sparse(
+    buffer: jax.Array, axis_name: Hashable, density: float, *,
+    value_dtype: jnp.dtype | None = None,
+) -> Exchange:
+  """TopKA2A with a sparse second phase: O(k) volume, independent of n and P.
+
+  Steps 1 to 3 are :func:`topka2a`'s. Then each owner selects the top
+  ``ceil(k / P)`` of its summed shard and one tiled ``all_gather`` of those
+  (value, index) pairs gives every device the mean. What the owner did not
+  send of its summed shard stays in the owner's residual, so across the axis
+  nothing is lost.
+
+  Args:
+    buffer: this device's 1-D floating buffer of ``n`` elements.
+    axis_name: the mesh axis to average over.
+    density: fraction of entries to send, in (0, 1], in each phase.
+    value_dtype: dtype of the values on the wire; None sends them as they are.
+
+  Returns:
+    The :class:`Exchange`.
+
+  Example:
+    >>> mean, unsent = topka2a_sparse(grad, "data", density=0.01)
+  """
+  layout, fmt, owned, unsent = _to_owners(buffer, axis_name, density, value_dtype)
+  values, indices = top_magnitudes(owned[None], layout.per_shard)
+  values = fmt.rounded(values)
+  unsent = _keep_at_owner(
+      unsent, axis_name, owned.at[indices[0]].add(-values[0], unique_indices=True))
+  gathered = lax.all_gather(fmt.encode(values, indices), axis_name, tiled=True,
+                            to="invarying")
+  from_values, from_indices = fmt.decode(gathered, buffer.dtype)
+  positions = from_indices + layout.shard_length * jnp.arange(layout.num_shards)[:, None]
+  total = jnp.zeros((layout.padded_length,), buffer.dtype).at[positions.ravel()].add(
+      from_values.ravel(), unique_indices=True)  # owners' positions never collide
+  return Exchange(total[: layout.length] / layout.num_shards,
+                  unsent.reshape(-1)[: layout.length])
+
+
+class Collective(Protocol):
+  """The signature every exchange shares."""
+
+  def __call__(self, buffer: jax.Array, axis_name: Hashable, density: float, *,
+               value_dtype: jnp.dtype | None = None) -> Exchange: ...
+
 
 ALGORITHMS: dict[str, Collective] = {
     "dense": dense,
     "allgather": allgather,
     "topka2a": topka2a,
+    "topka2a_sparse": topka2a_sparse,
 }
 """The collectives by the name the optax transform's ``algorithm=`` takes."""

@@ -15,7 +15,8 @@ devices with ``k = ceil(density * d)``, ``s = ceil(d / P)`` and
 
 Values and indices travel in one message (see :mod:`topka2a_jax.wire`), so
 TopkA and TopKA2A pay one latency term per phase, not two as in the paper's
-table. With v = i and α = 0, TopKA2A beats dense iff density < 1/2 and beats
+table. Indices are as narrow as the positions they address allow: 2 bytes up
+to 65,536 positions (a shard, or TopkA's whole buffer), else 4. With v = i and α = 0, TopKA2A beats dense iff density < 1/2 and beats
 TopkA iff density > 1/(2(P-1)).
 
 Example:
@@ -30,6 +31,7 @@ import math
 from collections.abc import Callable
 
 from topka2a_jax.selection import ShardLayout, sparse_count
+from topka2a_jax.wire import index_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,13 +155,19 @@ def _cost(
   )
 
 
+def _index_bytes(algorithm: str, length: float, num_devices: int) -> int:
+  """Bytes of one index as the collectives send it."""
+  addressed = length if algorithm == "allgather" else math.ceil(length / num_devices)
+  return index_dtype(max(1, math.ceil(addressed))).itemsize
+
+
 def exchange_cost(
     algorithm: str,
     length: int,
     num_devices: int,
     density: float,
     value_bytes: int = 4,
-    index_bytes: int = 4,
+    index_bytes: int | None = None,
 ) -> Cost:
   """Cost of one exchange of a ``length``-element buffer, as implemented.
 
@@ -172,7 +180,8 @@ def exchange_cost(
     num_devices: P.
     density: fraction sent, in (0, 1].
     value_bytes: bytes per value on the wire.
-    index_bytes: bytes per index on the wire.
+    index_bytes: bytes per index on the wire; by default the narrowest the
+      collectives use for this buffer.
 
   Returns:
     The :class:`Cost`.
@@ -182,6 +191,8 @@ def exchange_cost(
     7000.0
   """
   layout = ShardLayout.create(length, num_devices, density)
+  if index_bytes is None:
+    index_bytes = _index_bytes(algorithm, length, num_devices)
   return _cost(
       algorithm, num_devices, length, sparse_count(length, density),
       layout.shard_length, layout.per_shard, value_bytes, index_bytes)
@@ -193,9 +204,11 @@ def continuous_cost(
     num_devices: int,
     density: float,
     value_bytes: int = 4,
-    index_bytes: int = 4,
+    index_bytes: int | None = None,
 ) -> Cost:
   """:func:`exchange_cost` without rounding: ``k = density * d``, ``s = d / P``."""
+  if index_bytes is None:
+    index_bytes = _index_bytes(algorithm, length, num_devices)
   k = density * length
   return _cost(algorithm, num_devices, length, k, length / num_devices,
                k / num_devices, value_bytes, index_bytes)
@@ -208,7 +221,7 @@ def breakeven_density(
     num_devices: int,
     network: str | Network,
     value_bytes: int = 4,
-    index_bytes: int = 4,
+    index_bytes: int | None = None,
 ) -> float | None:
   """The density at which two algorithms take the same time, α included.
 
@@ -219,7 +232,8 @@ def breakeven_density(
     num_devices: P, at least 2.
     network: a preset name or a :class:`Network`.
     value_bytes: bytes per value on the wire.
-    index_bytes: bytes per index on the wire.
+    index_bytes: bytes per index on the wire; by default what the collectives
+      use (which may differ between the two algorithms).
 
   Returns:
     The density in (0, 1] where the times cross, or None when one algorithm

@@ -33,7 +33,7 @@ import jax
 from topka2a_jax.buckets import Bucket, plan_buckets
 from topka2a_jax.cost import Network, exchange_cost, get_network
 
-IMPLEMENTED = ("dense", "allgather", "topka2a")
+IMPLEMENTED = ("dense", "allgather", "topka2a", "topka2a_sparse")
 """The algorithms ``"auto"`` chooses from."""
 
 DEFAULT_SELECTION_SECONDS_PER_ELEMENT = 1e-10
@@ -196,7 +196,7 @@ class StepModel:
     backward_seconds: the backward pass's duration.
     selection_seconds_per_element: cost of selecting top-k, per element.
     value_bytes: bytes per value on the wire.
-    index_bytes: bytes per index on the wire.
+    index_bytes: bytes per index on the wire; None for the collectives' own.
   """
 
   sizes: tuple[int, ...]
@@ -207,7 +207,7 @@ class StepModel:
   backward_seconds: float
   selection_seconds_per_element: float = DEFAULT_SELECTION_SECONDS_PER_ELEMENT
   value_bytes: int = 4
-  index_bytes: int = 4
+  index_bytes: int | None = None
 
   def seconds(self, algorithm: str, size: int) -> float:
     """Selection plus communication time of one bucket."""
@@ -245,7 +245,7 @@ def step_model(
     backward_seconds: float | None = None,
     selection_seconds_per_element: float = DEFAULT_SELECTION_SECONDS_PER_ELEMENT,
     value_bytes: int = 4,
-    index_bytes: int = 4,
+    index_bytes: int | None = None,
 ) -> StepModel:
   """Validates the inputs and builds a :class:`StepModel`.
 

@@ -35,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="measured α in seconds (with --bandwidth, replaces --network)")
   parser.add_argument("--bandwidth", type=float, help="measured bytes per second")
   parser.add_argument("--algorithm", default="auto",
-                      choices=["auto", "dense", "allgather", "topka2a"])
+                      choices=["auto", "dense", "allgather", "topka2a",
+                               "topka2a_sparse"])
   parser.add_argument("--threshold", default="auto",
                       help="bucket size in elements, or auto (default)")
   parser.add_argument("--backward-ms", type=float,
@@ -73,10 +74,12 @@ def main(argv: list[str] | None = None) -> int:
   print(plan)
   if args.devices > 1:
     total = sum(sizes)
-    dense = breakeven_density("topka2a", "dense", total, args.devices, network)
-    topka = breakeven_density("topka2a", "allgather", total, args.devices, network)
-    print(f"one {total:,}-element bucket: TopKA2A beats dense below density "
-          f"{_density(dense)} and beats TopkA above density {_density(topka)}")
+    for name, algorithm in (("TopKA2A", "topka2a"),
+                            ("TopKA2A-sparse", "topka2a_sparse")):
+      dense = breakeven_density(algorithm, "dense", total, args.devices, network)
+      topka = breakeven_density(algorithm, "allgather", total, args.devices, network)
+      print(f"one {total:,}-element bucket: {name} beats dense below density "
+            f"{_density(dense)} and beats TopkA above density {_density(topka)}")
   return 0
 
 

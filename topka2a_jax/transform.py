@@ -109,6 +109,20 @@ def _check_options(
   return _check_density(density), _check_count("min_size", min_size, 0)
 
 
+def _check_value_dtype(value_dtype: Any) -> jnp.dtype | None:
+  if value_dtype is None:
+    return None
+  try:
+    dtype = jnp.dtype(value_dtype)
+  except TypeError:
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(
+        f"value_dtype must be a floating dtype such as jnp.bfloat16, or None; "
+        f"got {value_dtype!r}")
+  return dtype
+
+
 def _check_floating(leaves: Sequence[Any], paths: Sequence[str], what: str) -> None:
   for leaf, path in zip(leaves, paths):
     dtype = getattr(leaf, "dtype", None)
@@ -134,6 +148,7 @@ def topka2a(
     fusion: int | str = "auto",
     network: str | Network = "eth10",
     backward_seconds: float | None = None,
+    value_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Averages gradients across a mesh axis, sending only the top ``density``.
 
@@ -150,8 +165,9 @@ def topka2a(
     density: fraction of every bucket's entries each device sends, in (0, 1].
       1.0 sends everything and equals ``lax.pmean``.
     axis_name: the data-parallel mesh axis.
-    algorithm: ``"topka2a"`` (AlltoAll, the default), ``"allgather"`` (TopkA,
-      the baseline whose volume grows with the number of devices),
+    algorithm: ``"topka2a"`` (AlltoAll, the default), ``"topka2a_sparse"``
+      (TopKA2A with a sparse second phase: O(k) volume), ``"allgather"``
+      (TopkA, the baseline whose volume grows with the number of devices),
       ``"dense"`` (``lax.pmean``; ``density`` is then ignored) or ``"auto"``
       (each bucket takes the cheapest under the cost model on ``network``).
     error_feedback: keep what was not sent and add it to the next step's
@@ -166,6 +182,10 @@ def topka2a(
       Used by ``fusion="auto"`` and ``algorithm="auto"``.
     backward_seconds: the backward pass's duration, which bucket exchanges
       overlap; by default as long as one dense exchange of the gradient.
+    value_dtype: dtype of the sparse values on the wire, e.g.
+      ``jnp.bfloat16``; accumulation stays in float32 and the rounding stays
+      in the residual. None sends float32. Indices always travel in the
+      narrowest unsigned type that fits (uint16 for shards of up to 65,536).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state
@@ -185,6 +205,8 @@ def topka2a(
       axis_name
   )
   network = get_network(network)
+  value_dtype = _check_value_dtype(value_dtype)
+  value_bytes = 4 if value_dtype is None else value_dtype.itemsize
 
   def keeps_residual(leaf: jax.Array) -> bool:
     return (error_feedback and algorithm != "dense" and leaf.size > 0
@@ -192,7 +214,8 @@ def topka2a(
 
   def plan(sizes: list[int], num_devices: int) -> list[buckets.Bucket]:
     model = step_model(sizes, num_devices, density, network=network,
-                       min_size=min_size, backward_seconds=backward_seconds)
+                       min_size=min_size, backward_seconds=backward_seconds,
+                       value_bytes=value_bytes)
     threshold = model.best_threshold(algorithm) if fusion == "auto" else fusion
     return [planned.bucket for planned in model.layout(algorithm, threshold)]
 
@@ -236,7 +259,7 @@ def topka2a(
           for i in members
       ]
       exchange = ALGORITHMS[bucket.algorithm](
-          buckets.pack(acc, dtype), axis_name, density
+          buckets.pack(acc, dtype), axis_name, density, value_dtype=value_dtype
       )
       means_flat = buckets.unpack(exchange.mean, sizes)
       unsent_flat = buckets.unpack(exchange.unsent, sizes)

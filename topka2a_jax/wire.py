@@ -1,20 +1,44 @@
-"""One message for a sparse selection: values and indices packed as bytes.
+"""What a sparse selection looks like on the wire: dtypes, and one message.
 
-Sending values and indices as two collectives pays the per-message latency
-twice. Bit-casting both to bytes and concatenating them row by row lets one
-``all_to_all`` or ``all_gather`` carry both, whatever their dtypes; nothing is
-converted, so the receiver gets the exact bits that were sent.
+Values may travel narrower than they are accumulated (``value_dtype``, e.g.
+bfloat16), and indices travel in the narrowest unsigned type that holds their
+range: uint16 for up to 65,536 positions, else uint32. Sending values and
+indices as two collectives would pay the per-message latency twice, so both
+are bit-cast to bytes and concatenated row by row into one message; nothing
+is converted on the way, so the receiver decodes the exact bits sent.
 
 Example:
-  >>> packed = pack(values, indices)          # (P, k * (4 + 4)) uint8
-  >>> values2, indices2 = unpack(packed, values.dtype, indices.dtype)
+  >>> fmt = WireFormat.create(jnp.bfloat16, index_range=4096, fallback=jnp.float32)
+  >>> packed = fmt.encode(values, indices)      # (rows, k * (2 + 2)) uint8
+  >>> values, indices = fmt.decode(packed, jnp.float32)
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+
+def index_dtype(index_range: int) -> jnp.dtype:
+  """The narrowest unsigned integer type holding positions ``0 .. range-1``.
+
+  Args:
+    index_range: number of distinct positions, at least 1.
+
+  Returns:
+    uint16 up to 65,536 positions, else uint32.
+
+  Raises:
+    ValueError: more positions than uint32 holds.
+  """
+  if index_range <= 1 << 16:
+    return jnp.dtype(jnp.uint16)
+  if index_range <= 1 << 32:
+    return jnp.dtype(jnp.uint32)
+  raise ValueError(f"{index_range} positions do not fit 32-bit indices")
 
 
 def _to_bytes(x: jax.Array) -> jax.Array:
@@ -34,35 +58,66 @@ def _from_bytes(raw: jax.Array, dtype: jnp.dtype) -> jax.Array:
   return lax.bitcast_convert_type(grouped, dtype)
 
 
-def pack(values: jax.Array, indices: jax.Array) -> jax.Array:
-  """Packs a selection into one uint8 array, one row per destination.
+class WireFormat(NamedTuple):
+  """The dtypes of values and indices in one sparse message.
 
-  Args:
-    values: ``(rows, k)`` selected values.
-    indices: ``(rows, k)`` their positions.
-
-  Returns:
-    ``(rows, k * (values.itemsize + indices.itemsize))`` uint8.
+  Attributes:
+    value_dtype: dtype values travel in.
+    index_dtype: unsigned dtype indices travel in.
   """
-  return jnp.concatenate([_to_bytes(values), _to_bytes(indices)], axis=1)
 
+  value_dtype: jnp.dtype
+  index_dtype: jnp.dtype
 
-def unpack(
-    packed: jax.Array, value_dtype: jnp.dtype, index_dtype: jnp.dtype
-) -> tuple[jax.Array, jax.Array]:
-  """Splits what :func:`pack` made back into ``(values, indices)``.
+  @classmethod
+  def create(
+      cls,
+      value_dtype: jnp.dtype | None,
+      index_range: int,
+      fallback: jnp.dtype,
+  ) -> WireFormat:
+    """The format for values of ``value_dtype`` (``fallback`` if None).
 
-  Args:
-    packed: ``(rows, k * (value itemsize + index itemsize))`` uint8.
-    value_dtype: dtype the values were packed from.
-    index_dtype: dtype the indices were packed from.
+    Args:
+      value_dtype: wire dtype of the values, or None to send them as they are.
+      index_range: positions the indices address.
+      fallback: the values' own dtype.
 
-  Returns:
-    ``(values, indices)``, each ``(rows, k)``.
-  """
-  value_size = jnp.dtype(value_dtype).itemsize
-  index_size = jnp.dtype(index_dtype).itemsize
-  k = packed.shape[1] // (value_size + index_size)
-  values = _from_bytes(packed[:, : k * value_size], value_dtype)
-  indices = _from_bytes(packed[:, k * value_size :], index_dtype)
-  return values, indices
+    Returns:
+      The format.
+    """
+    values = jnp.dtype(fallback if value_dtype is None else value_dtype)
+    return cls(values, index_dtype(index_range))
+
+  def rounded(self, values: jax.Array) -> jax.Array:
+    """``values`` as a receiver decodes them, in their own dtype."""
+    return values.astype(self.value_dtype).astype(values.dtype)
+
+  def encode_values(self, values: jax.Array) -> jax.Array:
+    """Values alone, as unsigned integers of the wire dtype's width.
+
+    Integers, not floats, so that XLA cannot move the narrowing conversion
+    past the collective (it does for a float convert, and sends float32).
+    """
+    bits = jnp.dtype(f"uint{8 * self.value_dtype.itemsize}")
+    return lax.bitcast_convert_type(values.astype(self.value_dtype), bits)
+
+  def decode_values(self, bits: jax.Array, into: jnp.dtype) -> jax.Array:
+    """Inverse of :meth:`encode_values`, widened to ``into``."""
+    return lax.bitcast_convert_type(bits, self.value_dtype).astype(into)
+
+  def encode(self, values: jax.Array, indices: jax.Array) -> jax.Array:
+    """Packs ``(rows, k)`` values and indices into ``(rows, bytes)`` uint8."""
+    return jnp.concatenate(
+        [_to_bytes(values.astype(self.value_dtype)),
+         _to_bytes(indices.astype(self.index_dtype))], axis=1)
+
+  def decode(
+      self, packed: jax.Array, into: jnp.dtype
+  ) -> tuple[jax.Array, jax.Array]:
+    """Splits an :meth:`encode` result into values (``into``) and int32 indices."""
+    value_size = self.value_dtype.itemsize
+    k = packed.shape[1] // (value_size + self.index_dtype.itemsize)
+    values = _from_bytes(packed[:, : k * value_size], self.value_dtype)
+    indices = _from_bytes(packed[:, k * value_size :], self.index_dtype)
+    return values.astype(into), indices.astype(jnp.int32)
