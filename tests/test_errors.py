@@ -39,6 +39,8 @@ def test_unknown_algorithm_lists_the_choices():
     ({"fusion": "big"}, TypeError, "fusion must be an int"),
     ({"network": "wifi"}, ValueError, "unknown network 'wifi'"),
     ({"backward_seconds": -1.0}, ValueError, "backward_seconds must be None or"),
+    ({"selection": "fast"}, ValueError, "unknown selection 'fast'.*'threshold'"),
+    ({"value_dtype": jnp.int8}, TypeError, "value_dtype must be a floating dtype"),
     ({"error_feedback": "yes"}, TypeError, "error_feedback must be True or False"),
     ({"axis_name": ["data"]}, TypeError, "axis_name must be a mesh axis name"),
 ])

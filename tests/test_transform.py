@@ -243,3 +243,21 @@ def test_one_device_mesh_trains():
     params, state = run(params, state)
   # Every weight decays, the unsent ones through the residual.
   assert float(jnp.max(jnp.abs(params["w"]))) < 0.5
+
+
+@pytest.mark.parametrize("algorithm", ["topka2a", "topka2a_sparse", "allgather"])
+def test_threshold_selection_loses_nothing(mesh, algorithm):
+  # 160,000 elements: 20,000 per shard, enough for threshold selection.
+  shapes = {"w": (400, 400)}
+  tx = optax.chain(topka2a_jax.topka2a(0.01, algorithm=algorithm,
+                                       selection="threshold"))
+  steps = [random_grads(seed, shapes) for seed in (71, 72)]
+  old = np.zeros((8, 160_000))
+  for grads, (updates, state) in zip(steps, run_steps(tx, mesh, steps)):
+    new = residuals_of(state)["w"]
+    had = grads["w"].reshape(8, -1).sum(0) + old.sum(0)
+    np.testing.assert_allclose(8 * updates["w"][0].reshape(-1) + new.sum(0), had,
+                               rtol=1e-5, atol=1e-5)
+    for device in range(1, 8):
+      np.testing.assert_array_equal(updates["w"][device], updates["w"][0])
+    old = new

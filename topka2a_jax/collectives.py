@@ -15,9 +15,11 @@ send, which error feedback keeps for the next step.
 * :func:`topka2a_sparse`: TopKA2A whose owners re-select the top of their
   summed shard, so the second phase is a sparse AllGather too: O(k) volume.
 
-The sparse ones take ``value_dtype`` (values on the wire, e.g. bfloat16;
-accumulation stays in the buffer's dtype and the rounding stays in the
-residual) and send indices in the narrowest unsigned type that fits.
+The sparse ones take ``selection`` (``"exact"`` top-k, or ``"threshold"``,
+see :mod:`topka2a_jax.threshold`) and ``value_dtype`` (values on the wire,
+e.g. bfloat16; accumulation stays in the buffer's dtype and the rounding
+stays in the residual), and send indices in the narrowest unsigned type that
+fits.
 
 Example:
   >>> def step(grad):  # inside jax.shard_map over "data"
@@ -27,7 +29,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import NamedTuple, Protocol
 
 import jax
@@ -36,6 +38,7 @@ from jax import lax
 
 from topka2a_jax.axis import bound_axis_size
 from topka2a_jax.selection import ShardLayout, sparse_count, top_magnitudes
+from topka2a_jax.threshold import threshold_magnitudes
 from topka2a_jax.wire import WireFormat
 
 
@@ -51,6 +54,22 @@ class Exchange(NamedTuple):
 
   mean: jax.Array
   unsent: jax.Array
+
+
+Selection = Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]
+
+SELECTIONS: dict[str, Selection] = {
+    "exact": top_magnitudes,
+    "threshold": threshold_magnitudes,
+}
+"""How the sparse collectives pick entries: ``(rows, k) -> (values, indices)``."""
+
+
+def _selection(name: str) -> Selection:
+  if name not in SELECTIONS:
+    raise ValueError(f"unknown selection {name!r}; choose one of "
+                     f"{', '.join(repr(n) for n in SELECTIONS)}")
+  return SELECTIONS[name]
 
 
 def _check_buffer(buffer: jax.Array) -> None:
@@ -82,7 +101,7 @@ def _scatter_add_rows(
 
 def dense(
     buffer: jax.Array, axis_name: Hashable, density: float, *,
-    value_dtype: jnp.dtype | None = None,
+    value_dtype: jnp.dtype | None = None, selection: str = "exact",
 ) -> Exchange:
   """The dense mean, ``lax.pmean``; sends everything, so nothing is unsent.
 
@@ -92,6 +111,7 @@ def dense(
     density: ignored; every entry is sent.
     value_dtype: ignored: an all-reduce adds in transit, so it runs in the
       buffer's dtype.
+    selection: ignored; nothing is selected.
 
   Returns:
     The :class:`Exchange`.
@@ -99,7 +119,7 @@ def dense(
   Example:
     >>> mean, unsent = dense(grad, "data", density=1.0)
   """
-  del density, value_dtype
+  del density, value_dtype, selection
   _check_buffer(buffer)
   bound_axis_size(axis_name)
   return Exchange(lax.pmean(buffer, axis_name), jnp.zeros_like(buffer))
@@ -107,7 +127,7 @@ def dense(
 
 def allgather(
     buffer: jax.Array, axis_name: Hashable, density: float, *,
-    value_dtype: jnp.dtype | None = None,
+    value_dtype: jnp.dtype | None = None, selection: str = "exact",
 ) -> Exchange:
   """TopkA: all-gather every device's top-k pairs and sum them everywhere.
 
@@ -121,6 +141,7 @@ def allgather(
     axis_name: the mesh axis to average over.
     density: fraction of entries to send, in (0, 1].
     value_dtype: dtype of the values on the wire; None sends them as they are.
+    selection: ``"exact"`` or ``"threshold"``, a key of :data:`SELECTIONS`.
 
   Returns:
     The :class:`Exchange`.
@@ -132,7 +153,8 @@ def allgather(
   num_devices = bound_axis_size(axis_name)
   length = buffer.shape[0]
   fmt = WireFormat.create(value_dtype, length, buffer.dtype)
-  values, indices = top_magnitudes(buffer[None], sparse_count(length, density))
+  select = _selection(selection)
+  values, indices = select(buffer[None], sparse_count(length, density))
   values = fmt.rounded(values)
   gathered = lax.all_gather(fmt.encode(values, indices), axis_name, tiled=True,
                             to="invarying")
@@ -143,7 +165,7 @@ def allgather(
 
 def _to_owners(
     buffer: jax.Array, axis_name: Hashable, density: float,
-    value_dtype: jnp.dtype | None,
+    value_dtype: jnp.dtype | None, select: Selection,
 ) -> tuple[ShardLayout, WireFormat, jax.Array, jax.Array]:
   """TopKA2A's first phase: shard-wise top-k, one AlltoAll, sum at the owner.
 
@@ -157,7 +179,7 @@ def _to_owners(
   fmt = WireFormat.create(value_dtype, layout.shard_length, buffer.dtype)
   shards = jnp.pad(buffer, (0, layout.padded_length - layout.length)).reshape(
       num_devices, layout.shard_length)
-  values, indices = top_magnitudes(shards, layout.per_shard)
+  values, indices = select(shards, layout.per_shard)
   values = fmt.rounded(values)
   received = lax.all_to_all(fmt.encode(values, indices), axis_name, 0, 0,
                             tiled=True)
@@ -175,7 +197,7 @@ def _keep_at_owner(unsent: jax.Array, axis_name: Hashable, kept: jax.Array):
 
 def topka2a(
     buffer: jax.Array, axis_name: Hashable, density: float, *,
-    value_dtype: jnp.dtype | None = None,
+    value_dtype: jnp.dtype | None = None, selection: str = "exact",
 ) -> Exchange:
   """TopKA2A: shard-wise top-k, AlltoAll to owners, AllGather of the shards.
 
@@ -196,6 +218,7 @@ def topka2a(
     axis_name: the mesh axis to average over.
     density: fraction of entries to send, in (0, 1].
     value_dtype: dtype of the values on the wire; None sends them as they are.
+    selection: ``"exact"`` or ``"threshold"``, a key of :data:`SELECTIONS`.
 
   Returns:
     The :class:`Exchange`.
@@ -203,7 +226,8 @@ def topka2a(
   Example:
     >>> mean, unsent = topka2a(grad, "data", density=0.01)
   """
-  layout, fmt, owned, unsent = _to_owners(buffer, axis_name, density, value_dtype)
+  layout, fmt, owned, unsent = _to_owners(buffer, axis_name, density, value_dtype,
+                                          _selection(selection))
   shard_mean = owned / layout.num_shards
   if fmt.value_dtype != buffer.dtype:
     sent = fmt.rounded(shard_mean)
@@ -217,7 +241,7 @@ def topka2a(
 
 def topka2a_sparse(
     buffer: jax.Array, axis_name: Hashable, density: float, *,
-    value_dtype: jnp.dtype | None = None,
+    value_dtype: jnp.dtype | None = None, selection: str = "exact",
 ) -> Exchange:
   """TopKA2A with a sparse second phase: O(k) volume, independent of n and P.
 
@@ -232,6 +256,7 @@ def topka2a_sparse(
     axis_name: the mesh axis to average over.
     density: fraction of entries to send, in (0, 1], in each phase.
     value_dtype: dtype of the values on the wire; None sends them as they are.
+    selection: ``"exact"`` or ``"threshold"``, a key of :data:`SELECTIONS`.
 
   Returns:
     The :class:`Exchange`.
@@ -239,8 +264,10 @@ def topka2a_sparse(
   Example:
     >>> mean, unsent = topka2a_sparse(grad, "data", density=0.01)
   """
-  layout, fmt, owned, unsent = _to_owners(buffer, axis_name, density, value_dtype)
-  values, indices = top_magnitudes(owned[None], layout.per_shard)
+  select = _selection(selection)
+  layout, fmt, owned, unsent = _to_owners(buffer, axis_name, density, value_dtype,
+                                          select)
+  values, indices = select(owned[None], layout.per_shard)
   values = fmt.rounded(values)
   unsent = _keep_at_owner(
       unsent, axis_name, owned.at[indices[0]].add(-values[0], unique_indices=True))
@@ -258,7 +285,8 @@ class Collective(Protocol):
   """The signature every exchange shares."""
 
   def __call__(self, buffer: jax.Array, axis_name: Hashable, density: float, *,
-               value_dtype: jnp.dtype | None = None) -> Exchange: ...
+               value_dtype: jnp.dtype | None = None,
+               selection: str = "exact") -> Exchange: ...
 
 
 ALGORITHMS: dict[str, Collective] = {

@@ -29,7 +29,7 @@ import optax
 
 from topka2a_jax import buckets
 from topka2a_jax.axis import bound_axis_size, is_varying, tracks_varying_axes
-from topka2a_jax.collectives import ALGORITHMS
+from topka2a_jax.collectives import ALGORITHMS, SELECTIONS
 from topka2a_jax.cost import Network, get_network
 from topka2a_jax.fusion import step_model
 
@@ -149,6 +149,7 @@ def topka2a(
     network: str | Network = "eth10",
     backward_seconds: float | None = None,
     value_dtype: Any = None,
+    selection: str = "exact",
 ) -> optax.GradientTransformationExtraArgs:
   """Averages gradients across a mesh axis, sending only the top ``density``.
 
@@ -186,6 +187,10 @@ def topka2a(
       ``jnp.bfloat16``; accumulation stays in float32 and the rounding stays
       in the residual. None sends float32. Indices always travel in the
       narrowest unsigned type that fits (uint16 for shards of up to 65,536).
+    selection: ``"exact"`` top-k (a sort), or ``"threshold"``: a magnitude
+      threshold found in a few passes, several times faster on large buckets
+      and within 1% of exact top-k's magnitude mass
+      (:mod:`topka2a_jax.threshold`).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state
@@ -206,6 +211,9 @@ def topka2a(
   )
   network = get_network(network)
   value_dtype = _check_value_dtype(value_dtype)
+  if selection not in SELECTIONS:
+    raise ValueError(f"unknown selection {selection!r}; choose one of "
+                     f"{', '.join(repr(n) for n in SELECTIONS)}")
   value_bytes = 4 if value_dtype is None else value_dtype.itemsize
 
   def keeps_residual(leaf: jax.Array) -> bool:
@@ -259,7 +267,8 @@ def topka2a(
           for i in members
       ]
       exchange = ALGORITHMS[bucket.algorithm](
-          buckets.pack(acc, dtype), axis_name, density, value_dtype=value_dtype
+          buckets.pack(acc, dtype), axis_name, density, value_dtype=value_dtype,
+          selection=selection,
       )
       means_flat = buckets.unpack(exchange.mean, sizes)
       unsent_flat = buckets.unpack(exchange.unsent, sizes)

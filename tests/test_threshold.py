@@ -1,0 +1,94 @@
+"""Threshold selection: captured mass, ties, and the collectives using it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import reference
+from sharded import per_device
+
+from topka2a_jax import collectives
+from topka2a_jax.selection import top_magnitudes
+from topka2a_jax.threshold import threshold_magnitudes
+
+ROWS, LENGTH = 4, 200_000
+
+
+def inputs(kind, seed=0):
+  rng = np.random.default_rng(seed)
+  if kind == "gaussian":
+    x = rng.standard_normal((ROWS, LENGTH))
+  elif kind == "student-t":
+    x = rng.standard_t(3, (ROWS, LENGTH))
+  elif kind == "gradient-like":
+    # Layers of 5,000 entries whose scales span orders of magnitude, some
+    # nearly dead: what a fused bucket of gradients looks like.
+    scales = np.exp(rng.normal(0.0, 2.0, (ROWS, LENGTH // 5000)))
+    x = rng.standard_normal((ROWS, LENGTH)) * np.repeat(scales, 5000, axis=1)
+  return jnp.asarray(x.astype(np.float32))
+
+
+def check_valid(rows, values, indices, k):
+  indices = np.asarray(indices)
+  assert indices.shape == (rows.shape[0], k)
+  assert ((indices >= 0) & (indices < rows.shape[1])).all()
+  assert all(len(np.unique(row)) == k for row in indices)
+  np.testing.assert_array_equal(np.take_along_axis(np.asarray(rows), indices, 1),
+                                values)
+
+
+@pytest.mark.parametrize("kind", ["gaussian", "student-t", "gradient-like"])
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.05])
+def test_captures_99_percent_of_exact_mass(kind, density):
+  rows = inputs(kind)
+  k = int(density * LENGTH)
+  values, indices = jax.jit(threshold_magnitudes, static_argnums=1)(rows, k)
+  check_valid(rows, values, indices, k)
+  exact, _ = top_magnitudes(rows, k)
+  assert float(jnp.sum(jnp.abs(values))) >= 0.99 * float(jnp.sum(jnp.abs(exact)))
+
+
+@pytest.mark.parametrize("fill", ["zeros", "ones and minus ones", "few values"])
+def test_ties_give_exactly_k_distinct_valid_indices(fill):
+  rng = np.random.default_rng(1)
+  if fill == "zeros":
+    rows = np.zeros((ROWS, LENGTH), np.float32)
+  elif fill == "ones and minus ones":
+    rows = rng.choice([-1.0, 1.0], (ROWS, LENGTH)).astype(np.float32)
+  else:
+    rows = rng.choice([0.0, 0.5, -2.0], (ROWS, LENGTH), p=[0.9, 0.09, 0.01])
+    rows = rows.astype(np.float32)
+  k = 2000
+  values, indices = threshold_magnitudes(jnp.asarray(rows), k)
+  check_valid(rows, values, indices, k)
+  if fill != "few values":  # every entry ties: any k are the top k
+    exact, _ = top_magnitudes(jnp.asarray(rows), k)
+    np.testing.assert_array_equal(np.abs(values).sum(1), np.abs(exact).sum(1))
+
+
+def test_small_or_dense_rows_are_exact():
+  rows = inputs("gaussian")[:, :5000]
+  for k in (10, 2000):
+    got = threshold_magnitudes(rows, k)
+    want = top_magnitudes(rows, k)
+    np.testing.assert_array_equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("algorithm", ["allgather", "topka2a", "topka2a_sparse"])
+def test_collectives_with_threshold_selection_lose_nothing(mesh, algorithm):
+  buffers = np.random.default_rng(2).standard_normal((8, 300_001)).astype(np.float32)
+  fn = collectives.ALGORITHMS[algorithm]
+  mean, unsent = per_device(
+      lambda b: fn(b, "data", 0.01, selection="threshold"), mesh, buffers)
+  for device in range(1, 8):
+    np.testing.assert_array_equal(mean[device], mean[0])
+  np.testing.assert_allclose(8 * mean[0] + unsent.sum(0), buffers.sum(0),
+                             rtol=1e-5, atol=1e-5)
+  # Close to the exact algorithm's result.
+  want, _ = reference.ALGORITHMS[algorithm](buffers, 0.01)
+  assert np.abs(mean[0]).sum() >= 0.97 * np.abs(want).sum()
+
+
+def test_unknown_selection_is_named():
+  with pytest.raises(ValueError, match="unknown selection 'fast'"):
+    collectives.topka2a(np.ones(8, np.float32), "data", 0.1, selection="fast")
