@@ -1,7 +1,8 @@
 """Bytes each device sends per training step, read from XLA's compiled HLO.
 
 Compiles (without running) a jitted 8-device shard_map step of a 25.6M
-parameter model (ResNet-50's layer shapes) for every algorithm and density,
+parameter model (ResNet-50's layer shapes) for every algorithm (and float32
+or bfloat16 values on the wire) and density,
 and prints, per algorithm, the bytes that each kind of collective sends per
 device (topka2a_jax.comm_report) beside the cost model's prediction for the
 same bucket plan.
@@ -30,12 +31,20 @@ from jax.sharding import PartitionSpec as P
 import topka2a_jax
 from topka2a_jax.model_shapes import resnet50
 
-ALGORITHMS = ("dense", "allgather", "topka2a")
+CONFIGS = (  # (algorithm, value dtype on the wire)
+    ("dense", None),
+    ("allgather", None),
+    ("topka2a", None),
+    ("topka2a_sparse", None),
+    ("topka2a", "bfloat16"),
+    ("topka2a_sparse", "bfloat16"),
+)
 
 
-def compiled_report(mesh, params, algorithm, density):
+def compiled_report(mesh, params, algorithm, value_dtype, density):
   """comm_report of the compiled step for one configuration."""
-  tx = optax.chain(topka2a_jax.topka2a(density, algorithm=algorithm), optax.sgd(0.1))
+  tx = optax.chain(topka2a_jax.topka2a(density, algorithm=algorithm,
+                                       value_dtype=value_dtype), optax.sgd(0.1))
   state = jax.eval_shape(lambda: topka2a_jax.init(tx, params, mesh))
   specs = topka2a_jax.state_specs(state)
 
@@ -59,11 +68,15 @@ def compiled_report(mesh, params, algorithm, density):
   return topka2a_jax.comm_report(lowered)
 
 
-def modelled_bytes(sizes, algorithm, density):
+def modelled_bytes(sizes, algorithm, value_dtype, density):
   """The cost model's bytes for the bucket plan the transform makes."""
-  plan = topka2a_jax.plan_fusion(sizes, 8, density, algorithm=algorithm)
-  return sum(topka2a_jax.exchange_cost(b.bucket.algorithm, b.bucket.size, 8,
-                                       density).bytes for b in plan.buckets)
+  value_bytes = 2 if value_dtype == "bfloat16" else 4
+  plan = topka2a_jax.plan_fusion(sizes, 8, density, algorithm=algorithm,
+                                 value_bytes=value_bytes)
+  return sum(topka2a_jax.exchange_cost(
+      b.bucket.algorithm, b.bucket.size, 8, density,
+      value_bytes=4 if b.bucket.algorithm == "dense" else value_bytes).bytes
+      for b in plan.buckets)
 
 
 def main():
@@ -78,26 +91,28 @@ def main():
   sizes = [math.prod(shape) for _, shape in shapes]
   print(f"{sum(sizes):,} parameters (ResNet-50 shapes, float32), 8 devices; "
         "bytes sent per device per step")
-  header = (f"{'algorithm':10s} {'density':>7s} {'all-reduce':>12s} "
+  header = (f"{'algorithm':14s} {'values':>8s} {'density':>7s} {'all-reduce':>12s} "
             f"{'all-gather':>12s} {'all-to-all':>12s} {'total (HLO)':>13s} "
             f"{'model':>13s} {'vs dense':>8s}")
   print(header)
   rows = []
   for density in args.densities:
     dense_total = None
-    for algorithm in ALGORITHMS:
-      report = compiled_report(mesh, params, algorithm, density)
+    for algorithm, value_dtype in CONFIGS:
+      report = compiled_report(mesh, params, algorithm, value_dtype, density)
       dense_total = dense_total or report.total_bytes
       row = {
-          "algorithm": algorithm, "density": density,
+          "algorithm": algorithm, "values": value_dtype or "float32",
+          "density": density,
           "all_reduce": report.bytes_of("all-reduce"),
           "all_gather": report.bytes_of("all-gather"),
           "all_to_all": report.bytes_of("all-to-all"),
           "total": report.total_bytes,
-          "model": modelled_bytes(sizes, algorithm, density),
+          "model": modelled_bytes(sizes, algorithm, value_dtype, density),
       }
       rows.append(row)
-      print(f"{algorithm:10s} {density:7.2f} {row['all_reduce']:12,.0f} "
+      print(f"{algorithm:14s} {row['values']:>8s} {density:7.2f} "
+            f"{row['all_reduce']:12,.0f} "
             f"{row['all_gather']:12,.0f} {row['all_to_all']:12,.0f} "
             f"{row['total']:13,.0f} {row['model']:13,.0f} "
             f"{row['total'] / dense_total:7.3f}x")

@@ -42,8 +42,9 @@ def compiled_collectives(mesh, algorithm):
   return set(ops)
 
 
-def test_topka2a_step_is_all_to_all_and_all_gather(mesh):
-  assert compiled_collectives(mesh, "topka2a") == {"all-to-all", "all-gather"}
+@pytest.mark.parametrize("algorithm", ["topka2a", "topka2a_sparse"])
+def test_topka2a_step_is_all_to_all_and_all_gather(mesh, algorithm):
+  assert compiled_collectives(mesh, algorithm) == {"all-to-all", "all-gather"}
 
 
 def test_allgather_step_is_one_all_gather(mesh):

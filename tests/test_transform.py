@@ -261,3 +261,12 @@ def test_threshold_selection_loses_nothing(mesh, algorithm):
     for device in range(1, 8):
       np.testing.assert_array_equal(updates["w"][device], updates["w"][0])
     old = new
+
+
+def test_init_accepts_shapes_alone(mesh):
+  tx = optax.chain(topka2a_jax.topka2a(0.1, min_size=0), optax.adam(1e-3))
+  shapes = {"w": jax.ShapeDtypeStruct((30, 40), jnp.float32)}
+  state = topka2a_jax.init(tx, shapes, mesh)
+  concrete = topka2a_jax.init(tx, {"w": jnp.zeros((30, 40))}, mesh)
+  jax.tree.map(np.testing.assert_array_equal, state, concrete)
+  assert state[0].residuals["w"].sharding.spec == P("data")

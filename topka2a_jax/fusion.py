@@ -211,10 +211,11 @@ class StepModel:
 
   def seconds(self, algorithm: str, size: int) -> float:
     """Selection plus communication time of one bucket."""
+    if algorithm == "dense":  # an all-reduce sends the float32 buffer as it is
+      return exchange_cost(algorithm, size, self.num_devices, self.density
+                           ).seconds(self.network)
     comm = exchange_cost(algorithm, size, self.num_devices, self.density,
                          self.value_bytes, self.index_bytes).seconds(self.network)
-    if algorithm == "dense":
-      return comm
     return comm + self.selection_seconds_per_element * size
 
   def layout(self, algorithm: str, threshold: int) -> tuple[PlannedBucket, ...]:

@@ -73,6 +73,7 @@ def init(
     tx: the optimizer, e.g. ``optax.chain(topka2a(0.01), optax.adam(1e-3))``.
     params: the model parameters (only their shapes and dtypes matter to
       :func:`topka2a_jax.topka2a`; other transforms may read the values).
+      ``jax.ShapeDtypeStruct`` leaves stand for zeros.
     mesh: the device mesh of the training step.
     axis_name: the data-parallel mesh axis the transform was built with.
 
@@ -95,8 +96,14 @@ def init(
   specs = state_specs(jax.eval_shape(tx.init, params), axis_name)
   per_device = P(axis_name)
 
-  def build(params: optax.Params) -> optax.OptState:
-    local = tx.init(params)
+  leaves, treedef = jax.tree.flatten(params)
+  abstract = [isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves]
+
+  def build(concrete: list[jax.Array]) -> optax.OptState:
+    given = iter(concrete)
+    full = [jnp.zeros(leaf.shape, leaf.dtype) if is_abstract else next(given)
+            for leaf, is_abstract in zip(leaves, abstract)]
+    local = tx.init(treedef.unflatten(full))
     return jax.tree.map(
         lambda leaf, spec: jnp.tile(leaf, num_devices) if spec == per_device else leaf,
         local,
@@ -104,5 +111,6 @@ def init(
     )
 
   shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
-  replicated = jax.device_put(params, NamedSharding(mesh, P()))
+  concrete = [leaf for leaf, is_abstract in zip(leaves, abstract) if not is_abstract]
+  replicated = jax.device_put(concrete, NamedSharding(mesh, P()))
   return jax.jit(build, out_shardings=shardings)(replicated)

@@ -14,9 +14,10 @@ once:
    and where it is. With 24 groups per selected entry, two large entries
    rarely share a group.
 2. **Threshold.** A strided sample of the group keys brackets the k-th
-   largest; a fixed number of counting passes over the group keys narrows
-   the bracket ``[lo, hi)`` so that at most ``k`` keys reach ``hi`` and at
-   least ``k`` reach ``lo``.
+   largest (between 0.7 k and 1.3 k expected above; should the sample
+   mislead, the bracket widens to all keys); a fixed number of counting
+   passes over the group keys narrows the bracket ``[lo, hi)`` so that at
+   most ``k`` keys reach ``hi`` and at least ``k`` reach ``lo``.
 3. **Compaction.** Every group at or above ``hi`` is taken, then the band
    ``[lo, hi)`` fills the remaining slots in position order, so exactly ``k``
    distinct, valid positions come out, whatever the ties (all zeros
@@ -51,7 +52,7 @@ every group holds at least 2 entries."""
 SAMPLE_SIZE = 4096
 """Group keys sampled per row to bracket the threshold."""
 
-BISECTIONS = 8
+BISECTIONS = 10
 """Counting passes that narrow the bracket."""
 
 _MIN_LENGTH = 4 * SAMPLE_SIZE  # shorter rows sort exactly
@@ -134,8 +135,8 @@ def threshold_magnitudes(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array]
   stride = max(1, groups // SAMPLE_SIZE)
   sample = jnp.sort(group_max[:, ::stride], axis=1)
   expected = k * sample.shape[1] / groups
-  hi = sample[:, sample.shape[1] - max(1, int(0.9 * expected))]
-  lo = sample[:, max(0, sample.shape[1] - math.ceil(1.1 * expected) - 1)]
+  hi = sample[:, sample.shape[1] - max(1, int(0.7 * expected))]
+  lo = sample[:, max(0, sample.shape[1] - math.ceil(1.3 * expected) - 1)]
   lo = jnp.where(count(lo) >= k, lo, 0)  # every key is >= 0
   hi = jnp.where(count(hi) <= k, hi, jnp.int32(0x7FFFFFFF))
 
