@@ -13,9 +13,8 @@ Run:
 """
 
 import argparse
+import functools
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -23,18 +22,9 @@ import numpy as np
 
 from topka2a_jax.selection import top_magnitudes
 from topka2a_jax.threshold import threshold_magnitudes
+from topka2a_jax.tuning import time_call
 
 SHARDS = 8
-
-
-def median_seconds(fn, x, repeats):
-  jax.block_until_ready(fn(x))  # compile and warm up
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(x))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
 
 
 def main():
@@ -57,9 +47,9 @@ def main():
       per_shard = -(-int(np.ceil(density * size)) // SHARDS)
       exact = jax.jit(lambda x, k=per_shard: top_magnitudes(x, k))
       threshold = jax.jit(lambda x, k=per_shard: threshold_magnitudes(x, k))
-      pass_s = median_seconds(one_pass, x, args.repeats)
-      exact_s = median_seconds(exact, x, max(1, args.repeats // 2))
-      threshold_s = median_seconds(threshold, x, args.repeats)
+      pass_s = time_call(functools.partial(one_pass, x), args.repeats)
+      exact_s = time_call(functools.partial(exact, x), max(1, args.repeats // 2))
+      threshold_s = time_call(functools.partial(threshold, x), args.repeats)
       mass = float(jnp.sum(jnp.abs(threshold(x)[0])) / jnp.sum(jnp.abs(exact(x)[0])))
       row = {"elements": size, "density": density, "pass_s": pass_s,
              "exact_s": exact_s, "threshold_s": threshold_s, "mass": mass}

@@ -19,8 +19,6 @@ os.environ["XLA_FLAGS"] = (
 
 import argparse
 import json
-import statistics
-import time
 
 import jax
 from jax.sharding import NamedSharding
@@ -39,13 +37,8 @@ def step_seconds(mesh, grads, algorithm, selection, fusion, density, repeats):
   run = jax.jit(jax.shard_map(
       lambda g, s: tx.update([x[0] for x in g], s), mesh=mesh,
       in_specs=(P("data"), specs), out_specs=(P(), specs)))
-  jax.block_until_ready(run(grads, state))  # compile
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(run(grads, state))  # one step in flight at a time
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  # time_call waits for each step: one step in flight at a time.
+  return topka2a_jax.time_call(lambda: run(grads, state), repeats=repeats)
 
 
 def main():

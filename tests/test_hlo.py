@@ -55,19 +55,23 @@ def test_dense_step_is_all_reduce(mesh):
   assert compiled_collectives(mesh, "dense") == {"all-reduce"}
 
 
-@pytest.mark.parametrize("algorithm", ["topka2a", "allgather"])
-def test_one_message_per_bucket_carries_values_and_indices(mesh, algorithm):
-  # Two buckets (one per weight at this bucket size): one exchange each.
-  tx = topka2a_jax.topka2a(0.01, algorithm=algorithm, fusion=1)
-  grads = jax.device_put(
-      jax.tree.map(lambda p: jnp.ones((8, *p.shape)), PARAMS),
-      NamedSharding(mesh, P("data")))
-  state = topka2a_jax.init(tx, PARAMS, mesh)
+def update_hlo(mesh, tx, params):
+  """StableHLO of tx.update in shard_map, before XLA combines anything."""
+  grads = jax.device_put(jax.tree.map(lambda p: jnp.ones((8, *p.shape)), params),
+                         NamedSharding(mesh, P("data")))
+  state = topka2a_jax.init(tx, params, mesh)
   specs = topka2a_jax.state_specs(state)
   run = jax.jit(jax.shard_map(lambda g, s: tx.update(jax.tree.map(lambda a: a[0], g), s),
                               mesh=mesh, in_specs=(P("data"), specs),
                               out_specs=(P(), specs)))
-  hlo = run.lower(grads, state).as_text()  # before XLA combines anything
+  return run.lower(grads, state).as_text()
+
+
+@pytest.mark.parametrize("algorithm", ["topka2a", "allgather"])
+def test_one_message_per_bucket_carries_values_and_indices(mesh, algorithm):
+  # Two buckets (one per weight at this bucket size): one exchange each.
+  tx = topka2a_jax.topka2a(0.01, algorithm=algorithm, fusion=1)
+  hlo = update_hlo(mesh, tx, PARAMS)
   first = "all_to_all" if algorithm == "topka2a" else "all_gather"
   assert len(re.findall(rf"stablehlo\.{first}\b", hlo)) == 2
 
@@ -82,14 +86,7 @@ def test_auto_plan_is_what_the_step_runs(mesh):
   plan = topka2a_jax.plan_fusion(sizes, 8, 0.1, algorithm="auto", min_size=1000,
                                  network="eth10")
   chosen = [b.bucket.algorithm for b in plan.buckets]
-  grads = jax.device_put(jax.tree.map(lambda p: jnp.ones((8, *p.shape)), params),
-                         NamedSharding(mesh, P("data")))
-  state = topka2a_jax.init(tx, params, mesh)
-  specs = topka2a_jax.state_specs(state)
-  run = jax.jit(jax.shard_map(lambda g, s: tx.update(jax.tree.map(lambda a: a[0], g), s),
-                              mesh=mesh, in_specs=(P("data"), specs),
-                              out_specs=(P(), specs)))
-  hlo = run.lower(grads, state).as_text()
+  hlo = update_hlo(mesh, tx, params)
   two_phase = chosen.count("topka2a") + chosen.count("topka2a_sparse")
   assert len(re.findall(r"stablehlo\.all_to_all\b", hlo)) == two_phase
   assert len(re.findall(r"stablehlo\.all_gather\b", hlo)) == (
