@@ -124,8 +124,7 @@ class Cost:
     return self.messages * network.latency + self.bytes / network.bandwidth
 
 
-SPARSE_ALGORITHMS = ("allgather", "topka2a", "topka2a_sparse")
-MODELLED_ALGORITHMS = ("dense",) + SPARSE_ALGORITHMS
+MODELLED_ALGORITHMS = ("dense", "allgather", "topka2a", "topka2a_sparse")
 
 
 def _cost(
