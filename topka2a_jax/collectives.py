@@ -65,7 +65,8 @@ SELECTIONS: dict[str, Selection] = {
 """How the sparse collectives pick entries: ``(rows, k) -> (values, indices)``."""
 
 
-def _selection(name: str) -> Selection:
+def get_selection(name: str) -> Selection:
+  """The selection called ``name``, or a ValueError listing the choices."""
   if name not in SELECTIONS:
     raise ValueError(f"unknown selection {name!r}; choose one of "
                      f"{', '.join(repr(n) for n in SELECTIONS)}")
@@ -153,12 +154,13 @@ def allgather(
   num_devices = bound_axis_size(axis_name)
   length = buffer.shape[0]
   fmt = WireFormat.create(value_dtype, length, buffer.dtype)
-  select = _selection(selection)
+  select = get_selection(selection)
   values, indices = select(buffer[None], sparse_count(length, density))
   values = fmt.rounded(values)
   gathered = lax.all_gather(fmt.encode(values, indices), axis_name, tiled=True,
                             to="invarying")
-  total = _scatter_add_rows(length, *reversed(fmt.decode(gathered, buffer.dtype)))
+  all_values, all_indices = fmt.decode(gathered, buffer.dtype)
+  total = _scatter_add_rows(length, all_indices, all_values)
   unsent = buffer.at[indices[0]].add(-values[0], unique_indices=True)
   return Exchange(total / num_devices, unsent)
 
@@ -227,7 +229,7 @@ def topka2a(
     >>> mean, unsent = topka2a(grad, "data", density=0.01)
   """
   layout, fmt, owned, unsent = _to_owners(buffer, axis_name, density, value_dtype,
-                                          _selection(selection))
+                                          get_selection(selection))
   shard_mean = owned / layout.num_shards
   if fmt.value_dtype != buffer.dtype:
     sent = fmt.rounded(shard_mean)
@@ -264,7 +266,7 @@ def topka2a_sparse(
   Example:
     >>> mean, unsent = topka2a_sparse(grad, "data", density=0.01)
   """
-  select = _selection(selection)
+  select = get_selection(selection)
   layout, fmt, owned, unsent = _to_owners(buffer, axis_name, density, value_dtype,
                                           select)
   values, indices = select(owned[None], layout.per_shard)

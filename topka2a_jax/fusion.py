@@ -31,9 +31,10 @@ from typing import Any
 import jax
 
 from topka2a_jax.buckets import Bucket, plan_buckets
+from topka2a_jax.collectives import ALGORITHMS
 from topka2a_jax.cost import Network, exchange_cost, get_network
 
-IMPLEMENTED = ("dense", "allgather", "topka2a", "topka2a_sparse")
+IMPLEMENTED = tuple(ALGORITHMS)
 """The algorithms ``"auto"`` chooses from."""
 
 DEFAULT_SELECTION_SECONDS_PER_ELEMENT = 1e-10
@@ -272,7 +273,7 @@ def check_plan_options(algorithm: str, threshold: int | str) -> None:
   """Raises ValueError for an algorithm or threshold the planner cannot use."""
   if algorithm != "auto" and algorithm not in IMPLEMENTED:
     raise ValueError(f"unknown algorithm {algorithm!r}; choose 'auto' or one of "
-                     f"{', '.join(IMPLEMENTED)}")
+                     f"{', '.join(repr(a) for a in IMPLEMENTED)}")
   if threshold != "auto" and (
       isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1):
     raise ValueError(f"threshold must be 'auto' or a positive int, got {threshold!r}")

@@ -29,9 +29,9 @@ import optax
 
 from topka2a_jax import buckets
 from topka2a_jax.axis import bound_axis_size, is_varying, tracks_varying_axes
-from topka2a_jax.collectives import ALGORITHMS, SELECTIONS
+from topka2a_jax.collectives import ALGORITHMS, get_selection
 from topka2a_jax.cost import Network, get_network
-from topka2a_jax.fusion import step_model
+from topka2a_jax.fusion import check_plan_options, step_model
 
 DEFAULT_MIN_SIZE = 1024
 """Leaves with fewer elements go dense.
@@ -91,13 +91,9 @@ def _check_options(
     axis_name: Any,
 ) -> tuple[float, int]:
   """Validates the constructor's arguments; returns the normalised numbers."""
-  if algorithm != "auto" and algorithm not in ALGORITHMS:
-    raise ValueError(
-        f"unknown algorithm {algorithm!r}; choose one of 'auto', "
-        f"{', '.join(repr(a) for a in ALGORITHMS)}"
-    )
   if fusion != "auto":
     _check_count("fusion", fusion, 1)
+  check_plan_options(algorithm, fusion)
   if not isinstance(error_feedback, bool):
     raise TypeError(f"error_feedback must be True or False, got {error_feedback!r}")
   if not isinstance(axis_name, Hashable):
@@ -211,9 +207,7 @@ def topka2a(
   )
   network = get_network(network)
   value_dtype = _check_value_dtype(value_dtype)
-  if selection not in SELECTIONS:
-    raise ValueError(f"unknown selection {selection!r}; choose one of "
-                     f"{', '.join(repr(n) for n in SELECTIONS)}")
+  get_selection(selection)  # raises for an unknown name
   value_bytes = 4 if value_dtype is None else value_dtype.itemsize
 
   def keeps_residual(leaf: jax.Array) -> bool:
