@@ -87,7 +87,7 @@ def test_non_floating_leaf_is_named_at_init_and_update(mesh):
   with pytest.raises(TypeError, match=r"parameter leaf \['step'\] has dtype int32"):
     tx.init({"w": jnp.ones(4), "step": jnp.zeros((), jnp.int32)})
   with pytest.raises(TypeError, match=r"gradient leaf \['n'\] has dtype int32"):
-    tx.update({"n": jnp.ones(3, jnp.int32)}, topka2a_jax.TopKA2AState({"n": 0}))
+    tx.update({"n": jnp.ones(3, jnp.int32)}, topka2a_jax.TopKA2AState({"n": 0}, 0, 0))
 
 
 def test_already_summed_gradients_are_refused(mesh):

@@ -18,9 +18,9 @@ COLLECTIVES = ("all-to-all", "all-gather", "all-reduce", "reduce-scatter",
                "collective-permute")
 
 
-def compiled_collectives(mesh, algorithm):
-  """Names of the collective ops in a compiled shard_map training step."""
-  tx = optax.chain(topka2a_jax.topka2a(0.01, algorithm=algorithm),
+def compiled_hlo(mesh, algorithm, **options):
+  """Compiled HLO text of a shard_map training step."""
+  tx = optax.chain(topka2a_jax.topka2a(0.01, algorithm=algorithm, **options),
                    optax.sgd(0.1))
   state = topka2a_jax.init(tx, PARAMS, mesh)
   specs = topka2a_jax.state_specs(state)
@@ -37,9 +37,13 @@ def compiled_collectives(mesh, algorithm):
                               out_specs=(P(), specs)))
   params = jax.device_put(PARAMS, NamedSharding(mesh, P()))
   x = jax.device_put(jnp.ones((16, 64)), NamedSharding(mesh, P("data")))
-  text = run.lower(params, state, x).compile().as_text()
-  ops = re.findall(r"\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(", text)
-  return set(ops)
+  return run.lower(params, state, x).compile().as_text()
+
+
+def compiled_collectives(mesh, algorithm):
+  """Names of the collective ops in a step without the non-finite check."""
+  text = compiled_hlo(mesh, algorithm, skip_nonfinite=False)
+  return set(re.findall(r"\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(", text))
 
 
 @pytest.mark.parametrize("algorithm", ["topka2a", "topka2a_sparse"])
@@ -53,6 +57,12 @@ def test_allgather_step_is_one_all_gather(mesh):
 
 def test_dense_step_is_all_reduce(mesh):
   assert compiled_collectives(mesh, "dense") == {"all-reduce"}
+
+
+def test_nonfinite_check_adds_one_scalar_all_reduce(mesh):
+  report = topka2a_jax.comm_report(compiled_hlo(mesh, "topka2a"))
+  assert report.count_of("all-reduce") == 1
+  assert report.bytes_of("all-reduce") <= 8
 
 
 def update_hlo(mesh, tx, params):
@@ -81,7 +91,7 @@ def test_auto_plan_is_what_the_step_runs(mesh):
   shapes = {"a": (1000, 1000), "b": (300,), "c": (3000,), "d": (20, 50)}
   params = {k: jnp.ones(s) for k, s in shapes.items()}
   tx = topka2a_jax.topka2a(0.1, algorithm="auto", fusion="auto", min_size=1000,
-                           network="eth10")
+                           network="eth10", skip_nonfinite=False)
   sizes = [math.prod(shapes[k]) for k in sorted(shapes)]
   plan = topka2a_jax.plan_fusion(sizes, 8, 0.1, algorithm="auto", min_size=1000,
                                  network="eth10")

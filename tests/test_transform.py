@@ -164,7 +164,7 @@ def test_without_error_feedback_nothing_is_kept(mesh):
     want, _ = model_leafwise("topka2a", grads, {}, 0.1)
     for k in grads:
       np.testing.assert_allclose(updates[k][0], want[k], rtol=1e-5, atol=1e-6)
-    assert jax.tree.leaves(state) == []
+    assert jax.tree.leaves(state[0].residuals) == []
 
 
 def test_keeps_each_leafs_dtype_and_shape(mesh):

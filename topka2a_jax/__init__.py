@@ -14,6 +14,7 @@ Read it top-down:
 * :mod:`topka2a_jax.selection`: how many entries to send, and which.
 * :mod:`topka2a_jax.wire`: values and indices packed into one message.
 * :mod:`topka2a_jax.axis`: trace-time checks of the mesh axis.
+* :mod:`topka2a_jax.nonfinite`: skipping steps with NaN or infinite gradients.
 * :mod:`topka2a_jax.placement`: laying the optimizer state out on a mesh.
 * :mod:`topka2a_jax.fusion`: planning buckets with the cost model; the
   online variant that times real steps is :mod:`topka2a_jax.tuning`.
@@ -32,6 +33,7 @@ from topka2a_jax import collectives
 from topka2a_jax.collectives import Exchange
 from topka2a_jax.cost import NETWORKS, Network, breakeven_density, exchange_cost
 from topka2a_jax.fusion import FusionPlan, plan_fusion
+from topka2a_jax.nonfinite import SkipNonFiniteState, skip_nonfinite
 from topka2a_jax.placement import init, state_specs
 from topka2a_jax.report import CommReport, comm_report
 from topka2a_jax.transform import TopKA2AState, topka2a
@@ -43,6 +45,7 @@ __all__ = [
     "Exchange",
     "FusionPlan",
     "Network",
+    "SkipNonFiniteState",
     "TopKA2AState",
     "breakeven_density",
     "collectives",
@@ -50,6 +53,7 @@ __all__ = [
     "exchange_cost",
     "init",
     "plan_fusion",
+    "skip_nonfinite",
     "state_specs",
     "time_call",
     "topka2a",

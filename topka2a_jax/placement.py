@@ -52,7 +52,8 @@ def state_specs(opt_state: optax.OptState, axis_name: Hashable = "data") -> Any:
 
   def spec_for(node: Any) -> Any:
     if _is_topka2a_state(node):
-      return TopKA2AState(jax.tree.map(lambda _: P(axis_name), node.residuals))
+      return TopKA2AState(jax.tree.map(lambda _: P(axis_name), node.residuals),
+                          count=P(), nonfinite_steps=P())
     return P()
 
   return jax.tree.map(spec_for, opt_state, is_leaf=_is_topka2a_state)

@@ -32,6 +32,7 @@ from topka2a_jax.axis import bound_axis_size, is_varying, tracks_varying_axes
 from topka2a_jax.collectives import ALGORITHMS, get_selection
 from topka2a_jax.cost import Network, get_network
 from topka2a_jax.fusion import check_plan_options, step_model
+from topka2a_jax.nonfinite import nonfinite_on_any_device
 
 DEFAULT_MIN_SIZE = 1024
 """Leaves with fewer elements go dense.
@@ -53,9 +54,15 @@ class TopKA2AState(NamedTuple):
       leaves) of what this device has not sent yet; ``optax.MaskedNode()``
       for leaves that go dense, and for all leaves when
       ``error_feedback=False``.
+    count: steps applied so far (int32, replicated); skipped steps do not
+      count. ``warmup_steps`` compares against it.
+    nonfinite_steps: steps skipped because some device's gradient held a NaN
+      or an infinity (int32, replicated).
   """
 
   residuals: optax.Updates
+  count: jax.Array
+  nonfinite_steps: jax.Array
 
 
 def _check_density(density: Any) -> float:
@@ -89,20 +96,25 @@ def _check_options(
     fusion: Any,
     backward_seconds: Any,
     axis_name: Any,
-) -> tuple[float, int]:
+    warmup_steps: Any,
+    skip_nonfinite: Any,
+) -> tuple[float, int, int]:
   """Validates the constructor's arguments; returns the normalised numbers."""
   if fusion != "auto":
     _check_count("fusion", fusion, 1)
   check_plan_options(algorithm, fusion)
-  if not isinstance(error_feedback, bool):
-    raise TypeError(f"error_feedback must be True or False, got {error_feedback!r}")
+  for name, flag in (("error_feedback", error_feedback),
+                     ("skip_nonfinite", skip_nonfinite)):
+    if not isinstance(flag, bool):
+      raise TypeError(f"{name} must be True or False, got {flag!r}")
   if not isinstance(axis_name, Hashable):
     raise TypeError(f"axis_name must be a mesh axis name, got {axis_name!r}")
   if backward_seconds is not None and not (
       isinstance(backward_seconds, numbers.Real) and 0 <= backward_seconds < math.inf):
     raise ValueError(
         f"backward_seconds must be None or seconds >= 0, got {backward_seconds!r}")
-  return _check_density(density), _check_count("min_size", min_size, 0)
+  return (_check_density(density), _check_count("min_size", min_size, 0),
+          _check_count("warmup_steps", warmup_steps, 0))
 
 
 def _check_value_dtype(value_dtype: Any) -> jnp.dtype | None:
@@ -146,6 +158,8 @@ def topka2a(
     backward_seconds: float | None = None,
     value_dtype: Any = None,
     selection: str = "exact",
+    warmup_steps: int = 0,
+    skip_nonfinite: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """Averages gradients across a mesh axis, sending only the top ``density``.
 
@@ -187,6 +201,16 @@ def topka2a(
       threshold found in a few passes, several times faster on large buckets
       and within 1% of exact top-k's magnitude mass
       (:mod:`topka2a_jax.threshold`).
+    warmup_steps: exchange densely (``lax.pmean``) for this many applied
+      steps, then sparsely. The switch happens at run time inside the one
+      compiled step; the residuals are zero when sparsification begins.
+    skip_nonfinite: when any device's gradient holds a NaN or an infinity,
+      every device skips the step alike: zero updates, residuals and
+      ``count`` untouched, ``nonfinite_steps`` incremented. A stateful
+      optimizer later in the chain (momentum, Adam) would still move on zero
+      updates; wrap the whole chain in :func:`topka2a_jax.skip_nonfinite` to
+      skip it too. False lets non-finite values through (and into the
+      residuals).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state
@@ -201,9 +225,9 @@ def topka2a(
     >>> tx = optax.chain(topka2a(density=0.01), optax.adam(1e-3))
     >>> opt_state = topka2a_jax.init(tx, params, mesh)
   """
-  density, min_size = _check_options(
+  density, min_size, warmup_steps = _check_options(
       density, algorithm, error_feedback, min_size, fusion, backward_seconds,
-      axis_name
+      axis_name, warmup_steps, skip_nonfinite
   )
   network = get_network(network)
   value_dtype = _check_value_dtype(value_dtype)
@@ -230,7 +254,40 @@ def topka2a(
         else optax.MaskedNode()
         for leaf in leaves
     ]
-    return TopKA2AState(treedef.unflatten(residuals))
+    zero = jnp.zeros((), jnp.int32)
+    return TopKA2AState(treedef.unflatten(residuals), zero, zero)
+
+  def exchange(
+      grads: list[jax.Array], residuals: list[Any], num_devices: int, sparse: bool
+  ) -> tuple[list[jax.Array], list[Any]]:
+    """Means of ``grads + residuals`` over the axis, and the new residuals.
+
+    ``sparse=False`` sends every bucket dense (warm-up): nothing stays behind.
+    """
+    means: list[jax.Array] = list(grads)  # empty leaves pass through as they are
+    new_residuals: list[Any] = [optax.MaskedNode()] * len(grads)
+    live = [i for i, g in enumerate(grads) if g.size > 0]
+    for bucket in plan([grads[i].size for i in live], num_devices):
+      members = [live[j] for j in bucket.leaves]
+      sizes = [grads[i].size for i in members]
+      dtype = jnp.result_type(*(_residual_dtype(grads[i]) for i in members))
+      acc = [
+          jnp.ravel(grads[i]).astype(dtype) + residuals[i]
+          if keeps_residual(grads[i])
+          else grads[i]
+          for i in members
+      ]
+      exchange = ALGORITHMS[bucket.algorithm if sparse else "dense"](
+          buckets.pack(acc, dtype), axis_name, density, value_dtype=value_dtype,
+          selection=selection,
+      )
+      means_flat = buckets.unpack(exchange.mean, sizes)
+      unsent_flat = buckets.unpack(exchange.unsent, sizes)
+      for i, mean, unsent in zip(members, means_flat, unsent_flat):
+        means[i] = mean.reshape(grads[i].shape).astype(grads[i].dtype)
+        if keeps_residual(grads[i]):
+          new_residuals[i] = unsent.astype(_residual_dtype(grads[i]))
+    return means, new_residuals
 
   def update_fn(
       updates: optax.Updates,
@@ -245,32 +302,38 @@ def topka2a(
     num_devices = bound_axis_size(axis_name)
     _check_per_device(grads, paths, axis_name)
 
-    means: list[jax.Array] = list(grads)  # empty leaves pass through as they are
-    new_residuals: list[Any] = [optax.MaskedNode()] * len(grads)
-    live = [i for i, g in enumerate(grads) if g.size > 0]
-    if not live:
+    if not any(g.size for g in grads):
       return updates, state
-    for bucket in plan([grads[i].size for i in live], num_devices):
-      members = [live[j] for j in bucket.leaves]
-      sizes = [grads[i].size for i in members]
-      dtype = jnp.result_type(*(_residual_dtype(grads[i]) for i in members))
-      acc = [
-          jnp.ravel(grads[i]).astype(dtype) + residuals[i]
-          if keeps_residual(grads[i])
-          else grads[i]
-          for i in members
-      ]
-      exchange = ALGORITHMS[bucket.algorithm](
-          buckets.pack(acc, dtype), axis_name, density, value_dtype=value_dtype,
-          selection=selection,
-      )
-      means_flat = buckets.unpack(exchange.mean, sizes)
-      unsent_flat = buckets.unpack(exchange.unsent, sizes)
-      for i, mean, unsent in zip(members, means_flat, unsent_flat):
-        means[i] = mean.reshape(grads[i].shape).astype(grads[i].dtype)
-        if keeps_residual(grads[i]):
-          new_residuals[i] = unsent.astype(_residual_dtype(grads[i]))
-    return treedef.unflatten(means), TopKA2AState(treedef.unflatten(new_residuals))
+
+    def applied(
+        grads: list[jax.Array], residuals: list[Any], count: jax.Array
+    ) -> tuple[list[jax.Array], list[Any], jax.Array]:
+      if warmup_steps == 0:
+        means, new = exchange(grads, residuals, num_devices, sparse=True)
+      else:
+        means, new = jax.lax.cond(
+            count < warmup_steps,
+            lambda g, r: exchange(g, r, num_devices, sparse=False),
+            lambda g, r: exchange(g, r, num_devices, sparse=True),
+            grads, residuals)
+      return means, new, count + 1
+
+    def skipped(
+        grads: list[jax.Array], residuals: list[Any], count: jax.Array
+    ) -> tuple[list[jax.Array], list[Any], jax.Array]:
+      zeros = [jnp.zeros(g.shape, g.dtype) if g.size else g for g in grads]
+      return zeros, residuals, count
+
+    if skip_nonfinite:
+      bad = nonfinite_on_any_device(grads, axis_name)
+      means, new_residuals, count = jax.lax.cond(
+          bad, skipped, applied, grads, residuals, state.count)
+      nonfinite_steps = state.nonfinite_steps + bad.astype(jnp.int32)
+    else:
+      means, new_residuals, count = applied(grads, residuals, state.count)
+      nonfinite_steps = state.nonfinite_steps
+    return treedef.unflatten(means), TopKA2AState(
+        treedef.unflatten(new_residuals), count, nonfinite_steps)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

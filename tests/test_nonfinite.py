@@ -1,0 +1,102 @@
+"""A NaN or an infinity on one device skips the step on every device alike."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_transform import model_leafwise, random_grads, residuals_of, run_steps
+
+import topka2a_jax
+
+
+def poisoned(grads, value, device=3, leaf="b"):
+  """A copy of ``grads`` with ``value`` in one entry of one device's leaf."""
+  grads = {k: g.copy() for k, g in grads.items()}
+  grads[leaf][device].flat[7] = value
+  return grads
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("algorithm", ["topka2a", "topka2a_sparse", "allgather"])
+def test_bad_step_changes_nothing_but_the_counter(mesh, algorithm, value):
+  tx = optax.chain(topka2a_jax.topka2a(0.1, algorithm=algorithm, min_size=0,
+                                       fusion=1))
+  first, third = random_grads(71), random_grads(73)
+  history = run_steps(tx, mesh, [first, poisoned(random_grads(72), value), third])
+  (_, before), (skipped, during), (last, after) = history
+  assert all(not u.any() for u in skipped.values())  # zero updates everywhere
+  for k, r in residuals_of(before).items():
+    np.testing.assert_array_equal(residuals_of(during)[k], r)
+  assert (int(during[0].count), int(during[0].nonfinite_steps)) == (1, 1)
+  assert (int(after[0].count), int(after[0].nonfinite_steps)) == (2, 1)
+  # The next step goes on as if the bad one had never come.
+  _, residuals = model_leafwise(algorithm, first, {}, 0.1)
+  want, residuals = model_leafwise(algorithm, third, residuals, 0.1)
+  for k in third:
+    np.testing.assert_allclose(last[k][0], want[k], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(residuals_of(after)[k], residuals[k],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_opting_out_lets_the_nan_through(mesh):
+  tx = optax.chain(topka2a_jax.topka2a(1.0, min_size=0, fusion=1,
+                                       skip_nonfinite=False))
+  [(updates, state)] = run_steps(tx, mesh, [poisoned(random_grads(74), np.nan)])
+  assert np.isnan(updates["b"]).any()
+  assert int(state[0].nonfinite_steps) == 0
+
+
+def train(mesh, tx, batches, params):
+  """Runs a least-squares step per batch; returns every step's params and state."""
+  state = topka2a_jax.init(tx, params, mesh)
+  specs = topka2a_jax.state_specs(state)
+
+  def step(params, state, x, scale):
+    def loss(p):
+      return jnp.mean((x @ p["w"] - 1.0) ** 2) * scale[0]
+    grads = jax.grad(loss)(lax.pcast(params, "data", to="varying"))
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  run = jax.jit(jax.shard_map(step, mesh=mesh,
+                              in_specs=(P(), specs, P("data"), P("data")),
+                              out_specs=(P(), specs)))
+  params = jax.device_put(params, NamedSharding(mesh, P()))
+  history = []
+  for x, scale in batches:
+    params, state = run(params, state,
+                        *jax.device_put((x, scale), NamedSharding(mesh, P("data"))))
+    history.append(jax.tree.map(np.asarray, (params, state)))
+  return history
+
+
+def test_wrapper_skips_the_whole_chain_bitwise(mesh):
+  tx = topka2a_jax.skip_nonfinite(
+      optax.chain(topka2a_jax.topka2a(0.05, min_size=0), optax.adam(1e-2)))
+  rng = np.random.default_rng(75)
+  xs = [rng.normal(size=(64, 40)).astype(np.float32) for _ in range(3)]
+  good = np.ones(8, np.float32)
+  bad = good.copy()
+  bad[5] = np.inf  # one device's loss, hence its gradient, is non-finite
+  params = {"w": jnp.zeros((40, 30))}
+  with_bad = train(mesh, tx, [(xs[0], good), (xs[1], bad), (xs[2], good)], params)
+  without = train(mesh, tx, [(xs[0], good), (xs[2], good)], params)
+  jax.tree.map(np.testing.assert_array_equal, with_bad[1][0], with_bad[0][0])
+  jax.tree.map(np.testing.assert_array_equal, with_bad[2][0], without[1][0])
+  inner_then, inner_now = with_bad[2][1].inner_state, without[1][1].inner_state
+  jax.tree.map(np.testing.assert_array_equal, inner_then, inner_now)
+  assert [int(s.nonfinite_steps) for _, s in with_bad] == [0, 1, 1]
+
+
+def test_wrapper_state_specs_and_init(mesh):
+  tx = topka2a_jax.skip_nonfinite(
+      optax.chain(topka2a_jax.topka2a(0.05, min_size=0), optax.sgd(0.1)))
+  state = topka2a_jax.init(tx, {"w": jnp.zeros((10, 10))}, mesh)
+  specs = topka2a_jax.state_specs(state)
+  assert specs.nonfinite_steps == P()
+  assert specs.inner_state[0].residuals["w"] == P("data")
+  assert specs.inner_state[0].count == P()

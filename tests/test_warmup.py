@@ -1,0 +1,67 @@
+"""Dense warm-up: pmean for the first steps, then sparse, in one compiled step."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_transform import model_leafwise, params_like, random_grads, residuals_of
+
+import topka2a_jax
+
+
+def run_counting_traces(tx, mesh, grads_per_step):
+  """Like test_transform.run_steps, also returning how often the step traced."""
+  state = topka2a_jax.init(tx, params_like(grads_per_step[0]), mesh)
+  specs = topka2a_jax.state_specs(state)
+  traces = []
+
+  def step(grads, state):
+    traces.append(1)
+    updates, state = tx.update(jax.tree.map(lambda g: g[0], grads), state)
+    return jax.tree.map(lambda u: u[None], updates), state
+
+  run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("data"), specs),
+                              out_specs=(P("data"), specs)))
+  history = []
+  for grads in grads_per_step:
+    updates, state = run(jax.device_put(grads, NamedSharding(mesh, P("data"))), state)
+    history.append((jax.tree.map(np.asarray, updates), state))
+  return history, len(traces)
+
+
+@pytest.mark.parametrize("algorithm", ["topka2a", "topka2a_sparse", "allgather"])
+def test_warmup_is_dense_then_sparse_from_zero_residuals(mesh, algorithm):
+  tx = optax.chain(topka2a_jax.topka2a(0.1, algorithm=algorithm, min_size=0,
+                                       fusion=1, warmup_steps=2))
+  steps = [random_grads(seed) for seed in (61, 62, 63, 64)]
+  history, traces = run_counting_traces(tx, mesh, steps)
+  assert traces == 1  # one compiled step switches at run time
+  for grads, (updates, state) in zip(steps[:2], history[:2]):
+    for k, g in grads.items():
+      np.testing.assert_allclose(updates[k], np.broadcast_to(g.mean(0), g.shape),
+                                 rtol=1e-5, atol=1e-6)
+    assert all(not r.any() for r in residuals_of(state).values())
+  residuals = {}  # sparsification starts from zero residuals
+  for grads, (updates, state) in zip(steps[2:], history[2:]):
+    want, residuals = model_leafwise(algorithm, grads, residuals, 0.1)
+    for k in grads:
+      np.testing.assert_allclose(updates[k][5], want[k], rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(residuals_of(state)[k], residuals[k],
+                                 rtol=1e-5, atol=1e-5)
+  assert [int(s[0].count) for _, s in history] == [1, 2, 3, 4]
+
+
+def test_warmup_zero_is_sparse_from_the_first_step(mesh):
+  tx = optax.chain(topka2a_jax.topka2a(0.1, min_size=0, fusion=1))
+  grads = random_grads(65)
+  [(updates, _)], _ = run_counting_traces(tx, mesh, [grads])
+  want, _ = model_leafwise("topka2a", grads, {}, 0.1)
+  np.testing.assert_allclose(updates["a"][0], want["a"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "10", True])
+def test_bad_warmup_steps_are_refused(bad):
+  with pytest.raises((TypeError, ValueError), match="warmup_steps"):
+    topka2a_jax.topka2a(0.1, warmup_steps=bad)

@@ -1,0 +1,108 @@
+"""Skipping steps whose gradients hold a NaN or an infinity, on every device alike.
+
+One device's overflow must not reach the residuals (it would come back at
+every later step) nor make replicas disagree. The test is global: the step is
+bad when any device's gradient is non-finite, decided by one ``lax.pmax`` of a
+flag, so every device takes the same branch.
+
+:func:`topka2a_jax.topka2a` guards its own state this way by default.
+:func:`skip_nonfinite` wraps a whole optax chain, so that a stateful optimizer
+after it (momentum, Adam) skips the step too.
+
+Example:
+  >>> tx = skip_nonfinite(optax.chain(topka2a(0.01), optax.adam(1e-3)))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from topka2a_jax.axis import is_varying, tracks_varying_axes
+
+
+def nonfinite_on_any_device(tree: Any, axis_name: Hashable) -> jax.Array:
+  """Whether any device's ``tree`` holds a NaN or an infinity.
+
+  Args:
+    tree: a pytree of arrays, per device, inside ``jax.shard_map``.
+    axis_name: the mesh axis to agree over.
+
+  Returns:
+    A boolean scalar, the same on every device of the axis.
+
+  Example:
+    >>> bad = nonfinite_on_any_device(grads, "data")
+  """
+  local = jnp.zeros((), jnp.int32)
+  for leaf in jax.tree.leaves(tree):
+    if leaf.size:
+      local = jnp.maximum(local, jnp.any(~jnp.isfinite(leaf)).astype(jnp.int32))
+  if tracks_varying_axes(axis_name) and not is_varying(local, axis_name):
+    local = lax.pcast(local, axis_name, to="varying")
+  return lax.pmax(local, axis_name) > 0
+
+
+class SkipNonFiniteState(NamedTuple):
+  """State of :func:`skip_nonfinite`.
+
+  Attributes:
+    inner_state: the wrapped optimizer's state.
+    nonfinite_steps: steps skipped so far (int32, replicated).
+  """
+
+  inner_state: optax.OptState
+  nonfinite_steps: jax.Array
+
+
+def skip_nonfinite(
+    inner: optax.GradientTransformation, axis_name: Hashable = "data"
+) -> optax.GradientTransformationExtraArgs:
+  """Skips the whole step when any device's gradient is non-finite.
+
+  Like ``optax.apply_if_finite``, but the decision is taken across the mesh
+  axis, so replicas never diverge: on a bad step every device returns zero
+  updates and keeps the wrapped state exactly as it was.
+
+  Args:
+    inner: the optimizer to guard, typically
+      ``optax.chain(topka2a(...), optax.adam(...))``.
+    axis_name: the data-parallel mesh axis (the update runs inside
+      ``jax.shard_map`` over it).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with state
+    :class:`SkipNonFiniteState`.
+
+  Example:
+    >>> tx = skip_nonfinite(optax.chain(topka2a(0.01), optax.adam(1e-3)))
+    >>> opt_state = topka2a_jax.init(tx, params, mesh)
+  """
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params: optax.Params) -> SkipNonFiniteState:
+    return SkipNonFiniteState(inner.init(params), jnp.zeros((), jnp.int32))
+
+  def update_fn(
+      updates: optax.Updates,
+      state: SkipNonFiniteState,
+      params: optax.Params | None = None,
+      **extra_args: Any,
+  ) -> tuple[optax.Updates, SkipNonFiniteState]:
+    bad = nonfinite_on_any_device(updates, axis_name)
+    new_updates, new_inner = inner.update(
+        updates, state.inner_state, params, **extra_args)
+    keep = lambda old, new: jnp.where(bad, old, new)  # noqa: E731
+    return (
+        jax.tree.map(lambda u: jnp.where(bad, jnp.zeros_like(u), u), new_updates),
+        SkipNonFiniteState(
+            jax.tree.map(keep, state.inner_state, new_inner),
+            state.nonfinite_steps + bad.astype(jnp.int32)),
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
