@@ -97,7 +97,7 @@ def skip_nonfinite(
     bad = nonfinite_on_any_device(updates, axis_name)
     new_updates, new_inner = inner.update(
         updates, state.inner_state, params, **extra_args)
-    keep = lambda old, new: jnp.where(bad, old, new)  # noqa: E731
+    keep = lambda old, new: jnp.where(bad, old, new)
     return (
         jax.tree.map(lambda u: jnp.where(bad, jnp.zeros_like(u), u), new_updates),
         SkipNonFiniteState(
