@@ -16,6 +16,7 @@ Read it top-down:
 * :mod:`topka2a_jax.axis`: trace-time checks of the mesh axis.
 * :mod:`topka2a_jax.nonfinite`: skipping steps with NaN or infinite gradients.
 * :mod:`topka2a_jax.placement`: laying the optimizer state out on a mesh.
+* :mod:`topka2a_jax.checkpoint`: saving and restoring it, on any device count.
 * :mod:`topka2a_jax.fusion`: planning buckets with the cost model; the
   online variant that times real steps is :mod:`topka2a_jax.tuning`.
 * :mod:`topka2a_jax.cost`: the α-β cost of each exchange.
@@ -29,7 +30,8 @@ Example:
   >>> specs = topka2a_jax.state_specs(opt_state)
 """
 
-from topka2a_jax import collectives
+from topka2a_jax import checkpoint, collectives
+from topka2a_jax.checkpoint import restore, save
 from topka2a_jax.collectives import Exchange
 from topka2a_jax.cost import NETWORKS, Network, breakeven_density, exchange_cost
 from topka2a_jax.fusion import FusionPlan, plan_fusion
@@ -48,11 +50,14 @@ __all__ = [
     "SkipNonFiniteState",
     "TopKA2AState",
     "breakeven_density",
+    "checkpoint",
     "collectives",
     "comm_report",
     "exchange_cost",
     "init",
     "plan_fusion",
+    "restore",
+    "save",
     "skip_nonfinite",
     "state_specs",
     "time_call",

@@ -1,0 +1,185 @@
+"""Training one model several ways, data-parallel, and comparing the runs.
+
+Shared by ``train_digits.py`` and ``train_charlm.py``: a ``jax.shard_map``
+training step over a ``"data"`` mesh axis (per-device gradients, the optimizer
+state laid out by :func:`topka2a_jax.init`), a progress bar over every run,
+the bytes each device sends per step read from the compiled step, a table of
+means over seeds and a PNG of the curves.
+
+Example:
+  >>> results = compare(runs, task, steps=300, seeds=(0, 1, 2), mesh=mesh)
+  >>> print_table(results, "test accuracy", "{:.2%}")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from tqdm import tqdm
+
+import topka2a_jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """What is trained and how it is scored.
+
+  Attributes:
+    init: seed -> the model's parameters (a pytree of float arrays).
+    loss: (params, batch) -> scalar training loss on one device's batch.
+    batches: (seed, global batch size) -> an endless iterator of batches
+      (pytrees of NumPy arrays whose leading axis is split across devices).
+    evaluate: params -> the held-out score (a float).
+    eval_every: steps between evaluations.
+  """
+
+  init: Callable[[int], Any]
+  loss: Callable[[Any, Any], jax.Array]
+  batches: Callable[[int, int], Iterator[Any]]
+  evaluate: Callable[[Any], float]
+  eval_every: int
+
+
+@dataclasses.dataclass
+class Result:
+  """One configuration trained from several seeds."""
+
+  name: str
+  eval_steps: list[int]
+  scores: list[list[float]]  # per seed, at eval_steps
+  losses: list[list[float]]  # per seed, every step's mean training loss
+  bytes_per_step: float
+  seconds: float
+
+  @property
+  def final(self) -> np.ndarray:
+    """The last evaluation, per seed."""
+    return np.array([s[-1] for s in self.scores])
+
+  @property
+  def late(self) -> float:
+    """The mean of the last five evaluations over all seeds: less noisy."""
+    return float(np.mean([s[-5:] for s in self.scores]))
+
+  @property
+  def late_loss(self) -> float:
+    """The mean training loss over the last tenth of the steps and all seeds."""
+    tail = max(1, len(self.losses[0]) // 10)
+    return float(np.mean([losses[-tail:] for losses in self.losses]))
+
+
+def make_step(tx: optax.GradientTransformation, task: Task, mesh, state):
+  """The jitted shard_map step ``(params, state, batch) -> (params, state, loss)``."""
+  specs = topka2a_jax.state_specs(state)
+
+  def step(params, state, batch):
+    local = jax.lax.pcast(params, "data", to="varying")  # per-device gradients
+    loss, grads = jax.value_and_grad(task.loss)(local, batch)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, jax.lax.pmean(loss, "data")
+
+  return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data")),
+                               out_specs=(P(), specs, P())))
+
+
+def compare(
+    runs: dict[str, Callable[[], optax.GradientTransformation]],
+    task: Task,
+    *,
+    steps: int,
+    seeds: tuple[int, ...],
+    batch_per_device: int,
+    mesh,
+) -> list[Result]:
+  """Trains every run from every seed, one step at a time; returns the results."""
+  num_devices = mesh.shape["data"]
+  replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+  results = []
+  bar = tqdm(total=len(runs) * len(seeds) * steps, unit="step", smoothing=0.05)
+  for name, make_tx in runs.items():
+    bar.set_description(name)
+    tx = make_tx()
+    result = Result(name, [], [], [], 0.0, 0.0)
+    start = time.perf_counter()
+    train_step = None
+    for seed in seeds:
+      params = jax.device_put(task.init(seed), replicated)
+      state = topka2a_jax.init(tx, params, mesh)
+      batches = task.batches(seed, batch_per_device * num_devices)
+      if train_step is None:  # one compilation per run, shared by its seeds
+        train_step = make_step(tx, task, mesh, state)
+        lowered = train_step.lower(params, state, jax.device_put(next(batches), split))
+        result.bytes_per_step = topka2a_jax.comm_report(lowered).total_bytes
+      scores, losses, eval_steps = [], [], []
+      for i in range(1, steps + 1):
+        params, state, loss = train_step(params, state,
+                                         jax.device_put(next(batches), split))
+        losses.append(float(loss))  # waits for the step: see the README on CPU
+        if i % task.eval_every == 0 or i == steps:
+          scores.append(task.evaluate(params))
+          eval_steps.append(i)
+        bar.update()
+      result.scores.append(scores)
+      result.losses.append(losses)
+      result.eval_steps = eval_steps
+    result.seconds = (time.perf_counter() - start) / len(seeds)
+    results.append(result)
+  bar.close()
+  return results
+
+
+def print_table(results: list[Result], score: str, fmt: str) -> None:
+  """One row per run, its figures over the seeds.
+
+  Columns: the final score (mean, then min..max over seeds), the score
+  averaged over the last five evaluations, the training loss over the last
+  tenth of the steps, the bytes each device sends per step and their ratio
+  to the first run's, and the wall time per seed.
+  """
+  base = results[0]
+  print(f"\n{'run':41s} {'final ' + score:>16s} {'min..max':>15s} {'last 5':>7s} "
+        f"{'train loss':>10s} {'bytes/step':>11s} {'ratio':>6s} {'s/seed':>6s}")
+  for r in results:
+    low, high = fmt.format(r.final.min()), fmt.format(r.final.max())
+    print(f"{r.name:41s} {fmt.format(r.final.mean()):>16s} {low + '..' + high:>15s} "
+          f"{fmt.format(r.late):>7s} {r.late_loss:10.4f} {r.bytes_per_step:11,.0f} "
+          f"{r.bytes_per_step / base.bytes_per_step:6.3f} {r.seconds:6.1f}")
+
+
+def write_json(results: list[Result], path: str, **meta: Any) -> None:
+  """Every curve and figure, for anyone to re-plot or check."""
+  with open(path, "w") as f:
+    json.dump({"meta": meta, "runs": [dataclasses.asdict(r) for r in results]}, f)
+
+
+def plot(results: list[Result], path: str, score: str, title: str) -> None:
+  """Held-out score and training loss against step, mean over seeds per run."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+  for r in results:
+    left.plot(r.eval_steps, np.mean(r.scores, 0), label=r.name)
+    losses = np.mean(r.losses, 0)
+    window = max(1, len(losses) // 50)
+    smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
+    right.plot(np.arange(window, len(losses) + 1), smooth, label=r.name)
+  left.set(xlabel="step", ylabel=score, title=score)
+  right.set(xlabel="step", ylabel="training loss", yscale="log",
+            title=f"training loss (moving mean over {window} steps)")
+  left.legend(fontsize=8)
+  fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)

@@ -1,0 +1,80 @@
+"""A small training run that can stop, save, and resume in another process.
+
+Imported by tests/test_checkpoint.py, and run as a script by it so that a
+fresh process restores the checkpoint:
+
+  python tests/resumable.py straight OUT.npz        # 10 steps
+  python tests/resumable.py first CHECKPOINT        # 5 steps, then save
+  python tests/resumable.py resume CHECKPOINT OUT.npz  # restore, 5 more
+"""
+
+import os
+import sys
+
+if __name__ == "__main__":
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import topka2a_jax
+
+TX = optax.chain(topka2a_jax.topka2a(0.05, min_size=64), optax.adam(1e-2))
+PARAMS = {"w": jnp.zeros((40, 30)), "b": jnp.zeros(30)}
+
+
+def fresh(mesh):
+  """Initial {"params", "opt_state"} on ``mesh``."""
+  params = jax.device_put(PARAMS, NamedSharding(mesh, P()))
+  return {"params": params, "opt_state": topka2a_jax.init(TX, params, mesh)}
+
+
+def batch(step):
+  """The global batch of a step: the same whatever the device count."""
+  rng = np.random.default_rng(step)
+  return rng.normal(size=(48, 40)).astype(np.float32)
+
+
+def train(state, mesh, steps):
+  """Runs the given step numbers; returns the new state."""
+  specs = topka2a_jax.state_specs(state)
+
+  def step(state, x):
+    def loss(p):
+      return jnp.mean((x @ p["w"] + p["b"] - jnp.sin(x[:, :30])) ** 2)
+    grads = jax.grad(loss)(lax.pcast(state["params"], "data", to="varying"))
+    updates, opt_state = TX.update(grads, state["opt_state"], state["params"])
+    return {"params": optax.apply_updates(state["params"], updates),
+            "opt_state": opt_state}
+
+  run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs, P("data")),
+                              out_specs=specs))
+  for i in steps:
+    state = run(state, jax.device_put(batch(i), NamedSharding(mesh, P("data"))))
+    jax.block_until_ready(state)
+  return state
+
+
+def leaves(state):
+  return [np.asarray(leaf) for leaf in jax.tree.leaves(state)]
+
+
+def main(mode, *paths):
+  mesh = jax.make_mesh((8,), ("data",))
+  if mode == "straight":
+    np.savez(paths[0], *leaves(train(fresh(mesh), mesh, range(10))))
+  elif mode == "first":
+    topka2a_jax.save(paths[0], train(fresh(mesh), mesh, range(5)), mesh)
+  elif mode == "resume":
+    state = topka2a_jax.restore(paths[0], fresh(mesh), mesh)
+    np.savez(paths[1], *leaves(train(state, mesh, range(5, 10))))
+
+
+if __name__ == "__main__":
+  main(*sys.argv[1:])

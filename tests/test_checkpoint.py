@@ -1,0 +1,107 @@
+"""Checkpoints: bitwise resume in a fresh process, restarts on other device counts."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+import resumable
+
+import topka2a_jax
+from topka2a_jax.checkpoint import total_residuals
+
+SCRIPT = Path(resumable.__file__)
+
+
+def run_script(*args):
+  done = subprocess.run([sys.executable, str(SCRIPT), *map(str, args)],
+                        capture_output=True, text=True, timeout=300, check=False)
+  assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_save_and_resume_in_a_fresh_process_is_bitwise(tmp_path):
+  run_script("straight", tmp_path / "straight.npz")
+  run_script("first", tmp_path / "ckpt")
+  run_script("resume", tmp_path / "ckpt", tmp_path / "resumed.npz")
+  straight = np.load(tmp_path / "straight.npz")
+  resumed = np.load(tmp_path / "resumed.npz")
+  assert len(straight.files) == len(resumed.files) > 0
+  for name in straight.files:
+    np.testing.assert_array_equal(resumed[name], straight[name])
+
+
+def sub_mesh(devices):
+  return jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
+
+
+@pytest.mark.parametrize("old, new", [(8, 4), (4, 8), (8, 3), (2, 1)])
+def test_restart_on_another_device_count_keeps_the_residual_total(tmp_path, old, new):
+  before_mesh, after_mesh = sub_mesh(old), sub_mesh(new)
+  before = resumable.train(resumable.fresh(before_mesh), before_mesh, range(3))
+  topka2a_jax.save(tmp_path / "ckpt", before, before_mesh)
+  after = topka2a_jax.restore(tmp_path / "ckpt", resumable.fresh(after_mesh),
+                              after_mesh)
+  owed_before = total_residuals(before, old)
+  owed_after = total_residuals(after, new)
+  assert owed_before and any(np.abs(t).sum() > 0 for t in owed_before)
+  for was, now in zip(owed_before, owed_after):
+    if new > 1:
+      np.testing.assert_array_equal(now, was)  # exact, in float64
+    else:
+      np.testing.assert_allclose(now, was, rtol=1e-6, atol=1e-7)
+  # Everything else is replicated and comes back bitwise.
+  jax.tree.map(np.testing.assert_array_equal, after["params"], before["params"])
+  jax.tree.map(np.testing.assert_array_equal, after["opt_state"][1],
+               before["opt_state"][1])
+  resident = after["opt_state"][0].residuals["w"]
+  assert resident.shape == (new * 1200,)
+  assert resident.sharding.mesh.shape["data"] == new
+  resumable.train(after, after_mesh, range(3, 5))  # and training goes on
+
+
+def test_resizing_a_residual_by_hand():
+  residual = np.arange(8.0, dtype=np.float32)  # 4 devices of 2 entries
+  grown = np.asarray(topka2a_jax.checkpoint.resize_residual(residual, 4, 8))
+  np.testing.assert_array_equal(grown, [0, 1, 2, 3, 4, 5, 6, 7, 0, 0, 0, 0, 0, 0, 0, 0])
+  shrunk = np.asarray(topka2a_jax.checkpoint.resize_residual(residual, 4, 2))
+  np.testing.assert_array_equal(shrunk, [12, 16, 0, 0])  # 0+2+4+6, 1+3+5+7
+  # 1 + 2**-30 + 2**-30 does not fit one float32: the pair keeps it.
+  summed = np.asarray(topka2a_jax.checkpoint.resize_residual(
+      np.array([1.0, 2.0**-30, 2.0**-30], np.float32), 3, 2))
+  assert summed[0] + np.float64(summed[1]) == 1.0 + 2.0**-29  # rounding kept
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path, mesh):
+  state = resumable.fresh(mesh)
+  topka2a_jax.save(tmp_path / "ckpt", state, mesh)
+  other = dict(state, params=dict(state["params"], extra=state["params"]["b"]))
+  other["opt_state"] = topka2a_jax.init(resumable.TX, other["params"], mesh)
+  with pytest.raises(ValueError, match="another pytree"):
+    topka2a_jax.restore(tmp_path / "ckpt", other, mesh)
+  wider = {"w": np.zeros((40, 31), np.float32), "b": np.zeros(30, np.float32)}
+  wide = {"params": jax.device_put(wider), "opt_state": topka2a_jax.init(
+      resumable.TX, wider, mesh)}
+  with pytest.raises(ValueError, match=r"leaf \['opt_state'\].*was saved as"):
+    topka2a_jax.restore(tmp_path / "ckpt", wide, mesh)
+
+
+def test_checkpoint_of_another_configuration_is_refused(tmp_path, mesh):
+  state = resumable.fresh(mesh)
+  topka2a_jax.save(tmp_path / "ckpt", state, mesh)
+  tx = optax.chain(topka2a_jax.topka2a(0.05, min_size=0), optax.adam(1e-2))
+  like = {"params": state["params"], "opt_state": topka2a_jax.init(
+      tx, state["params"], mesh)}  # b now keeps a residual too
+  with pytest.raises(ValueError, match="another pytree"):
+    topka2a_jax.restore(tmp_path / "ckpt", like, mesh)
+
+
+def test_save_never_overwrites_and_restore_needs_a_checkpoint(tmp_path, mesh):
+  state = resumable.fresh(mesh)
+  topka2a_jax.save(tmp_path / "ckpt", state, mesh)
+  with pytest.raises(FileExistsError, match="nothing was written"):
+    topka2a_jax.save(tmp_path / "ckpt", state, mesh)
+  with pytest.raises(FileNotFoundError, match="no checkpoint"):
+    topka2a_jax.restore(tmp_path, state, mesh)

@@ -1,0 +1,232 @@
+"""Saving and restoring the training state with Orbax, on any number of devices.
+
+The residuals are the part of sparse training that is easy to lose: they are
+per device, so a checkpoint must hold every device's copy, and a restart on
+another number of devices must hand the same total to the new devices.
+:func:`save` writes the whole state (parameters, optimizer state, residuals
+of every device) with Orbax and a small description of the layout;
+:func:`restore` reads it onto a mesh of any size along the data axis,
+resizing the residuals with :func:`resize_residual` so that their sum over
+devices is kept.
+
+Example:
+  >>> save("/ckpt/step_500", {"params": params, "opt_state": opt_state}, mesh)
+  >>> like = {"params": params, "opt_state": topka2a_jax.init(tx, params, mesh)}
+  >>> state = restore("/ckpt/step_500", like, mesh)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Hashable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from topka2a_jax.placement import state_specs
+
+LAYOUT_FILE = "topka2a_layout.json"
+"""Written beside Orbax's files: devices, axis, pytree structure and shapes."""
+
+
+def _layout(state: Any, mesh: Mesh, axis_name: Hashable) -> dict[str, Any]:
+  with_paths, treedef = jax.tree_util.tree_flatten_with_path(state)
+  specs = jax.tree.leaves(state_specs(state, axis_name),
+                          is_leaf=lambda node: isinstance(node, P))
+  return {
+      "devices": int(mesh.shape[axis_name]),
+      "axis_name": str(axis_name),
+      "structure": str(treedef),
+      "leaves": [
+          {"path": jax.tree_util.keystr(path), "shape": list(leaf.shape),
+           "dtype": str(leaf.dtype), "per_device": spec == P(axis_name)}
+          for (path, leaf), spec in zip(with_paths, specs)
+      ],
+  }
+
+
+def _check_axis(mesh: Mesh, axis_name: Hashable) -> None:
+  if axis_name not in mesh.axis_names:
+    raise ValueError(f"mesh has no axis {axis_name!r}; its axes are "
+                     f"{mesh.axis_names}. Pass the data-parallel axis with "
+                     "axis_name=...")
+
+
+def save(directory: str | Path, state: Any, mesh: Mesh,
+         axis_name: Hashable = "data") -> None:
+  """Writes the whole training state, every device's residuals included.
+
+  Args:
+    directory: a new directory (it must not exist; nothing is overwritten).
+    state: any pytree of global arrays holding the optimizer state of
+      :func:`topka2a_jax.topka2a`, e.g. ``{"params": ..., "opt_state": ...}``.
+    mesh: the mesh the state lives on.
+    axis_name: the data-parallel mesh axis.
+
+  Raises:
+    FileExistsError: ``directory`` exists.
+
+  Example:
+    >>> save("/ckpt/step_500", {"params": params, "opt_state": opt_state}, mesh)
+  """
+  import orbax.checkpoint as ocp
+
+  _check_axis(mesh, axis_name)
+  directory = Path(directory).absolute()
+  if directory.exists():
+    raise FileExistsError(f"{directory} exists; save each checkpoint to a new "
+                          "directory (nothing was written)")
+  layout = _layout(state, mesh, axis_name)
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(directory / "state", state)
+  if jax.process_index() == 0:
+    (directory / LAYOUT_FILE).write_text(json.dumps(layout, indent=1))
+
+
+def resize_residual(residual: jax.Array, old_devices: int,
+                    new_devices: int) -> jax.Array:
+  """One per-device residual, ``(old * n,)``, laid out for ``new`` devices.
+
+  The sum over devices is what error feedback still owes, so it is kept.
+  Growing keeps every old device's residual and gives the new devices zeros:
+  exact. Shrinking adds up each entry's residuals in float64 and stores the
+  total as a float32 pair (rounded total on device 0, its rounding error on
+  device 1): the float64 sum over devices is unchanged whenever it has at
+  most 48 significant bits, which a sum of float32 residuals of similar
+  scale has. On one device only the rounded total fits.
+
+  Args:
+    residual: the global array, device ``i``'s part at ``[i * n, (i+1) * n)``.
+    old_devices: devices the residual was made on.
+    new_devices: devices it is for.
+
+  Returns:
+    The global array of shape ``(new_devices * n,)``, same dtype.
+
+  Example:
+    >>> resize_residual(jnp.arange(8.0), 4, 2)  # [0+2+4+6, 1+3+5+7] as pairs
+  """
+  if residual.ndim != 1 or residual.shape[0] % old_devices:
+    raise ValueError(f"a residual of shape {residual.shape} is not "
+                     f"{old_devices} equal per-device parts")
+  rows = residual.reshape(old_devices, -1)
+  if new_devices >= old_devices:
+    padding = jnp.zeros((new_devices - old_devices, rows.shape[1]), rows.dtype)
+    return jnp.concatenate([rows, padding]).reshape(-1)
+  with jax.enable_x64():
+    total = jnp.sum(rows.astype(jnp.float64), axis=0)
+    high = total.astype(rows.dtype)
+    low = (total - high.astype(jnp.float64)).astype(rows.dtype)
+  parts = [high, low][:new_devices]
+  parts += [jnp.zeros_like(high)] * (new_devices - len(parts))
+  return jnp.stack(parts).reshape(-1)
+
+
+def restore(directory: str | Path, like: Any, mesh: Mesh,
+            axis_name: Hashable = "data") -> Any:
+  """Reads a state written by :func:`save` onto ``mesh``, of any size.
+
+  Args:
+    directory: what :func:`save` wrote.
+    like: the same pytree laid out for ``mesh`` (arrays or
+      ``jax.ShapeDtypeStruct`` with shardings), e.g. a fresh
+      ``{"params": params, "opt_state": topka2a_jax.init(tx, params, mesh)}``;
+      its structure, shapes and shardings are those of the result.
+    mesh: the mesh to restore onto; its data axis may have a different size
+      from the saved one, and the residuals are resized
+      (:func:`resize_residual`).
+    axis_name: the data-parallel mesh axis.
+
+  Returns:
+    The state, placed like ``like``.
+
+  Raises:
+    FileNotFoundError: no checkpoint written by :func:`save` there.
+    ValueError: the checkpoint holds another model or configuration (pytree
+      structure, shapes or dtypes differ from ``like``'s); nothing is loaded.
+
+  Example:
+    >>> state = restore("/ckpt/step_500", like, jax.make_mesh((4,), ("data",)))
+  """
+  import orbax.checkpoint as ocp
+
+  _check_axis(mesh, axis_name)
+  directory = Path(directory).absolute()
+  if not (directory / LAYOUT_FILE).is_file():
+    raise FileNotFoundError(f"{directory} holds no checkpoint written by "
+                            f"topka2a_jax.save (no {LAYOUT_FILE})")
+  saved = json.loads((directory / LAYOUT_FILE).read_text())
+  wanted = _layout(like, mesh, axis_name)
+  old, new = saved["devices"], wanted["devices"]
+  _check_same_configuration(saved, wanted, directory)
+
+  targets = []
+  for leaf, described in zip(jax.tree.leaves(like), wanted["leaves"]):
+    if described["per_device"] and old != new:
+      # Read whole on every device, then resized to the new layout.
+      targets.append(jax.ShapeDtypeStruct((leaf.shape[0] // new * old,), leaf.dtype,
+                                          sharding=NamedSharding(mesh, P())))
+    else:
+      targets.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                          sharding=leaf.sharding))
+  treedef = jax.tree.structure(like)
+  with ocp.StandardCheckpointer() as checkpointer:
+    loaded = checkpointer.restore(directory / "state", treedef.unflatten(targets))
+  if old == new:
+    return loaded
+  shardings = [leaf.sharding for leaf in jax.tree.leaves(like)]
+  resized = [
+      jax.jit(resize_residual, static_argnums=(1, 2), out_shardings=sharding)(
+          leaf, old, new) if described["per_device"] else leaf
+      for leaf, described, sharding in zip(jax.tree.leaves(loaded),
+                                           wanted["leaves"], shardings)
+  ]
+  return treedef.unflatten(resized)
+
+
+def _check_same_configuration(saved: dict[str, Any], wanted: dict[str, Any],
+                              directory: Path) -> None:
+  """Raises unless the saved state is the same pytree as the wanted one."""
+  fix = ("Restore into a state made for the same model and topka2a options "
+         "(density aside); nothing was loaded.")
+  if saved["structure"] != wanted["structure"]:
+    raise ValueError(f"the checkpoint in {directory} holds another pytree: "
+                     f"saved {saved['structure']}, wanted "
+                     f"{wanted['structure']}. {fix}")
+  old, new = saved["devices"], wanted["devices"]
+  for was, want in zip(saved["leaves"], wanted["leaves"]):
+    shape = list(want["shape"])
+    if want["per_device"]:
+      shape = [shape[0] // new * old]
+    if was["dtype"] != want["dtype"] or was["shape"] != shape:
+      raise ValueError(
+          f"leaf {want['path']} was saved as {was['dtype']}{was['shape']} on "
+          f"{old} devices, which does not match {want['dtype']}{want['shape']} "
+          f"on {new}. {fix}")
+
+
+def total_residuals(state: Any, num_devices: int,
+                    axis_name: Hashable = "data") -> list[np.ndarray]:
+  """Every residual summed over devices, in float64: what is still owed.
+
+  Args:
+    state: a pytree holding :func:`topka2a_jax.topka2a`'s state.
+    num_devices: devices along ``axis_name``.
+    axis_name: the data-parallel mesh axis.
+
+  Returns:
+    One float64 array of shape ``(n,)`` per per-device leaf, in leaf order.
+
+  Example:
+    >>> before = total_residuals(state, 8)
+  """
+  specs = jax.tree.leaves(state_specs(state, axis_name),
+                          is_leaf=lambda node: isinstance(node, P))
+  return [np.asarray(leaf, np.float64).reshape(num_devices, -1).sum(0)
+          for leaf, spec in zip(jax.tree.leaves(state), specs)
+          if spec == P(axis_name)]
