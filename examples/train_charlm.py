@@ -124,10 +124,11 @@ def make_task(eval_every: int) -> Task:
               eval_every=eval_every)
 
 
-def optimizer(steps: int, **options) -> optax.GradientTransformation:
+def optimizer(steps: int, learning_rate: float,
+              **options) -> optax.GradientTransformation:
   """The exchange, then Adam with a linear warm-up and cosine decay."""
   schedule = optax.warmup_cosine_decay_schedule(
-      0.0, LEARNING_RATE, WARMUP_STEPS, max(steps, WARMUP_STEPS + 1))
+      0.0, learning_rate, WARMUP_STEPS, max(steps, WARMUP_STEPS + 1))
   return optax.chain(topka2a_jax.topka2a(**options), optax.adam(schedule))
 
 
@@ -137,6 +138,7 @@ RUNS = {
     "topka2a 5%": {"density": 0.05},
     "topka2a 1%, no error feedback": {"density": 0.01, "error_feedback": False},
     "allgather (TopkA) 1%": {"density": 0.01, "algorithm": "allgather"},
+    "topka2a 1%, 100 dense warm-up steps": {"density": 0.01, "warmup_steps": 100},
 }
 QUICK_RUNS = ("dense (pmean)", "topka2a 1%", "topka2a 1%, no error feedback")
 
@@ -148,6 +150,8 @@ def main():
   parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=None,
                       metavar="RUN", help="subset of the runs (the first is the "
                       "baseline of the bytes ratio)")
+  parser.add_argument("--lr", type=float, default=LEARNING_RATE,
+                      help="Adam's peak learning rate")
   parser.add_argument("--quick", action="store_true",
                       help="a one-minute smoke run: 40 steps of three runs")
   parser.add_argument("--out", default="charlm",
@@ -163,7 +167,7 @@ def main():
         f"{args.seeds}, {sum(p.size for p in params):,} parameters, Python "
         f"{platform.python_version()} source; uniform guess: "
         f"{math.log(256):.3f} nats/byte")
-  runs = {name: functools.partial(optimizer, steps, **RUNS[name]) for name in names}
+  runs = {name: functools.partial(optimizer, steps, args.lr, **RUNS[name]) for name in names}
   results = compare(runs, make_task(eval_every=max(1, steps // 12)), steps=steps,
                     seeds=tuple(args.seeds), batch_per_device=BATCH_PER_DEVICE,
                     mesh=mesh)

@@ -155,3 +155,30 @@ def test_init_on_a_mesh_without_the_axis(mesh):
   tx = topka2a_jax.topka2a(0.1)
   with pytest.raises(ValueError, match=r"mesh has no axis 'batch'.*\('data',\)"):
     topka2a_jax.init(tx, PARAMS, mesh, axis_name="batch")
+
+
+def test_state_from_a_mesh_of_another_size(mesh):
+  # A state initialised on 8 devices, moved as it is onto a 4-device step:
+  # each device would see two devices' residuals.
+  tx = topka2a_jax.topka2a(0.1, min_size=0)
+  state = topka2a_jax.init(tx, PARAMS, mesh)
+  small = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+  specs = topka2a_jax.state_specs(state)
+  moved = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(small, s), specs))
+  run = jax.jit(jax.shard_map(
+      lambda p, s: tx.update(per_device_grads(p), s), mesh=small,
+      in_specs=(P(), specs), out_specs=(P(), specs)))
+  params = jax.device_put(PARAMS, NamedSharding(small, P()))
+  with pytest.raises(ValueError, match=r"residual for leaf \['b'\] has shape "
+                     r"\(64,\), expected \(32,\)"):
+    run(params, moved)
+
+
+def test_nonfinite_gradients_are_skipped_not_raised(mesh):
+  # Not an error: the step is skipped on every device (tests/test_nonfinite.py).
+  tx = topka2a_jax.topka2a(0.1, min_size=0)
+  run, params, state = sharded_update(
+      mesh, tx, lambda p: jax.tree.map(lambda x: x * jnp.nan, per_device_grads(p)))
+  updates, new_state = run(params, state)
+  assert int(new_state.nonfinite_steps) == 1
+  assert not any(np.asarray(u).any() for u in jax.tree.leaves(updates))

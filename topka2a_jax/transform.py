@@ -375,7 +375,8 @@ def _matching_residuals(
             f"({grad.size},) on each device. Pass the state through shard_map "
             "with in_specs/out_specs from topka2a_jax.state_specs(opt_state) "
             "(its residuals are per device), and create it for this model and "
-            "these options with topka2a_jax.init."
+            "these options with topka2a_jax.init. A state saved on another "
+            "number of devices is resized by topka2a_jax.restore."
         )
     elif not isinstance(residual, optax.MaskedNode):
       raise ValueError(
