@@ -62,6 +62,20 @@ def tracks_varying_axes(axis_name: Hashable) -> bool:
   return is_varying(probe, axis_name)
 
 
+def varying_axes(x: jax.Array) -> frozenset[Hashable]:
+  """The mesh axes along which ``x`` is typed as differing between devices.
+
+  Args:
+    x: a value inside shard_map.
+
+  Returns:
+    The axes; empty outside shard_map or with ``check_vma=False``.
+  """
+  aval = jax.typeof(x)
+  manual_axis_type = getattr(aval, "mat", None)  # JAX >= 0.10
+  return frozenset(aval.vma if manual_axis_type is None else manual_axis_type.varying)
+
+
 def is_varying(x: jax.Array, axis_name: Hashable) -> bool:
   """Whether ``x`` is typed as differing from device to device along the axis.
 
@@ -72,7 +86,4 @@ def is_varying(x: jax.Array, axis_name: Hashable) -> bool:
   Returns:
     True when ``x`` may differ between the devices of ``axis_name``.
   """
-  aval = jax.typeof(x)
-  manual_axis_type = getattr(aval, "mat", None)  # JAX >= 0.10
-  varying = aval.vma if manual_axis_type is None else manual_axis_type.varying
-  return axis_name in varying
+  return axis_name in varying_axes(x)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from topka2a_jax.axis import is_varying, tracks_varying_axes
+from topka2a_jax.axis import is_varying, tracks_varying_axes, varying_axes
 
 
 def nonfinite_on_any_device(tree: Any, axis_name: Hashable) -> jax.Array:
@@ -34,7 +34,8 @@ def nonfinite_on_any_device(tree: Any, axis_name: Hashable) -> jax.Array:
     axis_name: the mesh axis to agree over.
 
   Returns:
-    A boolean scalar, the same on every device of the axis.
+    A boolean scalar, the same on every device of the axis and of every other
+    axis the gradients vary along.
 
   Example:
     >>> bad = nonfinite_on_any_device(grads, "data")
@@ -45,7 +46,10 @@ def nonfinite_on_any_device(tree: Any, axis_name: Hashable) -> jax.Array:
       local = jnp.maximum(local, jnp.any(~jnp.isfinite(leaf)).astype(jnp.int32))
   if tracks_varying_axes(axis_name) and not is_varying(local, axis_name):
     local = lax.pcast(local, axis_name, to="varying")
-  return lax.pmax(local, axis_name) > 0
+  # Over every axis the gradients vary along (on a 2-D mesh, the model axis
+  # too), so that all shards of the model skip together.
+  axes = (axis_name, *sorted(varying_axes(local) - {axis_name}, key=str))
+  return lax.pmax(local, axes) > 0
 
 
 class SkipNonFiniteState(NamedTuple):

@@ -28,7 +28,12 @@ import jax.numpy as jnp
 import optax
 
 from topka2a_jax import buckets
-from topka2a_jax.axis import bound_axis_size, is_varying, tracks_varying_axes
+from topka2a_jax.axis import (
+    bound_axis_size,
+    is_varying,
+    tracks_varying_axes,
+    varying_axes,
+)
 from topka2a_jax.collectives import ALGORITHMS, get_selection
 from topka2a_jax.cost import Network, get_network
 from topka2a_jax.fusion import check_plan_options, step_model
@@ -321,8 +326,8 @@ def topka2a(
     def skipped(
         grads: list[jax.Array], residuals: list[Any], count: jax.Array
     ) -> tuple[list[jax.Array], list[Any], jax.Array]:
-      zeros = [jnp.zeros(g.shape, g.dtype) if g.size else g for g in grads]
-      return zeros, residuals, count
+      return [_zeros_like_mean(g, axis_name) if g.size else g for g in grads], (
+          residuals), count
 
     if skip_nonfinite:
       bad = nonfinite_on_any_device(grads, axis_name)
@@ -336,6 +341,13 @@ def topka2a(
         treedef.unflatten(new_residuals), count, nonfinite_steps)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _zeros_like_mean(grad: jax.Array, axis_name: Hashable) -> jax.Array:
+  """Zeros typed like the mean of ``grad``: invariant along the axis only."""
+  zeros = jnp.zeros(grad.shape, grad.dtype)
+  others = tuple(varying_axes(grad) - {axis_name})
+  return jax.lax.pcast(zeros, others, to="varying") if others else zeros
 
 
 def _flatten(tree: Any) -> tuple[list[str], list[Any], Any]:
