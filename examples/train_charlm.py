@@ -74,7 +74,7 @@ class Block(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     batch, length, _ = x.shape
     q, k, v = jnp.split(self.qkv(self.norm1(x)), 3, axis=-1)
-    heads = lambda t: t.reshape(batch, length, HEADS, WIDTH // HEADS)  # noqa: E731
+    heads = lambda t: t.reshape(batch, length, HEADS, WIDTH // HEADS)
     causal = jnp.tril(jnp.ones((length, length), bool))
     attended = jax.nn.dot_product_attention(heads(q), heads(k), heads(v),
                                             mask=causal[None, None])

@@ -54,5 +54,5 @@ def test_charlm_quick_run_writes_its_table_and_plot(tmp_path):
   assert "topka2a 1%" in done.stdout and "valid loss" in done.stdout
   assert out.with_suffix(".png").stat().st_size > 10_000
   runs = json.loads(out.with_suffix(".json").read_text())["runs"]
-  assert [r["name"] for r in runs][0] == "dense (pmean)"
+  assert runs[0]["name"] == "dense (pmean)"
   assert all(r["scores"][0][-1] < 5.0 for r in runs)  # learnt: ln 256 is 5.55
