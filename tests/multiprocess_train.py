@@ -1,0 +1,79 @@
+"""A few data-parallel steps on every device of every process.
+
+Run in one process (``XLA_FLAGS`` giving it 4 devices) or under the launcher
+(``python -m topka2a_jax.launch -n 2 --devices-per-process 2``); process 0
+writes each step's mean gradient and parameters, so that tests can check the
+two agree:
+
+  python tests/multiprocess_train.py ALGORITHM OUT.npz
+"""
+
+import sys
+
+import topka2a_jax.distributed
+
+if topka2a_jax.distributed.launched():
+  topka2a_jax.distributed.initialize()
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import topka2a_jax
+
+
+def global_array(value, mesh, spec):
+  """The same NumPy value on every process, placed as one global array."""
+  value = np.asarray(value)
+  return jax.make_array_from_callback(value.shape, NamedSharding(mesh, spec),
+                                      lambda index: value[index])
+
+
+def local_copy(array):
+  """A replicated global array as NumPy, from this process's first shard."""
+  return np.asarray(array.addressable_data(0))
+
+
+def main(algorithm, out):
+  devices = sorted(jax.devices(), key=lambda d: d.id)
+  mesh = Mesh(np.array(devices), ("data",))
+  rng = np.random.default_rng(91)
+  params = {"w": rng.normal(size=(24, 16)).astype(np.float32) / 5,
+            "b": np.zeros(16, np.float32)}
+  tx = optax.chain(topka2a_jax.topka2a(0.1, algorithm=algorithm, min_size=0),
+                   optax.sgd(0.1))
+  state = topka2a_jax.init(tx, params, mesh)
+  specs = topka2a_jax.state_specs(state)
+
+  def step(params, state, x, y):
+    def loss(p):
+      return jnp.mean((jnp.tanh(x @ p["w"] + p["b"]) - y) ** 2)
+    value, grads = jax.value_and_grad(loss)(lax.pcast(params, "data", to="varying"))
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, updates, lax.pmean(value, "data")
+
+  run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
+                              out_specs=(P(), specs, P(), P())))
+  params = jax.tree.map(lambda v: global_array(v, mesh, P()), params)
+  record = {}
+  for i in range(5):
+    x = rng.normal(size=(32, 24)).astype(np.float32)
+    y = np.sin(x[:, :16])
+    params, state, updates, loss = run(params, state, global_array(x, mesh, P("data")),
+                                       global_array(y, mesh, P("data")))
+    record[f"loss{i}"] = local_copy(loss)
+    for k in ("w", "b"):
+      record[f"mean_grad{i}_{k}"] = local_copy(updates[k])
+      record[f"params{i}_{k}"] = local_copy(params[k])
+  print(f"{jax.process_count()} processes, {jax.device_count()} devices, "
+        f"loss {float(record['loss0']):.4f} -> {float(record['loss4']):.4f}")
+  if jax.process_index() == 0:
+    np.savez(out, **record)
+
+
+if __name__ == "__main__":
+  main(*sys.argv[1:])

@@ -1,0 +1,50 @@
+"""Several processes (gloo over loopback) against one, and the launcher itself."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SCRIPT = Path(__file__).parent / "multiprocess_train.py"
+
+
+def run(command, **env):
+  done = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                        check=False, env={**os.environ, **env})
+  return done
+
+
+@pytest.mark.parametrize("algorithm", ["topka2a", "dense"])
+def test_two_processes_of_two_devices_match_one_of_four(tmp_path, algorithm):
+  one = run([sys.executable, str(SCRIPT), algorithm, str(tmp_path / "one.npz")],
+            XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  assert one.returncode == 0, one.stderr[-3000:]
+  two = run([sys.executable, "-m", "topka2a_jax.launch", "-n", "2",
+             "--devices-per-process", "2", str(SCRIPT), algorithm,
+             str(tmp_path / "two.npz")])
+  assert two.returncode == 0, two.stdout[-3000:]
+  assert "[1] 2 processes, 4 devices" in two.stdout
+  single, multi = np.load(tmp_path / "one.npz"), np.load(tmp_path / "two.npz")
+  assert sorted(single.files) == sorted(multi.files) and len(single.files) == 25
+  for name in single.files:  # mean gradients, parameters and loss, every step
+    np.testing.assert_allclose(multi[name], single[name], rtol=1e-5, atol=1e-6)
+
+
+def test_launcher_stops_everyone_when_one_process_fails(tmp_path):
+  script = tmp_path / "fail.py"
+  script.write_text(
+      "import os, sys, time\n"
+      "if os.environ['TOPKA2A_PROCESS_ID'] == '1':\n"
+      "    print('giving up', flush=True); sys.exit(3)\n"
+      "time.sleep(60)\n")
+  done = run([sys.executable, "-m", "topka2a_jax.launch", "-n", "3", str(script)])
+  assert done.returncode == 3
+  assert "[1] giving up" in done.stdout
+
+
+def test_launcher_refuses_a_missing_script():
+  done = run([sys.executable, "-m", "topka2a_jax.launch", "-n", "2", "nowhere.py"])
+  assert done.returncode == 2 and "no such script: nowhere.py" in done.stderr
