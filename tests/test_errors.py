@@ -42,6 +42,7 @@ def test_unknown_algorithm_lists_the_choices():
     ({"selection": "fast"}, ValueError, "unknown selection 'fast'.*'threshold'"),
     ({"value_dtype": jnp.int8}, TypeError, "value_dtype must be a floating dtype"),
     ({"error_feedback": "yes"}, TypeError, "error_feedback must be True or False"),
+    ({"skip_nonfinite": 1}, TypeError, "skip_nonfinite must be True or False"),
     ({"axis_name": ["data"]}, TypeError, "axis_name must be a mesh axis name"),
 ])
 def test_bad_options(kwargs, error, match):
@@ -182,3 +183,10 @@ def test_nonfinite_gradients_are_skipped_not_raised(mesh):
   updates, new_state = run(params, state)
   assert int(new_state.nonfinite_steps) == 1
   assert not any(np.asarray(u).any() for u in jax.tree.leaves(updates))
+
+
+def test_param_specs_of_another_pytree(mesh):
+  tx = topka2a_jax.topka2a(0.1)
+  with pytest.raises(ValueError, match="param_specs has 1 PartitionSpecs for 2 "
+                     "parameter leaves"):
+    topka2a_jax.init(tx, PARAMS, mesh, param_specs={"w": P()})

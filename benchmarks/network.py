@@ -1,0 +1,231 @@
+"""Gradient exchanges on a real, bandwidth-limited link, against the cost model.
+
+Makes a network namespace whose loopback is shaped with ``tc`` (a token
+bucket at a rate, default 1 Gbit/s, and optionally netem's added delay), starts P processes inside it
+with ``python -m topka2a_jax.launch`` (one CPU device each, gloo collectives
+over TCP), and times one gradient exchange per algorithm, size and density:
+the median of repeated runs after a warm-up, each run started together on
+every process. All the traffic of the P processes crosses the one shaped
+loopback, so the link is shared like a switch with that capacity.
+
+From the measurements it fits the α-β model (seconds = messages * α +
+bytes / bandwidth, least squares over all rows) and prints, beside each
+measured ratio to dense, the ratio the fitted model predicts.
+
+Needs root (or CAP_NET_ADMIN) for ``ip netns`` and ``tc``, and the kernel's
+``tbf`` qdisc (``netem`` too for ``--delay-ms``). Where any is missing it
+says so and exits with status 2; the namespace is always removed afterwards.
+
+Run:
+  python benchmarks/network.py [--rate 1gbit] [--delay-ms 0] [--processes 4]
+      [--sizes 1000000 8000000 25000000] [--densities 0.01 0.05 0.1]
+      [--repeats 5] [--selection threshold] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ALGORITHMS = ("dense", "allgather", "topka2a", "topka2a_sparse")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class NetworkUnavailable(RuntimeError):
+  """Namespaces or traffic control are not permitted here."""
+
+
+def _run(*command: str) -> None:
+  done = subprocess.run(command, capture_output=True, text=True, check=False)
+  if done.returncode:
+    raise NetworkUnavailable(f"`{' '.join(command)}` failed: "
+                             f"{(done.stderr or done.stdout).strip()}")
+
+
+class ShapedNamespace:
+  """A network namespace whose loopback carries ``rate`` with ``delay_ms``."""
+
+  def __init__(self, rate: str, delay_ms: float):
+    self.name = f"topka2a-bench-{os.getpid()}"
+    self.rate, self.delay_ms = rate, delay_ms
+    self.made = False
+
+  def __enter__(self) -> ShapedNamespace:
+    for tool in ("ip", "tc"):
+      if shutil.which(tool) is None:
+        raise NetworkUnavailable(f"`{tool}` is not installed (package iproute2)")
+    try:
+      _run("ip", "netns", "add", self.name)
+      self.made = True
+      _run("ip", "netns", "exec", self.name, "ip", "link", "set", "lo", "up")
+      tc = ["ip", "netns", "exec", self.name, "tc", "qdisc", "add", "dev", "lo"]
+      # A token bucket at the rate; its burst must hold a 64 KiB loopback frame.
+      _run(*tc, "root", "handle", "1:", "tbf", "rate", self.rate, "burst", "256kb",
+           "latency", "200ms")
+      if self.delay_ms:  # needs the sch_netem kernel module
+        _run(*tc, "parent", "1:1", "handle", "10:", "netem", "delay",
+             f"{self.delay_ms}ms", "limit", "100000")
+    except NetworkUnavailable:
+      self.__exit__()
+      raise
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    if self.made:
+      subprocess.run(["ip", "netns", "del", self.name], check=False)
+      self.made = False
+
+  def command(self, *argv: str) -> list[str]:
+    return ["ip", "netns", "exec", self.name, *argv]
+
+
+def worker(sizes: list[int], densities: list[float], repeats: int,
+           selection: str, out: str) -> None:
+  """Inside the namespace, on every process: time the exchanges."""
+  import topka2a_jax.distributed
+
+  topka2a_jax.distributed.initialize()
+  import jax
+  import numpy as np
+  from jax.experimental import multihost_utils
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from topka2a_jax import collectives
+
+  mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: d.id)), ("data",))
+  rows = []
+  for size in sizes:
+    buffer = jax.make_array_from_callback(
+        (mesh.size * size,), NamedSharding(mesh, P("data")),
+        lambda index: np.random.default_rng(index[0].start or 0).normal(
+            size=size).astype(np.float32))
+    for algorithm in ALGORITHMS:
+      for density in [1.0] if algorithm == "dense" else densities:
+        exchange = getattr(collectives, algorithm)
+        run = jax.jit(jax.shard_map(
+            lambda b, exchange=exchange, density=density: exchange(
+                b, "data", density, selection=selection).mean,
+            mesh=mesh, in_specs=P("data"), out_specs=P()))
+        run(buffer).block_until_ready()  # compile and warm up
+        seconds = []
+        for _ in range(repeats):
+          multihost_utils.sync_global_devices("exchange")
+          start = time.perf_counter()
+          run(buffer).block_until_ready()
+          seconds.append(time.perf_counter() - start)
+        rows.append({"size": size, "algorithm": algorithm, "density": density,
+                     "seconds": float(np.median(seconds))})
+        if jax.process_index() == 0:
+          print(f"{algorithm:15s} {size:>11,} {density:5g} "
+                f"{rows[-1]['seconds']:.4f} s", flush=True)
+  if jax.process_index() == 0:
+    Path(out).write_text(json.dumps(rows))
+
+
+def fit(rows: list[dict], processes: int) -> tuple[float, float]:
+  """Least-squares α (s) and bandwidth (bytes/s) of the model over all rows."""
+  import numpy as np
+
+  from topka2a_jax.cost import exchange_cost
+
+  costs = [exchange_cost(r["algorithm"], r["size"], processes, r["density"])
+           for r in rows]
+  design = np.array([[c.messages, c.bytes] for c in costs], float)
+  times = np.array([r["seconds"] for r in rows])
+  weights = 1.0 / times  # relative errors: small exchanges count as much
+  a, b = design * weights[:, None], times * weights
+  (alpha, per_byte), *_ = np.linalg.lstsq(a, b, rcond=None)
+  if alpha < 0 or per_byte <= 0:  # keep both terms non-negative
+    fits = [(0.0, float(np.linalg.lstsq(a[:, 1:], b, rcond=None)[0][0])),
+            (float(np.linalg.lstsq(a[:, :1], b, rcond=None)[0][0]), 1e-15)]
+    alpha, per_byte = min(fits, key=lambda f: np.sum((a @ np.array(f) - b) ** 2))
+  return max(alpha, 0.0), 1.0 / max(per_byte, 1e-15)
+
+
+def report(rows: list[dict], processes: int, rate: str) -> list[dict]:
+  """Prints the table; returns the rows with ratios and predictions."""
+  from topka2a_jax.cost import Network, exchange_cost
+
+  alpha, bandwidth = fit(rows, processes)
+  network = Network(latency=alpha, bandwidth=bandwidth)
+  print(f"\n{processes} processes, loopback at {rate}; fitted α = "
+        f"{alpha * 1e6:.0f} µs, bandwidth = {bandwidth / 1e6:.1f} MB/s per process")
+  print(f"{'elements':>11s} {'density':>7s} {'algorithm':15s} {'seconds':>8s} "
+        f"{'vs dense':>8s} {'model':>6s} {'off by':>7s}")
+  dense = {r["size"]: r for r in rows if r["algorithm"] == "dense"}
+  for r in rows:
+    base = dense[r["size"]]
+    predicted = (exchange_cost(r["algorithm"], r["size"], processes, r["density"])
+                 .seconds(network) /
+                 exchange_cost("dense", r["size"], processes, 1.0).seconds(network))
+    r.update(ratio=r["seconds"] / base["seconds"], model_ratio=predicted)
+    print(f"{r['size']:11,} {r['density']:7g} {r['algorithm']:15s} "
+          f"{r['seconds']:8.4f} {r['ratio']:7.3f}x {predicted:5.3f}x "
+          f"{r['ratio'] / predicted - 1:+6.0%}")
+  crossover = 1 / (2 * (processes - 1))
+  print(f"\nTopkA against TopKA2A (the model's crossover: density "
+        f"1/(2(P-1)) = {crossover:.3f}):")
+  for r in rows:
+    if r["algorithm"] != "allgather":
+      continue
+    a2a = next(o for o in rows if o["algorithm"] == "topka2a"
+               and o["size"] == r["size"] and o["density"] == r["density"])
+    faster = "TopkA" if r["seconds"] < a2a["seconds"] else "TopKA2A"
+    expected = "TopkA" if r["density"] < crossover else "TopKA2A"
+    print(f"  {r['size']:11,} at {r['density']:g}: {faster} faster "
+          f"({'as' if faster == expected else 'NOT as'} the model says)")
+  return rows
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--rate", default="1gbit", help="tc rate, e.g. 1gbit, 500mbit")
+  parser.add_argument("--delay-ms", type=float, default=0.0)
+  parser.add_argument("--processes", type=int, default=4)
+  parser.add_argument("--sizes", type=int, nargs="+",
+                      default=[1_000_000, 8_000_000, 25_000_000])
+  parser.add_argument("--densities", type=float, nargs="+", default=[0.01, 0.05, 0.1])
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--selection", default="threshold", choices=["exact", "threshold"])
+  parser.add_argument("--json", help="also write the rows here")
+  parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.worker:
+    worker(args.sizes, args.densities, args.repeats, args.selection, args.worker)
+    return 0
+
+  out = Path(tempfile.mkdtemp()) / "rows.json"
+  try:
+    with ShapedNamespace(args.rate, args.delay_ms) as namespace:
+      launch = namespace.command(
+          sys.executable, "-m", "topka2a_jax.launch", "-n", str(args.processes),
+          __file__, "--worker", str(out), "--sizes", *map(str, args.sizes),
+          "--densities", *map(str, args.densities), "--repeats", str(args.repeats),
+          "--selection", args.selection)
+      status = subprocess.run(launch, cwd=ROOT, check=False).returncode
+  except NetworkUnavailable as error:
+    print(f"cannot make a shaped network namespace here: {error}. It needs "
+          "root (or CAP_NET_ADMIN) and the kernel's tbf qdisc (netem too for "
+          "--delay-ms); nothing was left behind.", file=sys.stderr)
+    return 2
+  if status:
+    print(f"the exchange processes failed (status {status})", file=sys.stderr)
+    return status
+  rows = report(json.loads(out.read_text()), args.processes, args.rate)
+  if args.json:
+    Path(args.json).write_text(json.dumps(
+        {"rate": args.rate, "delay_ms": args.delay_ms, "processes": args.processes,
+         "selection": args.selection, "rows": rows}, indent=1))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
