@@ -57,7 +57,7 @@ class ShapedNamespace:
     self.rate, self.delay_ms = rate, delay_ms
     self.made = False
 
-  def __enter__(self) -> ShapedNamespace:
+  def __enter__(self) -> "ShapedNamespace":  # noqa: PYI034
     for tool in ("ip", "tc"):
       if shutil.which(tool) is None:
         raise NetworkUnavailable(f"`{tool}` is not installed (package iproute2)")
@@ -105,7 +105,7 @@ def worker(sizes: list[int], densities: list[float], repeats: int,
   for size in sizes:
     buffer = jax.make_array_from_callback(
         (mesh.size * size,), NamedSharding(mesh, P("data")),
-        lambda index: np.random.default_rng(index[0].start or 0).normal(
+        lambda index, size=size: np.random.default_rng(index[0].start or 0).normal(
             size=size).astype(np.float32))
     for algorithm in ALGORITHMS:
       for density in [1.0] if algorithm == "dense" else densities:

@@ -28,6 +28,15 @@ from tqdm import tqdm
 
 import topka2a_jax
 
+BASE_RUNS = {
+    "dense (pmean)": {"density": 1.0, "algorithm": "dense"},
+    "topka2a 1%": {"density": 0.01},
+    "topka2a 5%": {"density": 0.05},
+    "topka2a 1%, no error feedback": {"density": 0.01, "error_feedback": False},
+    "allgather (TopkA) 1%": {"density": 0.01, "algorithm": "allgather"},
+}
+"""The runs every example compares: name -> options of ``topka2a``."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Task:

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from comparison import Task, compare, plot, print_table, write_json
+from comparison import BASE_RUNS, Task, compare, plot, print_table, write_json
 from flax import nnx
 
 import topka2a_jax
@@ -133,11 +133,7 @@ def optimizer(steps: int, learning_rate: float,
 
 
 RUNS = {
-    "dense (pmean)": {"density": 1.0, "algorithm": "dense"},
-    "topka2a 1%": {"density": 0.01},
-    "topka2a 5%": {"density": 0.05},
-    "topka2a 1%, no error feedback": {"density": 0.01, "error_feedback": False},
-    "allgather (TopkA) 1%": {"density": 0.01, "algorithm": "allgather"},
+    **BASE_RUNS,
     "topka2a 1%, 100 dense warm-up steps": {"density": 0.01, "warmup_steps": 100},
 }
 QUICK_RUNS = ("dense (pmean)", "topka2a 1%", "topka2a 1%, no error feedback")

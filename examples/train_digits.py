@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from comparison import Task, compare, plot, print_table, write_json
+from comparison import BASE_RUNS, Task, compare, plot, print_table, write_json
 from flax import nnx
 from sklearn.datasets import load_digits
 
@@ -120,11 +120,7 @@ def optimizer(weight_decay: float, decay_first: bool = False,
 
 
 RUNS = {
-    "dense (pmean)": {"density": 1.0, "algorithm": "dense"},
-    "topka2a 1%": {"density": 0.01},
-    "topka2a 5%": {"density": 0.05},
-    "topka2a 1%, no error feedback": {"density": 0.01, "error_feedback": False},
-    "allgather (TopkA) 1%": {"density": 0.01, "algorithm": "allgather"},
+    **BASE_RUNS,
     "topka2a 1%, weight decay before exchange": {"density": 0.01,
                                                  "decay_first": True},
     "topka2a_sparse 1%, threshold selection": {

@@ -1,34 +1,23 @@
 """Dense warm-up: pmean for the first steps, then sparse, in one compiled step."""
 
-import jax
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
-from test_transform import model_leafwise, params_like, random_grads, residuals_of
+from test_transform import model_leafwise, random_grads, residuals_of, run_steps
 
 import topka2a_jax
 
 
 def run_counting_traces(tx, mesh, grads_per_step):
-  """Like test_transform.run_steps, also returning how often the step traced."""
-  state = topka2a_jax.init(tx, params_like(grads_per_step[0]), mesh)
-  specs = topka2a_jax.state_specs(state)
+  """test_transform.run_steps, also returning how often the update traced."""
   traces = []
 
-  def step(grads, state):
+  def update(*args, **kwargs):
     traces.append(1)
-    updates, state = tx.update(jax.tree.map(lambda g: g[0], grads), state)
-    return jax.tree.map(lambda u: u[None], updates), state
+    return tx.update(*args, **kwargs)
 
-  run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("data"), specs),
-                              out_specs=(P("data"), specs)))
-  history = []
-  for grads in grads_per_step:
-    updates, state = run(jax.device_put(grads, NamedSharding(mesh, P("data"))), state)
-    history.append((jax.tree.map(np.asarray, updates), state))
-  return history, len(traces)
+  counted = optax.GradientTransformationExtraArgs(tx.init, update)
+  return run_steps(counted, mesh, grads_per_step), len(traces)
 
 
 @pytest.mark.parametrize("algorithm", ["topka2a", "topka2a_sparse", "allgather"])
