@@ -57,7 +57,7 @@ class ShapedNamespace:
     self.rate, self.delay_ms = rate, delay_ms
     self.made = False
 
-  def __enter__(self) -> "ShapedNamespace":  # noqa: PYI034
+  def __enter__(self) -> ShapedNamespace:  # noqa: PYI034
     for tool in ("ip", "tc"):
       if shutil.which(tool) is None:
         raise NetworkUnavailable(f"`{tool}` is not installed (package iproute2)")
