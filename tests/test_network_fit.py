@@ -1,0 +1,39 @@
+"""The network benchmark's model fit, on timings made from a known link."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from topka2a_jax.cost import Network, exchange_cost
+
+spec = importlib.util.spec_from_file_location(
+    "network_benchmark", Path(__file__).parent.parent / "benchmarks" / "network.py")
+network_benchmark = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(network_benchmark)
+
+
+def synthetic_rows(link, processes):
+  rows = []
+  for size in (1_000_000, 8_000_000):
+    for algorithm in network_benchmark.ALGORITHMS:
+      for density in [1.0] if algorithm == "dense" else [0.01, 0.1]:
+        seconds = exchange_cost(algorithm, size, processes, density).seconds(link)
+        rows.append({"size": size, "algorithm": algorithm, "density": density,
+                     "seconds": seconds})
+  return rows
+
+
+def test_fit_recovers_a_known_link():
+  link = Network(latency=2e-4, bandwidth=1.25e8)
+  alpha, bandwidth = network_benchmark.fit(synthetic_rows(link, 4), 4)
+  assert alpha == pytest.approx(2e-4, rel=1e-6)
+  assert bandwidth == pytest.approx(1.25e8, rel=1e-6)
+
+
+def test_report_puts_measured_beside_predicted(capsys):
+  rows = network_benchmark.report(
+      synthetic_rows(Network(latency=1e-4, bandwidth=1e8), 4), 4, "800mbit")
+  assert all(r["ratio"] == pytest.approx(r["model_ratio"]) for r in rows)
+  out = capsys.readouterr().out
+  assert "fitted α = 100 µs" in out and "NOT as" not in out
