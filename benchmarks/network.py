@@ -8,8 +8,9 @@ the median of repeated runs after a warm-up, each run started together on
 every process. All the traffic of the P processes crosses the one shaped
 loopback, so the link is shared like a switch with that capacity.
 
-From the measurements it fits the α-β model (seconds = messages * α +
-bytes / bandwidth, least squares over all rows) and prints, beside each
+From the measurements it fits the planner's model of an exchange (seconds =
+messages * α + bytes / bandwidth + elements * selection, least squares over
+all rows, :class:`topka2a_jax.fusion.StepModel`) and prints, beside each
 measured ratio to dense, the ratio the fitted model predicts.
 
 Needs root (or CAP_NET_ADMIN) for ``ip netns`` and ``tc``, and the kernel's
@@ -130,46 +131,67 @@ def worker(sizes: list[int], densities: list[float], repeats: int,
     Path(out).write_text(json.dumps(rows))
 
 
-def fit(rows: list[dict], processes: int) -> tuple[float, float]:
-  """Least-squares α (s) and bandwidth (bytes/s) of the model over all rows."""
-  import numpy as np
+def terms(row: dict, processes: int) -> list[float]:
+  """The planner's step model of one exchange: messages, bytes, elements selected.
 
+  Seconds = α * messages + bytes / bandwidth + selection * elements, as in
+  :class:`topka2a_jax.fusion.StepModel` (dense selects nothing).
+  """
   from topka2a_jax.cost import exchange_cost
 
-  costs = [exchange_cost(r["algorithm"], r["size"], processes, r["density"])
-           for r in rows]
-  design = np.array([[c.messages, c.bytes] for c in costs], float)
+  cost = exchange_cost(row["algorithm"], row["size"], processes, row["density"])
+  selected = 0 if row["algorithm"] == "dense" else row["size"]
+  return [cost.messages, cost.bytes, selected]
+
+
+def fit(rows: list[dict], processes: int) -> tuple[float, float, float]:
+  """Least-squares α (s), bandwidth (bytes/s) and selection (s per element).
+
+  Relative errors are minimised, so small exchanges count as much as large
+  ones, and every coefficient is kept non-negative (the best fit over the
+  subsets of terms whose unconstrained fit is non-negative).
+  """
+  import itertools
+
+  import numpy as np
+
   times = np.array([r["seconds"] for r in rows])
-  weights = 1.0 / times  # relative errors: small exchanges count as much
-  a, b = design * weights[:, None], times * weights
-  (alpha, per_byte), *_ = np.linalg.lstsq(a, b, rcond=None)
-  if alpha < 0 or per_byte <= 0:  # keep both terms non-negative
-    fits = [(0.0, float(np.linalg.lstsq(a[:, 1:], b, rcond=None)[0][0])),
-            (float(np.linalg.lstsq(a[:, :1], b, rcond=None)[0][0]), 1e-15)]
-    alpha, per_byte = min(fits, key=lambda f: np.sum((a @ np.array(f) - b) ** 2))
-  return max(alpha, 0.0), 1.0 / max(per_byte, 1e-15)
+  design = np.array([terms(r, processes) for r in rows], float) / times[:, None]
+  best, best_error = np.zeros(3), np.inf
+  for used in itertools.chain.from_iterable(
+      itertools.combinations(range(3), n) for n in (3, 2, 1)):
+    coefficients = np.zeros(3)
+    coefficients[list(used)] = np.linalg.lstsq(design[:, used], np.ones(len(rows)),
+                                               rcond=None)[0]
+    error = np.sum((design @ coefficients - 1) ** 2)
+    if (coefficients >= 0).all() and error < best_error:
+      best, best_error = coefficients, error
+  alpha, per_byte, selection = best
+  return float(alpha), 1.0 / max(float(per_byte), 1e-15), float(selection)
 
 
 def report(rows: list[dict], processes: int, rate: str) -> list[dict]:
   """Prints the table; returns the rows with ratios and predictions."""
-  from topka2a_jax.cost import Network, exchange_cost
+  alpha, bandwidth, selection = fit(rows, processes)
 
-  alpha, bandwidth = fit(rows, processes)
-  network = Network(latency=alpha, bandwidth=bandwidth)
+  def predicted(row: dict) -> float:
+    return float(np.dot(terms(row, processes), [alpha, 1 / bandwidth, selection]))
+
+  import numpy as np
+
   print(f"\n{processes} processes, loopback at {rate}; fitted α = "
-        f"{alpha * 1e6:.0f} µs, bandwidth = {bandwidth / 1e6:.1f} MB/s per process")
+        f"{alpha * 1e6:.0f} µs, bandwidth = {bandwidth / 1e6:.1f} MB/s per "
+        f"process, selection = {selection * 1e9:.1f} ns per element")
   print(f"{'elements':>11s} {'density':>7s} {'algorithm':15s} {'seconds':>8s} "
         f"{'vs dense':>8s} {'model':>6s} {'off by':>7s}")
   dense = {r["size"]: r for r in rows if r["algorithm"] == "dense"}
   for r in rows:
     base = dense[r["size"]]
-    predicted = (exchange_cost(r["algorithm"], r["size"], processes, r["density"])
-                 .seconds(network) /
-                 exchange_cost("dense", r["size"], processes, 1.0).seconds(network))
-    r.update(ratio=r["seconds"] / base["seconds"], model_ratio=predicted)
+    model_ratio = predicted(r) / predicted(base)
+    r.update(ratio=r["seconds"] / base["seconds"], model_ratio=model_ratio)
     print(f"{r['size']:11,} {r['density']:7g} {r['algorithm']:15s} "
-          f"{r['seconds']:8.4f} {r['ratio']:7.3f}x {predicted:5.3f}x "
-          f"{r['ratio'] / predicted - 1:+6.0%}")
+          f"{r['seconds']:8.4f} {r['ratio']:7.3f}x {model_ratio:5.3f}x "
+          f"{r['ratio'] / model_ratio - 1:+6.0%}")
   crossover = 1 / (2 * (processes - 1))
   print(f"\nTopkA against TopKA2A (the model's crossover: density "
         f"1/(2(P-1)) = {crossover:.3f}):")

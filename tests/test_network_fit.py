@@ -13,22 +13,27 @@ network_benchmark = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(network_benchmark)
 
 
-def synthetic_rows(link, processes):
+def synthetic_rows(link, processes, selection=0.0):
+  """Timings of the planner's model: α-β on ``link`` plus selection per element."""
   rows = []
   for size in (1_000_000, 8_000_000):
     for algorithm in network_benchmark.ALGORITHMS:
       for density in [1.0] if algorithm == "dense" else [0.01, 0.1]:
         seconds = exchange_cost(algorithm, size, processes, density).seconds(link)
+        seconds += 0 if algorithm == "dense" else selection * size
         rows.append({"size": size, "algorithm": algorithm, "density": density,
                      "seconds": seconds})
   return rows
 
 
-def test_fit_recovers_a_known_link():
+@pytest.mark.parametrize("selection", [0.0, 2e-9])
+def test_fit_recovers_a_known_link(selection):
   link = Network(latency=2e-4, bandwidth=1.25e8)
-  alpha, bandwidth = network_benchmark.fit(synthetic_rows(link, 4), 4)
+  alpha, bandwidth, fitted = network_benchmark.fit(
+      synthetic_rows(link, 4, selection), 4)
   assert alpha == pytest.approx(2e-4, rel=1e-6)
   assert bandwidth == pytest.approx(1.25e8, rel=1e-6)
+  assert fitted == pytest.approx(selection, abs=1e-15)
 
 
 def test_report_puts_measured_beside_predicted(capsys):
