@@ -6,20 +6,29 @@ fresh process restores the checkpoint:
   python tests/resumable.py straight OUT.npz        # 10 steps
   python tests/resumable.py first CHECKPOINT        # 5 steps, then save
   python tests/resumable.py resume CHECKPOINT OUT.npz  # restore, 5 more
+
+Under ``python -m topka2a_jax.launch`` every process runs it on its share of
+the 8 devices.
 """
 
 import os
 import sys
 
+import topka2a_jax.distributed
+
 if __name__ == "__main__":
-  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  if topka2a_jax.distributed.launched():
+    topka2a_jax.distributed.initialize()
+  else:
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -62,18 +71,25 @@ def train(state, mesh, steps):
 
 
 def leaves(state):
-  return [np.asarray(leaf) for leaf in jax.tree.leaves(state)]
+  """Every leaf as one NumPy array, gathered from all processes."""
+  return [np.asarray(leaf) for leaf in jax.tree.leaves(
+      multihost_utils.process_allgather(state, tiled=True))]
 
 
 def main(mode, *paths):
   mesh = jax.make_mesh((8,), ("data",))
+  write = jax.process_index() == 0
   if mode == "straight":
-    np.savez(paths[0], *leaves(train(fresh(mesh), mesh, range(10))))
+    saved = leaves(train(fresh(mesh), mesh, range(10)))
+    if write:
+      np.savez(paths[0], *saved)
   elif mode == "first":
     topka2a_jax.save(paths[0], train(fresh(mesh), mesh, range(5)), mesh)
   elif mode == "resume":
     state = topka2a_jax.restore(paths[0], fresh(mesh), mesh)
-    np.savez(paths[1], *leaves(train(state, mesh, range(5, 10))))
+    saved = leaves(train(state, mesh, range(5, 10)))
+    if write:
+      np.savez(paths[1], *saved)
 
 
 if __name__ == "__main__":

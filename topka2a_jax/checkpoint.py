@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -78,7 +79,10 @@ def save(directory: str | Path, state: Any, mesh: Mesh,
 
   _check_axis(mesh, axis_name)
   directory = Path(directory).absolute()
-  if directory.exists():
+  exists = directory.exists()
+  if jax.process_count() > 1:  # every process looks before any writes
+    multihost_utils.sync_global_devices(f"topka2a_jax.save {directory}")
+  if exists:
     raise FileExistsError(f"{directory} exists; save each checkpoint to a new "
                           "directory (nothing was written)")
   layout = _layout(state, mesh, axis_name)
