@@ -17,6 +17,8 @@ Read it top-down:
 * :mod:`topka2a_jax.nonfinite`: skipping steps with NaN or infinite gradients.
 * :mod:`topka2a_jax.placement`: laying the optimizer state out on a mesh.
 * :mod:`topka2a_jax.checkpoint`: saving and restoring it, on any device count.
+* :mod:`topka2a_jax.distributed`, :mod:`topka2a_jax.launch`: several processes
+  (hosts), and the local launcher that starts them.
 * :mod:`topka2a_jax.fusion`: planning buckets with the cost model; the
   online variant that times real steps is :mod:`topka2a_jax.tuning`.
 * :mod:`topka2a_jax.cost`: the α-β cost of each exchange.
