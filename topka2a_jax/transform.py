@@ -12,6 +12,11 @@ the gradients:
 4. ``residual = acc - sent`` is kept for the next step, so no gradient mass is
    lost, only delayed.
 
+Around this, two run-time switches inside the one compiled step: a step whose
+gradient holds a NaN or an infinity on any device is skipped on every device
+(:mod:`.nonfinite`), and during the first ``warmup_steps`` every bucket goes
+dense.
+
 Example:
   >>> tx = optax.chain(topka2a(density=0.01), optax.adam(1e-3))
 """
@@ -326,8 +331,8 @@ def topka2a(
     def skipped(
         grads: list[jax.Array], residuals: list[Any], count: jax.Array
     ) -> tuple[list[jax.Array], list[Any], jax.Array]:
-      return [_zeros_like_mean(g, axis_name) if g.size else g for g in grads], (
-          residuals), count
+      zeros = [_zeros_like_mean(g, axis_name) if g.size else g for g in grads]
+      return zeros, residuals, count
 
     if skip_nonfinite:
       bad = nonfinite_on_any_device(grads, axis_name)
