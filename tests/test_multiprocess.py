@@ -48,3 +48,22 @@ def test_launcher_stops_everyone_when_one_process_fails(tmp_path):
 def test_launcher_refuses_a_missing_script():
   done = run([sys.executable, "-m", "topka2a_jax.launch", "-n", "2", "nowhere.py"])
   assert done.returncode == 2 and "no such script: nowhere.py" in done.stderr
+
+
+def test_environment_names_the_processes(monkeypatch):
+  from topka2a_jax.distributed import from_environment
+
+  for name in ("TOPKA2A_COORDINATOR", "TOPKA2A_NUM_PROCESSES", "TOPKA2A_PROCESS_ID",
+               "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+    monkeypatch.delenv(name, raising=False)
+  assert from_environment() is None
+  monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "host0:1234")
+  assert from_environment() is None  # incomplete: left to cluster detection
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "16")
+  monkeypatch.setenv("JAX_PROCESS_ID", "3")
+  assert from_environment() == ("host0:1234", 16, 3)
+  monkeypatch.setenv("TOPKA2A_COORDINATOR", "127.0.0.1:5000")
+  monkeypatch.setenv("TOPKA2A_NUM_PROCESSES", "2")
+  monkeypatch.setenv("TOPKA2A_PROCESS_ID", "one")
+  with pytest.raises(ValueError, match="TOPKA2A_PROCESS_ID='one'.*integers"):
+    from_environment()

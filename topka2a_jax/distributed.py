@@ -5,9 +5,10 @@ host (or per group of devices); the mesh then spans every process's devices
 and the collectives cross processes: NCCL on GPUs, gloo over TCP on CPUs.
 :func:`initialize` is the one call a training script makes first. It reads
 the coordinator, process count and rank that ``python -m topka2a_jax.launch``
-sets, or else leaves them to JAX's own detection (SLURM, Open MPI,
-Kubernetes and cloud TPU environments), or to the standard variables
-``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``.
+sets, or else ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
+``JAX_PROCESS_ID`` (set them on each host of a cluster), or else leaves them
+to JAX's own detection (SLURM, Open MPI, Kubernetes and cloud TPU
+environments).
 
 Example:
   >>> import topka2a_jax.distributed
@@ -26,21 +27,56 @@ NUM_PROCESSES = "TOPKA2A_NUM_PROCESSES"
 PROCESS_ID = "TOPKA2A_PROCESS_ID"
 
 
+VARIABLES = (
+    (COORDINATOR, NUM_PROCESSES, PROCESS_ID),
+    ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"),
+)
+"""Where :func:`initialize` looks, in order: the launcher's, then per host."""
+
+
 def launched() -> bool:
   """Whether this process was started by ``python -m topka2a_jax.launch``."""
   return COORDINATOR in os.environ
+
+
+def from_environment() -> tuple[str, int, int] | None:
+  """Coordinator address, process count and rank, if the environment sets them.
+
+  Returns:
+    The first complete set of :data:`VARIABLES`, or None when neither is set
+    completely (JAX's cluster detection then applies).
+
+  Raises:
+    ValueError: the process count or rank is not an integer.
+
+  Example:
+    >>> os.environ.update(JAX_COORDINATOR_ADDRESS="host0:1234",
+    ...                   JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="1")
+    >>> from_environment()
+    ('host0:1234', 2, 1)
+  """
+  for names in VARIABLES:
+    if all(name in os.environ for name in names):
+      address, count, rank = (os.environ[name] for name in names)
+      try:
+        return address, int(count), int(rank)
+      except ValueError:
+        raise ValueError(
+            f"{names[1]}={count!r} and {names[2]}={rank!r} must be integers "
+            f"(the process count and this process's rank)") from None
+  return None
 
 
 def initialize() -> None:
   """Joins the multi-process runtime; call it before any other JAX call.
 
   CPU collectives across processes use gloo (JAX's default CPU client has
-  none); GPUs keep NCCL. Outside the launcher, with no cluster to detect and
-  no ``JAX_COORDINATOR_ADDRESS``, call it only when you mean to run several
-  processes: ``jax.distributed.initialize`` then raises.
+  none); GPUs keep NCCL. With nothing in the environment and no cluster to
+  detect, ``jax.distributed.initialize`` raises: call this only when you
+  mean to run several processes.
 
   Raises:
-    ValueError: the launcher's variables are malformed.
+    ValueError: the process count or rank in the environment is malformed.
 
   Example:
     >>> initialize()
@@ -48,16 +84,10 @@ def initialize() -> None:
     4
   """
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  if not launched():
+  settings = from_environment()
+  if settings is None:
     jax.distributed.initialize()
     return
-  try:
-    num_processes = int(os.environ[NUM_PROCESSES])
-    process_id = int(os.environ[PROCESS_ID])
-  except (KeyError, ValueError) as error:
-    raise ValueError(
-        f"{COORDINATOR} is set, but {NUM_PROCESSES} and {PROCESS_ID} must be "
-        f"integers too ({error}); start the script with python -m "
-        "topka2a_jax.launch, or unset them") from None
-  jax.distributed.initialize(coordinator_address=os.environ[COORDINATOR],
+  address, num_processes, process_id = settings
+  jax.distributed.initialize(coordinator_address=address,
                              num_processes=num_processes, process_id=process_id)
