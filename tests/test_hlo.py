@@ -103,3 +103,11 @@ def test_auto_plan_is_what_the_step_runs(mesh):
       two_phase + chosen.count("allgather"))
   assert len(re.findall(r"stablehlo\.all_reduce\b", hlo)) == chosen.count("dense")
   assert {"topka2a_sparse", "dense"} <= set(chosen)
+
+
+def test_wrapped_chain_checks_for_nonfinite_once(mesh):
+  # skip_nonfinite hands its decision to the topka2a inside: one flag all-reduce.
+  inner = optax.chain(topka2a_jax.topka2a(0.01, fusion=1), optax.sgd(0.1))
+  for tx in (inner, topka2a_jax.skip_nonfinite(inner)):
+    hlo = update_hlo(mesh, tx, PARAMS)
+    assert len(re.findall(r"stablehlo\.all_reduce\b", hlo)) == 1

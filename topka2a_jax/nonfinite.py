@@ -7,7 +7,9 @@ flag, so every device takes the same branch.
 
 :func:`topka2a_jax.topka2a` guards its own state this way by default.
 :func:`skip_nonfinite` wraps a whole optax chain, so that a stateful optimizer
-after it (momentum, Adam) skips the step too.
+after it (momentum, Adam) skips the step too; it hands its decision to the
+chain as the extra argument :data:`NONFINITE`, so a ``topka2a`` inside takes
+it instead of checking again.
 
 Example:
   >>> tx = skip_nonfinite(optax.chain(topka2a(0.01), optax.adam(1e-3)))
@@ -24,6 +26,9 @@ import optax
 from jax import lax
 
 from topka2a_jax.axis import is_varying, tracks_varying_axes, varying_axes
+
+NONFINITE = "nonfinite_step"
+"""Extra argument of the update: the decision taken once, for inner transforms."""
 
 
 def nonfinite_on_any_device(tree: Any, axis_name: Hashable) -> jax.Array:
@@ -100,7 +105,7 @@ def skip_nonfinite(
   ) -> tuple[optax.Updates, SkipNonFiniteState]:
     bad = nonfinite_on_any_device(updates, axis_name)
     new_updates, new_inner = inner.update(
-        updates, state.inner_state, params, **extra_args)
+        updates, state.inner_state, params, **extra_args, **{NONFINITE: bad})
     keep = lambda old, new: jnp.where(bad, old, new)
     return (
         jax.tree.map(lambda u: jnp.where(bad, jnp.zeros_like(u), u), new_updates),

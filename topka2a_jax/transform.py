@@ -42,7 +42,7 @@ from topka2a_jax.axis import (
 from topka2a_jax.collectives import ALGORITHMS, get_selection
 from topka2a_jax.cost import Network, get_network
 from topka2a_jax.fusion import check_plan_options, step_model
-from topka2a_jax.nonfinite import nonfinite_on_any_device
+from topka2a_jax.nonfinite import NONFINITE, nonfinite_on_any_device
 
 DEFAULT_MIN_SIZE = 1024
 """Leaves with fewer elements go dense.
@@ -219,8 +219,8 @@ def topka2a(
       ``count`` untouched, ``nonfinite_steps`` incremented. A stateful
       optimizer later in the chain (momentum, Adam) would still move on zero
       updates; wrap the whole chain in :func:`topka2a_jax.skip_nonfinite` to
-      skip it too. False lets non-finite values through (and into the
-      residuals).
+      skip it too (its decision is passed down, so the check runs once).
+      False lets non-finite values through (and into the residuals).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state
@@ -287,12 +287,12 @@ def topka2a(
           else grads[i]
           for i in members
       ]
-      exchange = ALGORITHMS[bucket.algorithm if sparse else "dense"](
+      result = ALGORITHMS[bucket.algorithm if sparse else "dense"](
           buckets.pack(acc, dtype), axis_name, density, value_dtype=value_dtype,
           selection=selection,
       )
-      means_flat = buckets.unpack(exchange.mean, sizes)
-      unsent_flat = buckets.unpack(exchange.unsent, sizes)
+      means_flat = buckets.unpack(result.mean, sizes)
+      unsent_flat = buckets.unpack(result.unsent, sizes)
       for i, mean, unsent in zip(members, means_flat, unsent_flat):
         means[i] = mean.reshape(grads[i].shape).astype(grads[i].dtype)
         if keeps_residual(grads[i]):
@@ -305,7 +305,7 @@ def topka2a(
       params: optax.Params | None = None,
       **extra_args: Any,
   ) -> tuple[optax.Updates, TopKA2AState]:
-    del params, extra_args
+    del params
     paths, grads, treedef = _flatten(updates)
     _check_floating(grads, paths, "gradient")
     residuals = _matching_residuals(treedef, state, grads, paths, keeps_residual)
@@ -334,8 +334,10 @@ def topka2a(
       zeros = [_zeros_like_mean(g, axis_name) if g.size else g for g in grads]
       return zeros, residuals, count
 
-    if skip_nonfinite:
+    bad = extra_args.get(NONFINITE)  # decided already by skip_nonfinite(...)
+    if bad is None and skip_nonfinite:
       bad = nonfinite_on_any_device(grads, axis_name)
+    if bad is not None:
       means, new_residuals, count = jax.lax.cond(
           bad, skipped, applied, grads, residuals, state.count)
       nonfinite_steps = state.nonfinite_steps + bad.astype(jnp.int32)
