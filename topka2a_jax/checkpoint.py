@@ -35,18 +35,24 @@ LAYOUT_FILE = "topka2a_layout.json"
 """Written beside Orbax's files: devices, axis, pytree structure and shapes."""
 
 
-def _layout(state: Any, mesh: Mesh, axis_name: Hashable) -> dict[str, Any]:
-  with_paths, treedef = jax.tree_util.tree_flatten_with_path(state)
+def _per_device(state: Any, axis_name: Hashable) -> list[bool]:
+  """For every leaf of ``state``, whether it is a per-device residual."""
   specs = jax.tree.leaves(state_specs(state, axis_name),
                           is_leaf=lambda node: isinstance(node, P))
+  return [spec == P(axis_name) for spec in specs]
+
+
+def _layout(state: Any, mesh: Mesh, axis_name: Hashable) -> dict[str, Any]:
+  with_paths, treedef = jax.tree_util.tree_flatten_with_path(state)
   return {
       "devices": int(mesh.shape[axis_name]),
       "axis_name": str(axis_name),
       "structure": str(treedef),
       "leaves": [
           {"path": jax.tree_util.keystr(path), "shape": list(leaf.shape),
-           "dtype": str(leaf.dtype), "per_device": spec == P(axis_name)}
-          for (path, leaf), spec in zip(with_paths, specs)
+           "dtype": str(leaf.dtype), "per_device": per_device}
+          for (path, leaf), per_device in zip(with_paths,
+                                              _per_device(state, axis_name))
       ],
   }
 
@@ -229,8 +235,7 @@ def total_residuals(state: Any, num_devices: int,
   Example:
     >>> before = total_residuals(state, 8)
   """
-  specs = jax.tree.leaves(state_specs(state, axis_name),
-                          is_leaf=lambda node: isinstance(node, P))
   return [np.asarray(leaf, np.float64).reshape(num_devices, -1).sum(0)
-          for leaf, spec in zip(jax.tree.leaves(state), specs)
-          if spec == P(axis_name)]
+          for leaf, per_device in zip(jax.tree.leaves(state),
+                                      _per_device(state, axis_name))
+          if per_device]
