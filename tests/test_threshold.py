@@ -7,7 +7,7 @@ import pytest
 import reference
 from sharded import per_device
 
-from topka2a_jax import collectives
+from topka2a_jax import collectives, threshold
 from topka2a_jax.selection import top_magnitudes
 from topka2a_jax.threshold import threshold_magnitudes
 
@@ -64,6 +64,38 @@ def test_ties_give_exactly_k_distinct_valid_indices(fill):
   if fill != "few values":  # every entry ties: any k are the top k
     exact, _ = top_magnitudes(jnp.asarray(rows), k)
     np.testing.assert_array_equal(np.abs(values).sum(1), np.abs(exact).sum(1))
+
+
+@pytest.mark.parametrize("sample", ["too small", "too large"])
+def test_a_misleading_sample_still_gives_k_to_2k_candidates(sample):
+  # The bound comes from every stride-th group key; here those keys alone
+  # are 0 (the bound lets every key through) or the largest (too few get
+  # through), so only the counting passes' bisection finds a bound that works.
+  rng = np.random.default_rng(3)
+  groups, k = 40_000, 2_000
+  keys = rng.integers(1, 2**30, (ROWS, groups)).astype(np.int32)
+  stride = groups // threshold.SAMPLE_SIZE
+  sampled = keys[:, ::stride].shape
+  keys[:, ::stride] = (0 if sample == "too small"
+                       else rng.integers(2**30, 2**31 - 1, sampled))
+  bound, count, words = threshold._candidates(jnp.asarray(keys), k, 2 * k)
+  want = (keys >= np.asarray(bound)[:, None]).sum(1)
+  np.testing.assert_array_equal(count, want)
+  assert ((want >= k) & (want <= 2 * k)).all()
+  flags = np.unpackbits(np.asarray(words).view(np.uint8), axis=1,
+                        bitorder="little")[:, :groups]
+  np.testing.assert_array_equal(flags, keys >= np.asarray(bound)[:, None])
+
+
+def test_first_set_matches_numpy():
+  rng = np.random.default_rng(4)
+  flags = (rng.random((ROWS, 5000)) < rng.random((ROWS, 1))).astype(np.int32)
+  flags[0] = 0
+  flags[0, [3, 31, 32, 33, 4999]] = 1  # word edges
+  m = 5
+  got = np.asarray(threshold._first_set(threshold._pack(jnp.asarray(flags)), m))
+  for row, positions in zip(flags, got):
+    np.testing.assert_array_equal(positions, np.flatnonzero(row)[:m])
 
 
 def test_small_or_dense_rows_are_exact():

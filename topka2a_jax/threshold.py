@@ -2,28 +2,35 @@
 
 Exact top-k sorts, which costs far more than the communication it saves on
 large buffers. This selection (in the spirit of MSTopK) works on integer
-keys, which XLA reduces and compares quickly, and touches the whole buffer
-once:
+keys, which XLA reduces and compares quickly, and reads the whole buffer
+once; everything after that works on arrays a fraction of its size:
 
-1. **Group maxima.** Each row is viewed as ``G = 24 k`` interleaved groups
-   (fewer for dense selections, see :data:`GROUPS_PER_ENTRY`); group ``g``
+1. **Group maxima.** Each row is viewed as ``G ~ 24 k`` interleaved groups
+   (fewer for dense selections, see :data:`GROUPS_PER_ENTRY`, and more for
+   very sparse ones, so that no group exceeds 32 entries); group ``g``
    holds positions ``g, g + G, g + 2G, ...``. A key is the
    magnitude's bit pattern (monotonic in the magnitude for non-negative
    floats) with its lowest bits replaced by the position within the group,
    so one integer max per group yields both the group's largest magnitude
    and where it is. With 24 groups per selected entry, two large entries
    rarely share a group.
-2. **Threshold.** A strided sample of the group keys brackets the k-th
-   largest (between 0.7 k and 1.3 k expected above; should the sample
-   mislead, the bracket widens to all keys); a fixed number of counting
-   passes over the group keys narrows the bracket ``[lo, hi)`` so that at
-   most ``k`` keys reach ``hi`` and at least ``k`` reach ``lo``.
-3. **Compaction.** Every group at or above ``hi`` is taken, then the band
+2. **Candidates.** A strided sample of the group keys gives a bound that
+   about ``1.5 k`` keys reach; one counting pass checks that between ``k``
+   and ``2 k`` do (should the sample mislead, counting passes bisect until
+   they do), and the keys at or above it are compacted, in position order,
+   into ``2 k`` candidate slots.
+3. **Threshold.** Counting passes over the candidates, cheap at that size,
+   narrow a bracket ``[lo, hi)`` so that at most ``k`` candidates reach
+   ``hi`` and at least ``k`` reach ``lo``.
+4. **Selection.** Every candidate at or above ``hi`` is taken, then the band
    ``[lo, hi)`` fills the remaining slots in position order, so exactly ``k``
    distinct, valid positions come out, whatever the ties (all zeros
-   included). The flags are packed into 32-bit words, so the running count
-   and the binary search that place them in the ``k`` slots work on an
-   array 32 times shorter.
+   included).
+
+Both compactions (:func:`_first_set`) pack their flags 32 to a word and place
+words, not flags: a running count over the words, one small scatter that
+marks where each word's ones begin, and population counts find every slot's
+word and bit without a search.
 
 Rows too short to gain (under 16,384 entries), selections of more than a
 quarter of a row, and dtypes other than 32-bit floats fall back to the exact
@@ -50,47 +57,99 @@ that share a group with a larger one. Dense selections get fewer, so that
 every group holds at least 2 entries."""
 
 SAMPLE_SIZE = 4096
-"""Group keys sampled per row to bracket the threshold."""
+"""Group keys sampled per row to estimate the candidates' bound."""
 
-BISECTIONS = 4
-"""Counting passes that narrow the bracket. The band left between its bounds
-fills the last slots in position order; four halvings of the sampled
-bracket leave it too narrow to cost measurable mass (``benchmarks/selection.py``
-and the tests measure it), and each further pass costs about one pass over the
-group keys."""
+CANDIDATES_PER_ENTRY = 2
+"""Candidate slots per selected entry; the sampled bound aims at 1.5 k."""
+
+BISECTIONS = 16
+"""Counting passes over the candidates that narrow the threshold's bracket.
+The band left between its bounds fills the last slots in position order;
+sixteen halvings of the candidates' key range leave it too narrow to cost
+measurable mass (``benchmarks/selection.py`` and the tests measure it)."""
 
 _MIN_LENGTH = 4 * SAMPLE_SIZE  # shorter rows sort exactly
+# XLA's CPU backend splits reductions over more than 32 entries into a tree,
+# which writes the whole keyed buffer out first: several times slower. Sparse
+# selections therefore get more groups rather than larger ones.
+_MAX_PER_GROUP = 32
+_MAX_KEY = 0x7FFFFFFF
 
 
 def _at_least(keys: jax.Array, bound: jax.Array) -> jax.Array:
-  """1 where ``keys >= bound`` (per row), else 0, in integer arithmetic.
+  """1 where ``keys >= bound`` (per row), else 0, as int32.
 
-  Keys and bounds are in [0, 2^31), so ``bound - 1 - key`` cannot overflow
-  and its sign bit is the comparison. XLA vectorises this; a boolean compare
-  and sum it does not.
+  Keys are in [-1, 2^31) and bounds in [0, 2^31), so ``bound - 1 - key``
+  cannot overflow and its sign bit is the comparison. XLA vectorises this
+  shift; a boolean compare and sum it does not.
   """
-  return -((bound[:, None] - 1 - keys) >> 31)
+  return lax.shift_right_logical(bound[:, None] - 1 - keys, 31)
 
 
-def _first_set(flags: jax.Array, k: int) -> jax.Array:
-  """Positions of the first ``k`` ones in every row of 0/1 ``flags``.
+def _pack(flags: jax.Array) -> jax.Array:
+  """Packs 0/1 int32 ``flags`` (R, n) into (R, ceil(n / 32)) uint32 words.
 
-  Flags are packed 32 to a word (a shifted sum, which XLA vectorises), the
-  words' population counts are summed cumulatively (32 times shorter than
-  the flags), a binary search finds the word holding each of the first ``k``
-  ones, and five halving steps of population counts find the bit in it.
-  Rows must hold at least ``k`` ones.
+  Flag ``i`` of a row is bit ``i % 32`` of word ``i // 32``. Counting through
+  packed words is several times faster on XLA's CPU backend than summing the
+  flags, which it materialises before a tree of windowed sums.
   """
   rows, length = flags.shape
   bits = jnp.pad(flags, ((0, 0), (0, -length % 32))).reshape(rows, -1, 32)
-  words = jnp.sum(bits.astype(jnp.uint32) << jnp.arange(32, dtype=jnp.uint32), axis=2)
+  return jnp.sum(bits.astype(jnp.uint32) << jnp.arange(32, dtype=jnp.uint32),
+                 axis=2)
+
+
+def _count(words: jax.Array) -> jax.Array:
+  """Per row, how many bits of the packed ``words`` are set."""
+  return jnp.sum(lax.population_count(words).astype(jnp.int32), axis=1)
+
+
+def _first_set(words: jax.Array, m: int) -> jax.Array:
+  """Positions of the first ``m`` set bits in every row of packed ``words``.
+
+  A running count over the words (see :func:`_pack`) gives the slot where
+  each word's ones begin; a scatter marks those slots as bits, so
+  that a running count of marks (32 times shorter than the slots) and a
+  population count give every slot's word, and five halving steps of
+  population counts find the bit in it. A row with fewer than ``m`` ones
+  gets unspecified positions in its last slots.
+
+  Example:
+    >>> _first_set(_pack(jnp.array([[0, 1, 1, 0, 1]], jnp.int32)), 2)
+    Array([[1, 2]], dtype=int32)
+  """
+  rows, num_words = words.shape
   ones = lax.population_count(words).astype(jnp.int32)
-  through = jnp.cumsum(ones, axis=1)  # ones up to and including each word
-  wanted = jnp.arange(1, k + 1, dtype=jnp.int32)
-  word = jax.vmap(lambda t: jnp.searchsorted(t, wanted, method="scan_unrolled"))(
-      through)
-  rank = wanted - (jnp.take_along_axis(through, word, axis=1)
-                   - jnp.take_along_axis(ones, word, axis=1))  # 1-based in word
+  nonzero = (ones > 0).astype(jnp.int32)
+  through, nonzero_through = jnp.cumsum(jnp.stack([ones, nonzero]), axis=2)
+  start = through - ones  # slot of each word's first one
+
+  # Word index of the r-th word that holds a one.
+  word_ids = jnp.broadcast_to(jnp.arange(num_words, dtype=jnp.int32), ones.shape)
+  nonzero_words = jax.vmap(
+      lambda rank, ids: jnp.zeros(num_words, jnp.int32).at[rank].set(
+          ids, mode="drop"))(
+              jnp.where(nonzero > 0, nonzero_through - 1, num_words), word_ids)
+
+  # One bit per slot, set where a word's ones begin (starts are distinct).
+  mark_words = -(-m // 32)
+  marks = jax.vmap(
+      lambda at, bit: jnp.zeros(mark_words, jnp.uint32).at[at].add(
+          bit, mode="drop"))(
+              jnp.where((nonzero > 0) & (start < m), start // 32, mark_words),
+              jnp.uint32(1) << (start % 32).astype(jnp.uint32))
+  marked = lax.population_count(marks).astype(jnp.int32)
+  before = jnp.cumsum(marked, axis=1) - marked
+  shift = jnp.arange(32, dtype=jnp.uint32)
+  through_bit = jnp.where(shift == 31, jnp.uint32(_MAX_KEY * 2 + 1),
+                          (jnp.uint32(2) << shift) - 1)  # bits 0..shift
+  word_rank = (before[:, :, None] + lax.population_count(
+      marks[:, :, None] & through_bit).astype(jnp.int32)).reshape(rows, -1)[:, :m] - 1
+  word = jnp.take_along_axis(nonzero_words, jnp.clip(word_rank, 0, num_words - 1),
+                             axis=1)
+
+  rank = jnp.arange(1, m + 1, dtype=jnp.int32) - jnp.take_along_axis(
+      start, word, axis=1)  # 1-based within the word
   value = jnp.take_along_axis(words, word, axis=1)
   bit = jnp.zeros_like(rank)
   for width in (16, 8, 4, 2, 1):
@@ -101,6 +160,73 @@ def _first_set(flags: jax.Array, k: int) -> jax.Array:
     rank = jnp.where(right, rank - low, rank)
     bit = jnp.where(right, bit + width, bit)
   return word * 32 + bit
+
+
+def _group_keys(rows: jax.Array, groups: int, per_group: int) -> jax.Array:
+  """``(R, groups)`` keys: each group's largest magnitude and where it is.
+
+  Group ``g`` holds positions ``g + j * groups`` for ``j < per_group``, and
+  also position ``per_group * groups + g`` if the row is that long (at most
+  ``groups`` entries may be left over); its key is the largest magnitude's
+  bit pattern with the low bits replaced by that ``j`` (``per_group`` for the
+  leftover). Taking the leftover apart keeps XLA's CPU backend from padding
+  the buffer, which it does by writing a copy.
+  """
+  num_rows = rows.shape[0]
+  low_bits = per_group.bit_length()
+  magnitude = lax.bitcast_convert_type(rows, jnp.int32) & jnp.int32(
+      _MAX_KEY & ~((1 << low_bits) - 1))
+  whole = per_group * groups
+  keys = jnp.max(magnitude[:, :whole].reshape(num_rows, per_group, groups)
+                 | jnp.arange(per_group, dtype=jnp.int32)[None, :, None], axis=1)
+  leftover = magnitude[:, whole:] | per_group
+  return keys.at[:, :leftover.shape[1]].max(leftover)
+
+
+def _candidates(group_max: jax.Array, k: int,
+                slots: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The group keys that a per-row bound lets through, packed as flags.
+
+  The bound comes from a sample and aims at ``0.75 * slots`` keys; one
+  count checks that between ``k`` and ``slots`` keys reach it. Rows where it
+  fails bisect with further counts (ties may leave more than ``slots``).
+
+  Returns:
+    ``(bound, count, words)``: the bound, how many keys reach it, and their
+    flags packed by :func:`_pack`.
+  """
+  groups = group_max.shape[1]
+  stride = max(1, groups // SAMPLE_SIZE)
+  sample = jnp.sort(group_max[:, ::stride], axis=1)
+  wanted = 0.75 * slots * sample.shape[1] / groups
+  lo = sample[:, max(0, sample.shape[1] - math.ceil(wanted) - 1)]
+  words = _pack(_at_least(group_max, lo))
+  count = _count(words)
+  # Every key is >= 0, and there are at least k groups.
+  lo = jnp.where(count >= k, lo, 0)
+  words = lax.cond(jnp.all(count >= k), lambda: words,
+                   lambda: _pack(_at_least(group_max, lo)))
+  count = _count(words)
+  hi = jnp.full_like(lo, _MAX_KEY)
+
+  def too_many(state):
+    lo, hi, count, _, step = state
+    return jnp.any((count > slots) & (hi - lo > 1)) & (step < 32)
+
+  def bisect(state):
+    lo, hi, count, words, step = state
+    mid = lo + (hi - lo) // 2
+    mid_words = _pack(_at_least(group_max, mid))
+    mid_count = _count(mid_words)
+    move = count > slots
+    up = move & (mid_count >= k)
+    return (jnp.where(up, mid, lo), jnp.where(move & ~up, mid, hi),
+            jnp.where(up, mid_count, count),
+            jnp.where(up[:, None], mid_words, words), step + 1)
+
+  lo, _, count, words, _ = lax.while_loop(
+      too_many, bisect, (lo, hi, count, words, 0))
+  return lo, count, words
 
 
 def threshold_magnitudes(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -118,46 +244,41 @@ def threshold_magnitudes(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array]
   Example:
     >>> values, indices = threshold_magnitudes(jnp.ones((2, 100_000)), 100)
   """
-  num_rows, length = rows.shape
-  groups = min(GROUPS_PER_ENTRY, length // (2 * k)) * k
-  if length < _MIN_LENGTH or groups < 2 * k or rows.dtype.itemsize != 4:
+  _, length = rows.shape
+  target = min(GROUPS_PER_ENTRY, length // (2 * k)) * k
+  if length < _MIN_LENGTH or target < 2 * k or rows.dtype.itemsize != 4:
     return top_magnitudes(rows, k)
-  per_group = -(-length // groups)
-  low_bits = max(1, (per_group - 1).bit_length())
+  per_group = min(_MAX_PER_GROUP, -(-length // target))
+  groups = length // per_group
+  if length - per_group * (groups - groups % 32) <= groups - groups % 32:
+    groups -= groups % 32  # whole words of flags: packing needs no padding
+  group_max = _group_keys(rows, groups, per_group)
 
-  magnitude = lax.bitcast_convert_type(rows, jnp.int32) & jnp.int32(0x7FFFFFFF)
-  keys = magnitude & jnp.int32(~((1 << low_bits) - 1))
-  keys = jnp.pad(keys, ((0, 0), (0, per_group * groups - length)),
-                 constant_values=-1)  # padding never wins a group
-  keys = keys.reshape(num_rows, per_group, groups) | jnp.arange(
-      per_group, dtype=jnp.int32)[None, :, None]
-  group_max = jnp.max(keys, axis=1)  # (R, G): magnitude and position in group
+  slots = -(-min(CANDIDATES_PER_ENTRY * k, groups) // 32) * 32
+  bound, reached, words = _candidates(group_max, k, slots)
+  candidate = _first_set(words, slots)  # group ids, valid up to `reached`
+  keys = jnp.where(jnp.arange(slots) < reached[:, None],
+                   jnp.take_along_axis(group_max, jnp.clip(candidate, 0, groups - 1),
+                                       axis=1), -1)
 
-  def count(bound: jax.Array) -> jax.Array:
-    return jnp.sum(_at_least(group_max, bound), axis=1)
+  top = jnp.max(keys, axis=1)
+  lo, hi = bound, jnp.where(top == _MAX_KEY, top, top + 1)
 
-  stride = max(1, groups // SAMPLE_SIZE)
-  sample = jnp.sort(group_max[:, ::stride], axis=1)
-  expected = k * sample.shape[1] / groups
-  hi = sample[:, sample.shape[1] - max(1, int(0.7 * expected))]
-  lo = sample[:, max(0, sample.shape[1] - math.ceil(1.3 * expected) - 1)]
-  lo = jnp.where(count(lo) >= k, lo, 0)  # every key is >= 0
-  hi = jnp.where(count(hi) <= k, hi, jnp.int32(0x7FFFFFFF))
-
-  def narrow(_, bounds):
-    lo, hi = bounds
+  def narrow(_, bracket):
+    lo, hi = bracket
     mid = lo + (hi - lo) // 2
-    enough = count(mid) >= k
+    enough = _count(_pack(_at_least(keys, mid))) >= k
     return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
 
   lo, hi = lax.fori_loop(0, BISECTIONS, narrow, (lo, hi))
 
-  above = _at_least(group_max, hi)
-  band = _at_least(group_max, lo) - above
-  # Slots: the groups above hi in position order, then the band's.
-  found = _first_set(jnp.concatenate([above, band], axis=1), k)
-  group = jnp.where(found >= groups, found - groups, found)
-  within = jnp.take_along_axis(group_max, group, axis=1) & jnp.int32(
-      (1 << low_bits) - 1)
+  above = _at_least(keys, hi)
+  band = _at_least(keys, lo) - above
+  # Slots: the candidates above hi in position order, then the band's.
+  picked = _first_set(_pack(jnp.concatenate([above, band], axis=1)), k)
+  slot = jnp.where(picked >= slots, picked - slots, picked)
+  group = jnp.take_along_axis(candidate, slot, axis=1)
+  within = jnp.take_along_axis(keys, slot, axis=1) & jnp.int32(
+      (1 << per_group.bit_length()) - 1)
   indices = within * groups + group
   return jnp.take_along_axis(rows, indices, axis=1), indices
