@@ -277,10 +277,11 @@ def topka2a_sparse(
                             to="invarying")
   from_values, from_indices = fmt.decode(gathered, buffer.dtype)
   positions = from_indices + layout.shard_length * jnp.arange(layout.num_shards)[:, None]
-  total = jnp.zeros((layout.padded_length,), buffer.dtype).at[positions.ravel()].add(
-      from_values.ravel(), unique_indices=True)  # owners' positions never collide
-  return Exchange(total[: layout.length] / layout.num_shards,
-                  unsent.reshape(-1)[: layout.length])
+  # Owners' positions never collide, so each entry is one owner's sum and
+  # may be divided before it is placed; positions in the padding hold zeros.
+  mean = jnp.zeros((layout.length,), buffer.dtype).at[positions.ravel()].set(
+      from_values.ravel() / layout.num_shards, mode="drop", unique_indices=True)
+  return Exchange(mean, unsent.reshape(-1)[: layout.length])
 
 
 class Collective(Protocol):
