@@ -9,9 +9,10 @@ every process. All the traffic of the P processes crosses the one shaped
 loopback, so the link is shared like a switch with that capacity.
 
 From the measurements it fits the planner's model of an exchange (seconds =
-messages * α + bytes / bandwidth + elements * selection, least squares over
-all rows, :class:`topka2a_jax.fusion.StepModel`) and prints, beside each
-measured ratio to dense, the ratio the fitted model predicts.
+messages * α + bytes / bandwidth + elements * selection + entries selected *
+per-entry cost, least squares over all rows,
+:class:`topka2a_jax.fusion.StepModel`) and prints, beside each measured ratio
+to dense, the ratio the fitted model predicts.
 
 Needs root (or CAP_NET_ADMIN) for ``ip netns`` and ``tc``, and the kernel's
 ``tbf`` qdisc (``netem`` too for ``--delay-ms``). Where any is missing it
@@ -132,20 +133,22 @@ def worker(sizes: list[int], densities: list[float], repeats: int,
 
 
 def terms(row: dict, processes: int) -> list[float]:
-  """The planner's step model of one exchange: messages, bytes, elements selected.
+  """The planner's step model of one exchange: messages, bytes, elements, entries.
 
-  Seconds = α * messages + bytes / bandwidth + selection * elements, as in
-  :class:`topka2a_jax.fusion.StepModel` (dense selects nothing).
+  Seconds = α * messages + bytes / bandwidth + per_element * elements
+  + per_entry * entries selected, as in :class:`topka2a_jax.fusion.StepModel`
+  (dense selects nothing).
   """
-  from topka2a_jax.cost import exchange_cost
+  from topka2a_jax.cost import exchange_cost, selected_entries
 
   cost = exchange_cost(row["algorithm"], row["size"], processes, row["density"])
   selected = 0 if row["algorithm"] == "dense" else row["size"]
-  return [cost.messages, cost.bytes, selected]
+  entries = selected_entries(row["algorithm"], row["size"], processes, row["density"])
+  return [cost.messages, cost.bytes, selected, entries]
 
 
-def fit(rows: list[dict], processes: int) -> tuple[float, float, float]:
-  """Least-squares α (s), bandwidth (bytes/s) and selection (s per element).
+def fit(rows: list[dict], processes: int) -> tuple[float, float, float, float]:
+  """Least-squares α (s), bandwidth (bytes/s) and selection (s per element, per entry).
 
   Relative errors are minimised, so small exchanges count as much as large
   ones, and every coefficient is kept non-negative (the best fit over the
@@ -157,31 +160,35 @@ def fit(rows: list[dict], processes: int) -> tuple[float, float, float]:
 
   times = np.array([r["seconds"] for r in rows])
   design = np.array([terms(r, processes) for r in rows], float) / times[:, None]
-  best, best_error = np.zeros(3), np.inf
+  count = design.shape[1]
+  best, best_error = np.zeros(count), np.inf
   for used in itertools.chain.from_iterable(
-      itertools.combinations(range(3), n) for n in (3, 2, 1)):
-    coefficients = np.zeros(3)
+      itertools.combinations(range(count), n) for n in range(count, 0, -1)):
+    coefficients = np.zeros(count)
     coefficients[list(used)] = np.linalg.lstsq(design[:, used], np.ones(len(rows)),
                                                rcond=None)[0]
     error = np.sum((design @ coefficients - 1) ** 2)
     if (coefficients >= 0).all() and error < best_error:
       best, best_error = coefficients, error
-  alpha, per_byte, selection = best
-  return float(alpha), 1.0 / max(float(per_byte), 1e-15), float(selection)
+  alpha, per_byte, per_element, per_entry = best
+  return (float(alpha), 1.0 / max(float(per_byte), 1e-15), float(per_element),
+          float(per_entry))
 
 
 def report(rows: list[dict], processes: int, rate: str) -> list[dict]:
   """Prints the table; returns the rows with ratios and predictions."""
-  alpha, bandwidth, selection = fit(rows, processes)
+  alpha, bandwidth, per_element, per_entry = fit(rows, processes)
 
   def predicted(row: dict) -> float:
-    return float(np.dot(terms(row, processes), [alpha, 1 / bandwidth, selection]))
+    return float(np.dot(terms(row, processes),
+                        [alpha, 1 / bandwidth, per_element, per_entry]))
 
   import numpy as np
 
   print(f"\n{processes} processes, loopback at {rate}; fitted α = "
         f"{alpha * 1e6:.0f} µs, bandwidth = {bandwidth / 1e6:.1f} MB/s per "
-        f"process, selection = {selection * 1e9:.1f} ns per element")
+        f"process, selection = {per_element * 1e9:.1f} ns per element + "
+        f"{per_entry * 1e9:.0f} ns per selected entry")
   print(f"{'elements':>11s} {'density':>7s} {'algorithm':15s} {'seconds':>8s} "
         f"{'vs dense':>8s} {'model':>6s} {'off by':>7s}")
   dense = {r["size"]: r for r in rows if r["algorithm"] == "dense"}

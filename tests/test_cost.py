@@ -8,6 +8,7 @@ from topka2a_jax.cost import (
     breakeven_density,
     exchange_cost,
     get_network,
+    selected_entries,
 )
 
 NO_LATENCY = Network(latency=0.0, bandwidth=1e9)
@@ -30,6 +31,15 @@ def test_hand_computed_costs():
   assert [exchange_cost(a, 1000, 8, 0.01).messages
           for a in ("dense", "allgather", "topka2a", "topka2a_sparse")] == [14, 7, 14, 14]
   assert exchange_cost("topka2a", 1000, 1, 0.01).bytes == 0
+
+
+def test_hand_counted_selected_entries():
+  # d = 1000, P = 8, density 0.01: k = 10, q = 2 per shard.
+  assert [selected_entries(a, 1000, 8, 0.01)
+          for a in ("dense", "allgather", "topka2a", "topka2a_sparse")] == [
+              0, 10, 8 * 2, 8 * 2 + 2]
+  # d = 10, P = 4, density 0.5: k = 5, q = 2 (the last shard has padding).
+  assert selected_entries("topka2a_sparse", 10, 4, 0.5) == 4 * 2 + 2
 
 
 def test_seconds_add_latency_and_bandwidth():

@@ -13,27 +13,33 @@ network_benchmark = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(network_benchmark)
 
 
-def synthetic_rows(link, processes, selection=0.0):
-  """Timings of the planner's model: α-β on ``link`` plus selection per element."""
+def synthetic_rows(link, processes, per_element=0.0, per_entry=0.0):
+  """Timings of the planner's model: α-β on ``link`` plus selection's cost."""
   rows = []
   for size in (1_000_000, 8_000_000):
     for algorithm in network_benchmark.ALGORITHMS:
       for density in [1.0] if algorithm == "dense" else [0.01, 0.1]:
+        k = round(density * size)  # a multiple of 4: every shard gets k / 4
+        entries = {"dense": 0, "allgather": k, "topka2a": k,
+                   "topka2a_sparse": k + k // processes}[algorithm]
         seconds = exchange_cost(algorithm, size, processes, density).seconds(link)
-        seconds += 0 if algorithm == "dense" else selection * size
+        seconds += (0 if algorithm == "dense" else per_element * size
+                    ) + per_entry * entries
         rows.append({"size": size, "algorithm": algorithm, "density": density,
                      "seconds": seconds})
   return rows
 
 
-@pytest.mark.parametrize("selection", [0.0, 2e-9])
-def test_fit_recovers_a_known_link(selection):
+@pytest.mark.parametrize(("per_element", "per_entry"),
+                         [(0.0, 0.0), (2e-9, 0.0), (2e-9, 1e-7)])
+def test_fit_recovers_a_known_link(per_element, per_entry):
   link = Network(latency=2e-4, bandwidth=1.25e8)
-  alpha, bandwidth, fitted = network_benchmark.fit(
-      synthetic_rows(link, 4, selection), 4)
+  alpha, bandwidth, element, entry = network_benchmark.fit(
+      synthetic_rows(link, 4, per_element, per_entry), 4)
   assert alpha == pytest.approx(2e-4, rel=1e-6)
   assert bandwidth == pytest.approx(1.25e8, rel=1e-6)
-  assert fitted == pytest.approx(selection, abs=1e-15)
+  assert element == pytest.approx(per_element, abs=1e-15)
+  assert entry == pytest.approx(per_entry, abs=1e-13)
 
 
 def test_report_puts_measured_beside_predicted(capsys):

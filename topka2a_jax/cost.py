@@ -197,6 +197,28 @@ def exchange_cost(
       layout.shard_length, layout.per_shard, value_bytes, index_bytes)
 
 
+def selected_entries(algorithm: str, length: int, num_devices: int,
+                     density: float) -> int:
+  """Entries one device selects in one exchange: the work that grows with ``k``.
+
+  Selection reads every element once, but compacting the chosen entries,
+  packing them and adding them in at the receiver cost per entry. TopkA
+  selects ``k`` of the buffer; TopKA2A ``q`` of each of ``P`` shards;
+  TopKA2A-sparse also ``q`` of the owned, summed shard; dense none.
+
+  Example:
+    >>> selected_entries("topka2a_sparse", 1000, 4, 0.01)
+    15
+  """
+  if algorithm == "dense":
+    return 0
+  if algorithm == "allgather":
+    return sparse_count(length, density)
+  layout = ShardLayout.create(length, num_devices, density)
+  per_device = num_devices * layout.per_shard
+  return per_device + layout.per_shard if algorithm == "topka2a_sparse" else per_device
+
+
 def continuous_cost(
     algorithm: str,
     length: float,

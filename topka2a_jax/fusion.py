@@ -32,7 +32,7 @@ import jax
 
 from topka2a_jax.buckets import Bucket, plan_buckets
 from topka2a_jax.collectives import ALGORITHMS
-from topka2a_jax.cost import Network, exchange_cost, get_network
+from topka2a_jax.cost import Network, exchange_cost, get_network, selected_entries
 
 IMPLEMENTED = tuple(ALGORITHMS)
 """The algorithms ``"auto"`` chooses from."""
@@ -41,6 +41,15 @@ DEFAULT_SELECTION_SECONDS_PER_ELEMENT = 1e-10
 """Selection cost: 10 G elements/s, a few passes over accelerator memory.
 
 Pass a measured figure for other hardware (``lax.top_k`` on a CPU is ~3e-8).
+"""
+
+DEFAULT_SELECTION_SECONDS_PER_ENTRY = 1e-9
+"""Cost per selected entry (compaction, packing, the receiver's scatter-add;
+see :func:`topka2a_jax.cost.selected_entries`): 1 G entries/s, an
+order-of-magnitude estimate for scattered accesses to accelerator memory.
+
+Pass a measured figure for other hardware: ``benchmarks/network.py`` fits it
+(about 1.1e-7 on a 2-core CPU host running 4 processes).
 """
 
 MODEL_GRID = 512  # thresholds considered between the smallest leaf and the model
@@ -196,6 +205,7 @@ class StepModel:
     min_size: smaller leaves go dense, in buckets of their own.
     backward_seconds: the backward pass's duration.
     selection_seconds_per_element: cost of selecting top-k, per element.
+    selection_seconds_per_entry: cost per selected entry.
     value_bytes: bytes per value on the wire.
     index_bytes: bytes per index on the wire; None for the collectives' own.
   """
@@ -209,6 +219,7 @@ class StepModel:
   selection_seconds_per_element: float = DEFAULT_SELECTION_SECONDS_PER_ELEMENT
   value_bytes: int = 4
   index_bytes: int | None = None
+  selection_seconds_per_entry: float = DEFAULT_SELECTION_SECONDS_PER_ENTRY
 
   def seconds(self, algorithm: str, size: int) -> float:
     """Selection plus communication time of one bucket."""
@@ -217,7 +228,9 @@ class StepModel:
                            ).seconds(self.network)
     comm = exchange_cost(algorithm, size, self.num_devices, self.density,
                          self.value_bytes, self.index_bytes).seconds(self.network)
-    return comm + self.selection_seconds_per_element * size
+    entries = selected_entries(algorithm, size, self.num_devices, self.density)
+    return (comm + self.selection_seconds_per_element * size
+            + self.selection_seconds_per_entry * entries)
 
   def layout(self, algorithm: str, threshold: int) -> tuple[PlannedBucket, ...]:
     """Buckets under ``threshold``, timed; ``"auto"`` buckets take the cheapest."""
@@ -248,6 +261,7 @@ def step_model(
     selection_seconds_per_element: float = DEFAULT_SELECTION_SECONDS_PER_ELEMENT,
     value_bytes: int = 4,
     index_bytes: int | None = None,
+    selection_seconds_per_entry: float = DEFAULT_SELECTION_SECONDS_PER_ENTRY,
 ) -> StepModel:
   """Validates the inputs and builds a :class:`StepModel`.
 
@@ -266,7 +280,7 @@ def step_model(
                                      value_bytes).seconds(net)
   return StepModel(tuple(sizes), num_devices, density, net, min_size,
                    backward_seconds, selection_seconds_per_element, value_bytes,
-                   index_bytes)
+                   index_bytes, selection_seconds_per_entry)
 
 
 def check_plan_options(algorithm: str, threshold: int | str) -> None:
@@ -303,8 +317,8 @@ def plan_fusion(
     threshold: bucket size in elements, or ``"auto"`` to search for it.
     **model_options: ``network`` (preset name or :class:`topka2a_jax.Network`,
       default ``"eth10"``), ``min_size``, ``backward_seconds``,
-      ``selection_seconds_per_element``, ``value_bytes``, ``index_bytes``;
-      see :func:`step_model`.
+      ``selection_seconds_per_element``, ``selection_seconds_per_entry``,
+      ``value_bytes``, ``index_bytes``; see :func:`step_model`.
 
   Returns:
     The :class:`FusionPlan`, with all-dense and all-TopkA baselines planned
