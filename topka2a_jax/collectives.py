@@ -193,8 +193,14 @@ def _to_owners(
 
 
 def _keep_at_owner(unsent: jax.Array, axis_name: Hashable, kept: jax.Array):
-  """Adds ``kept`` (the owner's shard-sized leftover) to this device's own shard."""
-  return unsent.at[lax.axis_index(axis_name)].add(kept)
+  """Adds ``kept`` (the owner's shard-sized leftover) to this device's own shard.
+
+  A select over all shards rather than an update at the device's dynamic
+  index, which XLA's CPU backend ran as a separate, slower pass over the
+  residual.
+  """
+  mine = jnp.arange(unsent.shape[0])[:, None] == lax.axis_index(axis_name)
+  return unsent + jnp.where(mine, kept[None], 0)
 
 
 def topka2a(

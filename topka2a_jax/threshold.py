@@ -80,8 +80,8 @@ def _at_least(keys: jax.Array, bound: jax.Array) -> jax.Array:
   """1 where ``keys >= bound`` (per row), else 0, as int32.
 
   Keys are in [-1, 2^31) and bounds in [0, 2^31), so ``bound - 1 - key``
-  cannot overflow and its sign bit is the comparison. XLA vectorises this
-  shift; a boolean compare and sum it does not.
+  cannot overflow and its sign bit is the comparison, an integer that XLA
+  packs and counts quickly.
   """
   return lax.shift_right_logical(bound[:, None] - 1 - keys, 31)
 
@@ -141,8 +141,7 @@ def _first_set(words: jax.Array, m: int) -> jax.Array:
   marked = lax.population_count(marks).astype(jnp.int32)
   before = jnp.cumsum(marked, axis=1) - marked
   shift = jnp.arange(32, dtype=jnp.uint32)
-  through_bit = jnp.where(shift == 31, jnp.uint32(_MAX_KEY * 2 + 1),
-                          (jnp.uint32(2) << shift) - 1)  # bits 0..shift
+  through_bit = (jnp.uint32(2) << shift) - 1  # bits 0..shift (all 32 wrap)
   word_rank = (before[:, :, None] + lax.population_count(
       marks[:, :, None] & through_bit).astype(jnp.int32)).reshape(rows, -1)[:, :m] - 1
   word = jnp.take_along_axis(nonzero_words, jnp.clip(word_rank, 0, num_words - 1),
