@@ -42,7 +42,8 @@ def test_hand_computed_plan():
   net = Network(latency=0.0, bandwidth=1000.0)
   plan = plan_fusion([1000, 10, 1000], 2, 0.5, network=net, algorithm="topka2a",
                      threshold=1000, min_size=100, backward_seconds=10.0,
-                     selection_seconds_per_element=0.0)
+                     selection_seconds_per_element=0.0,
+                     selection_seconds_per_entry=0.0)
   assert [(b.bucket.leaves, b.bucket.algorithm) for b in plan.buckets] == [
       ((2,), "topka2a"), ((1,), "dense"), ((0,), "topka2a")]
   # topka2a of 1000 on 2 devices, 2-byte indices: 1 * (250 * 6 + 500 * 4)
@@ -52,6 +53,20 @@ def test_hand_computed_plan():
   assert first.finish == pytest.approx(first.ready + 3.5)
   assert plan.buckets[-1].finish == pytest.approx(
       max(10.0, plan.buckets[1].finish) + 3.5)
+
+
+def test_selection_costs_per_element_and_per_entry():
+  # One 1000-element leaf, P = 2, density 0.5: k = 500, q = 250 per shard.
+  # TopKA2A selects 2 * 250 = 500 entries, TopKA2A-sparse 750 (its owner
+  # selects again from its shard). 3.5 s on the wire, as above, for topka2a;
+  # 1 * 2 * 250 * 6 = 3000 bytes, 3 s, for topka2a_sparse.
+  net = Network(latency=0.0, bandwidth=1000.0)
+  for algorithm, wire, entries in (("topka2a", 3.5, 500), ("topka2a_sparse", 3.0, 750)):
+    plan = plan_fusion([1000], 2, 0.5, network=net, algorithm=algorithm,
+                       threshold=1000, min_size=0, backward_seconds=0.0,
+                       selection_seconds_per_element=1e-4,
+                       selection_seconds_per_entry=1e-3)
+    assert plan.buckets[0].seconds == pytest.approx(wire + 0.1 + entries * 1e-3)
 
 
 @pytest.mark.parametrize("size, num_devices, density, network, want", [

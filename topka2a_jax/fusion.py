@@ -49,7 +49,7 @@ see :func:`topka2a_jax.cost.selected_entries`): 1 G entries/s, an
 order-of-magnitude estimate for scattered accesses to accelerator memory.
 
 Pass a measured figure for other hardware: ``benchmarks/network.py`` fits it
-(about 1.1e-7 on a 2-core CPU host running 4 processes).
+(1e-7 to 1.5e-7 on a 2-core CPU host running 4 to 8 processes).
 """
 
 MODEL_GRID = 512  # thresholds considered between the smallest leaf and the model
