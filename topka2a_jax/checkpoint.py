@@ -24,7 +24,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -218,24 +217,3 @@ def _check_same_configuration(saved: dict[str, Any], wanted: dict[str, Any],
           f"leaf {want['path']} was saved as {was['dtype']}{was['shape']} on "
           f"{old} devices, which does not match {want['dtype']}{want['shape']} "
           f"on {new}. {fix}")
-
-
-def total_residuals(state: Any, num_devices: int,
-                    axis_name: Hashable = "data") -> list[np.ndarray]:
-  """Every residual summed over devices, in float64: what is still owed.
-
-  Args:
-    state: a pytree holding :func:`topka2a_jax.topka2a`'s state.
-    num_devices: devices along ``axis_name``.
-    axis_name: the data-parallel mesh axis.
-
-  Returns:
-    One float64 array of shape ``(n,)`` per per-device leaf, in leaf order.
-
-  Example:
-    >>> before = total_residuals(state, 8)
-  """
-  return [np.asarray(leaf, np.float64).reshape(num_devices, -1).sum(0)
-          for leaf, per_device in zip(jax.tree.leaves(state),
-                                      _per_device(state, axis_name))
-          if per_device]
