@@ -76,6 +76,16 @@ def per_device_grads(params):
   return jax.tree.map(lambda p: p * (1 + lax.axis_index("data")), local)
 
 
+def update_step(mesh, tx, state_in, state_out=None):
+  """tx.update on per_device_grads in a jitted shard_map step with these state
+  specs, and PARAMS placed for it."""
+  run = jax.jit(jax.shard_map(
+      lambda p, s: tx.update(per_device_grads(p), s), mesh=mesh,
+      in_specs=(P(), state_in),
+      out_specs=(P(), state_in if state_out is None else state_out)))
+  return run, jax.device_put(PARAMS, NamedSharding(mesh, P()))
+
+
 def test_wrong_axis_name_inside_shard_map(mesh):
   tx = topka2a_jax.topka2a(0.1, axis_name="batch", min_size=0)
   run, params, state = sharded_update(mesh, tx, per_device_grads)
@@ -118,10 +128,7 @@ def test_state_passed_replicated_instead_of_per_device(mesh):
   tx = topka2a_jax.topka2a(0.1, min_size=0)
   state = jax.device_put(topka2a_jax.init(tx, PARAMS, mesh),
                          NamedSharding(mesh, P()))
-  run = jax.jit(jax.shard_map(
-      lambda p, s: tx.update(per_device_grads(p), s), mesh=mesh,
-      in_specs=(P(), P()), out_specs=(P(), P("data"))))
-  params = jax.device_put(PARAMS, NamedSharding(mesh, P()))
+  run, params = update_step(mesh, tx, P(), P("data"))
   with pytest.raises(ValueError, match=r"residual for leaf \['b'\] has shape "
                      r"\(256,\), expected \(32,\).*state_specs"):
     run(params, state)
@@ -132,10 +139,7 @@ def test_state_made_with_other_options(mesh):
   used = topka2a_jax.topka2a(0.1, min_size=100)
   state = topka2a_jax.init(made, PARAMS, mesh)
   specs = topka2a_jax.state_specs(state)
-  run = jax.jit(jax.shard_map(
-      lambda p, s: used.update(per_device_grads(p), s), mesh=mesh,
-      in_specs=(P(), specs), out_specs=(P(), specs)))
-  params = jax.device_put(PARAMS, NamedSharding(mesh, P()))
+  run, params = update_step(mesh, used, specs)
   with pytest.raises(ValueError, match=r"residual for leaf \['b'\].*other options"):
     run(params, state)
 
@@ -166,10 +170,7 @@ def test_state_from_a_mesh_of_another_size(mesh):
   small = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
   specs = topka2a_jax.state_specs(state)
   moved = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(small, s), specs))
-  run = jax.jit(jax.shard_map(
-      lambda p, s: tx.update(per_device_grads(p), s), mesh=small,
-      in_specs=(P(), specs), out_specs=(P(), specs)))
-  params = jax.device_put(PARAMS, NamedSharding(small, P()))
+  run, params = update_step(small, tx, specs)
   with pytest.raises(ValueError, match=r"residual for leaf \['b'\] has shape "
                      r"\(64,\), expected \(32,\)"):
     run(params, moved)
