@@ -205,7 +205,7 @@ def _candidates(group_max: jax.Array, k: int,
   lo = jnp.where(count >= k, lo, 0)
   words = lax.cond(jnp.all(count >= k), lambda: words,
                    lambda: _pack(_at_least(group_max, lo)))
-  count = _count(words)
+  count = jnp.where(count >= k, count, groups)
   hi = jnp.full_like(lo, _MAX_KEY)
 
   def too_many(state):
