@@ -139,12 +139,12 @@ def terms(row: dict, processes: int) -> list[float]:
   + per_entry * entries selected, as in :class:`topka2a_jax.fusion.StepModel`
   (dense selects nothing).
   """
-  from topka2a_jax.cost import exchange_cost, selected_entries
+  from topka2a_jax.cost import elements_read, exchange_cost, selected_entries
 
   cost = exchange_cost(row["algorithm"], row["size"], processes, row["density"])
-  selected = 0 if row["algorithm"] == "dense" else row["size"]
+  elements = elements_read(row["algorithm"], row["size"], processes)
   entries = selected_entries(row["algorithm"], row["size"], processes, row["density"])
-  return [cost.messages, cost.bytes, selected, entries]
+  return [cost.messages, cost.bytes, elements, entries]
 
 
 def fit(rows: list[dict], processes: int) -> tuple[float, float, float, float]:

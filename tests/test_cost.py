@@ -6,6 +6,7 @@ from topka2a_jax.cost import (
     NETWORKS,
     Network,
     breakeven_density,
+    elements_read,
     exchange_cost,
     get_network,
     selected_entries,
@@ -40,6 +41,15 @@ def test_hand_counted_selected_entries():
               0, 10, 8 * 2, 8 * 2 + 2]
   # d = 10, P = 4, density 0.5: k = 5, q = 2 (the last shard has padding).
   assert selected_entries("topka2a_sparse", 10, 4, 0.5) == 4 * 2 + 2
+
+
+def test_hand_counted_elements_read():
+  # d = 1000, P = 8: every sparse selection reads the buffer once; the
+  # sparse owner reads its 125-element shard again. d = 10, P = 4: s = 3.
+  assert [elements_read(a, 1000, 8)
+          for a in ("dense", "allgather", "topka2a", "topka2a_sparse")] == [
+              0, 1000, 1000, 1125]
+  assert elements_read("topka2a_sparse", 10, 4) == 10 + 3
 
 
 def test_seconds_add_latency_and_bandwidth():

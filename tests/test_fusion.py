@@ -57,16 +57,18 @@ def test_hand_computed_plan():
 
 def test_selection_costs_per_element_and_per_entry():
   # One 1000-element leaf, P = 2, density 0.5: k = 500, q = 250 per shard.
-  # TopKA2A selects 2 * 250 = 500 entries, TopKA2A-sparse 750 (its owner
-  # selects again from its shard). 3.5 s on the wire, as above, for topka2a;
+  # TopKA2A reads 1000 elements and selects 2 * 250 = 500 entries;
+  # TopKA2A-sparse's owner selects again from its 500-element shard: 1500
+  # read, 750 selected. 3.5 s on the wire, as above, for topka2a;
   # 1 * 2 * 250 * 6 = 3000 bytes, 3 s, for topka2a_sparse.
   net = Network(latency=0.0, bandwidth=1000.0)
-  for algorithm, wire, entries in (("topka2a", 3.5, 500), ("topka2a_sparse", 3.0, 750)):
+  for algorithm, wire, read, entries in (("topka2a", 3.5, 1000, 500),
+                                         ("topka2a_sparse", 3.0, 1500, 750)):
     plan = plan_fusion([1000], 2, 0.5, network=net, algorithm=algorithm,
                        threshold=1000, min_size=0, backward_seconds=0.0,
                        selection_seconds_per_element=1e-4,
                        selection_seconds_per_entry=1e-3)
-    assert plan.buckets[0].seconds == pytest.approx(wire + 0.1 + entries * 1e-3)
+    assert plan.buckets[0].seconds == pytest.approx(wire + read * 1e-4 + entries * 1e-3)
 
 
 @pytest.mark.parametrize("size, num_devices, density, network, want", [

@@ -23,8 +23,9 @@ def synthetic_rows(link, processes, per_element=0.0, per_entry=0.0):
         entries = {"dense": 0, "allgather": k, "topka2a": k,
                    "topka2a_sparse": k + k // processes}[algorithm]
         seconds = exchange_cost(algorithm, size, processes, density).seconds(link)
-        seconds += (0 if algorithm == "dense" else per_element * size
-                    ) + per_entry * entries
+        read = {"dense": 0, "allgather": size, "topka2a": size,
+                "topka2a_sparse": size + size // processes}[algorithm]
+        seconds += per_element * read + per_entry * entries
         rows.append({"size": size, "algorithm": algorithm, "density": density,
                      "seconds": seconds})
   return rows

@@ -197,12 +197,31 @@ def exchange_cost(
       layout.shard_length, layout.per_shard, value_bytes, index_bytes)
 
 
+def elements_read(algorithm: str, length: int, num_devices: int) -> int:
+  """Elements one device's selections read in one exchange: the work that grows with ``d``.
+
+  TopkA and TopKA2A select from the whole buffer once; TopKA2A-sparse's
+  owner also selects from its summed shard of ``s = ceil(d / P)`` elements;
+  dense selects nothing.
+
+  Example:
+    >>> elements_read("topka2a_sparse", 1000, 4)
+    1250
+  """
+  if algorithm == "dense":
+    return 0
+  if algorithm == "topka2a_sparse":
+    return length + -(-length // num_devices)
+  return length
+
+
 def selected_entries(algorithm: str, length: int, num_devices: int,
                      density: float) -> int:
   """Entries one device selects in one exchange: the work that grows with ``k``.
 
-  Selection reads every element once, but compacting the chosen entries,
-  packing them and adding them in at the receiver cost per entry. TopkA
+  Selection reads every element (:func:`elements_read`), but compacting the
+  chosen entries, packing them and adding them in at the receiver cost per
+  entry. TopkA
   selects ``k`` of the buffer; TopKA2A ``q`` of each of ``P`` shards;
   TopKA2A-sparse also ``q`` of the owned, summed shard; dense none.
 

@@ -32,7 +32,13 @@ import jax
 
 from topka2a_jax.buckets import Bucket, plan_buckets
 from topka2a_jax.collectives import ALGORITHMS
-from topka2a_jax.cost import Network, exchange_cost, get_network, selected_entries
+from topka2a_jax.cost import (
+    Network,
+    elements_read,
+    exchange_cost,
+    get_network,
+    selected_entries,
+)
 
 IMPLEMENTED = tuple(ALGORITHMS)
 """The algorithms ``"auto"`` chooses from."""
@@ -204,7 +210,8 @@ class StepModel:
     network: the network.
     min_size: smaller leaves go dense, in buckets of their own.
     backward_seconds: the backward pass's duration.
-    selection_seconds_per_element: cost of selecting top-k, per element.
+    selection_seconds_per_element: cost of selecting top-k, per element
+      read (:func:`topka2a_jax.cost.elements_read`).
     selection_seconds_per_entry: cost per selected entry.
     value_bytes: bytes per value on the wire.
     index_bytes: bytes per index on the wire; None for the collectives' own.
@@ -228,8 +235,9 @@ class StepModel:
                            ).seconds(self.network)
     comm = exchange_cost(algorithm, size, self.num_devices, self.density,
                          self.value_bytes, self.index_bytes).seconds(self.network)
+    elements = elements_read(algorithm, size, self.num_devices)
     entries = selected_entries(algorithm, size, self.num_devices, self.density)
-    return (comm + self.selection_seconds_per_element * size
+    return (comm + self.selection_seconds_per_element * elements
             + self.selection_seconds_per_entry * entries)
 
   def layout(self, algorithm: str, threshold: int) -> tuple[PlannedBucket, ...]:
