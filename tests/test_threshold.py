@@ -14,17 +14,17 @@ from topka2a_jax.threshold import threshold_magnitudes
 ROWS, LENGTH = 4, 200_000
 
 
-def inputs(kind, seed=0):
+def inputs(kind, seed=0, length=LENGTH):
   rng = np.random.default_rng(seed)
   if kind == "gaussian":
-    x = rng.standard_normal((ROWS, LENGTH))
+    x = rng.standard_normal((ROWS, length))
   elif kind == "student-t":
-    x = rng.standard_t(3, (ROWS, LENGTH))
+    x = rng.standard_t(3, (ROWS, length))
   elif kind == "gradient-like":
     # Layers of 5,000 entries whose scales span orders of magnitude, some
     # nearly dead: what a fused bucket of gradients looks like.
-    scales = np.exp(rng.normal(0.0, 2.0, (ROWS, LENGTH // 5000)))
-    x = rng.standard_normal((ROWS, LENGTH)) * np.repeat(scales, 5000, axis=1)
+    scales = np.exp(rng.normal(0.0, 2.0, (ROWS, -(-length // 5000))))
+    x = rng.standard_normal((ROWS, length)) * np.repeat(scales, 5000, axis=1)[:, :length]
   return jnp.asarray(x.astype(np.float32))
 
 
@@ -39,9 +39,17 @@ def check_valid(rows, values, indices, k):
 
 @pytest.mark.parametrize("kind", ["gaussian", "student-t", "gradient-like"])
 @pytest.mark.parametrize("density", [0.001, 0.01, 0.05])
-def test_captures_99_percent_of_exact_mass(kind, density):
-  rows = inputs(kind)
-  k = int(density * LENGTH)
+# 200,000 is split into groups that tile it; 200,003 has no divisor near the
+# group size, so its last entries join the groups as a leftover.
+@pytest.mark.parametrize("length", [LENGTH, LENGTH + 3])
+def test_captures_99_percent_of_exact_mass(kind, density, length, request):
+  if (kind, density, length) == ("gradient-like", 0.05, LENGTH + 3):
+    request.applymarker(pytest.mark.xfail(strict=True, reason=(
+        "known: at density 0.05 a group holds two entries, and where the "
+        "strided groups pair two large layers one entry of each pair is lost "
+        "(98.4% of the mass here)")))
+  rows = inputs(kind, length=length)
+  k = int(density * length)
   values, indices = jax.jit(threshold_magnitudes, static_argnums=1)(rows, k)
   check_valid(rows, values, indices, k)
   exact, _ = top_magnitudes(rows, k)
@@ -96,6 +104,18 @@ def test_first_set_matches_numpy():
   got = np.asarray(threshold._first_set(threshold._pack(jnp.asarray(flags)), m))
   for row, positions in zip(flags, got):
     np.testing.assert_array_equal(positions, np.flatnonzero(row)[:m])
+
+
+@pytest.mark.parametrize(("length", "smallest", "want"), [
+    (200_000, 5, 5),  # divides
+    (6_250_000, 5, 5),
+    (200_004, 5, 6),  # 5 does not, 6 does
+    (200_003, 5, 5),  # nothing up to 7 divides: 5 with a leftover
+    (1_000_000, 32, 32),
+    (1_000_001, 32, 32),  # never above 32
+])
+def test_group_size_prefers_a_divisor_a_little_larger(length, smallest, want):
+  assert threshold._group_size(length, smallest) == want
 
 
 def test_small_or_dense_rows_are_exact():

@@ -209,8 +209,8 @@ def topka2a(
       narrowest unsigned type that fits (uint16 for shards of up to 65,536).
     selection: ``"exact"`` top-k (a sort), or ``"threshold"``: a magnitude
       threshold found in a few passes, several times faster on large buckets
-      and within 1% of exact top-k's magnitude mass
-      (:mod:`topka2a_jax.threshold`).
+      and typically within 1% of exact top-k's magnitude mass (less close
+      at densities near 0.05; :mod:`topka2a_jax.threshold`).
     warmup_steps: exchange densely (``lax.pmean``) for this many applied
       steps, then sparsely. The switch happens at run time inside the one
       compiled step; the residuals are zero when sparsification begins.
