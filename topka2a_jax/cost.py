@@ -198,7 +198,7 @@ def exchange_cost(
 
 
 def elements_read(algorithm: str, length: int, num_devices: int) -> int:
-  """Elements one device's selections read in one exchange: the work that grows with ``d``.
+  """Elements one device's selections read in one exchange: work growing with ``d``.
 
   TopkA and TopKA2A select from the whole buffer once; TopKA2A-sparse's
   owner also selects from its summed shard of ``s = ceil(d / P)`` elements;
@@ -221,9 +221,8 @@ def selected_entries(algorithm: str, length: int, num_devices: int,
 
   Selection reads every element (:func:`elements_read`), but compacting the
   chosen entries, packing them and adding them in at the receiver cost per
-  entry. TopkA
-  selects ``k`` of the buffer; TopKA2A ``q`` of each of ``P`` shards;
-  TopKA2A-sparse also ``q`` of the owned, summed shard; dense none.
+  entry. TopkA selects ``k`` of the buffer; TopKA2A ``q`` of each of ``P``
+  shards; TopKA2A-sparse also ``q`` of the owned, summed shard; dense none.
 
   Example:
     >>> selected_entries("topka2a_sparse", 1000, 4, 0.01)
