@@ -1,15 +1,16 @@
 """Selection cost: exact top-k against threshold selection and one pass.
 
-For each size and density, selects the top ``ceil(k / 8)`` of each of 8
-shards of a float32 buffer (what TopKA2A does on 8 devices) with exact
-top-k (``lax.top_k``) and with threshold selection, and times one
+For each size and density, selects the top ``ceil(k / P)`` of each of P
+shards of a float32 buffer (what TopKA2A does on P devices; P = 8 unless
+``--shards`` says otherwise) with exact top-k (``lax.top_k``) and with
+threshold selection, and times one
 ``jnp.sum(jnp.abs(x))`` pass over the same buffer, all in one run: compare
 the ratios, not the absolute times, on a shared machine. Also reports the
 magnitude mass threshold selection captures, as a share of exact top-k's.
 
 Run:
   python benchmarks/selection.py [--sizes 1e6 25e6 1e8] [--densities 0.001 0.01 0.05]
-                                 [--repeats 5] [--json out.json]
+                                 [--shards 8] [--repeats 5] [--json out.json]
 """
 
 import argparse
@@ -24,14 +25,14 @@ from topka2a_jax.selection import top_magnitudes
 from topka2a_jax.threshold import threshold_magnitudes
 from topka2a_jax.tuning import time_call
 
-SHARDS = 8
-
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--sizes", type=float, nargs="+", default=[1e6, 25e6, 1e8])
   parser.add_argument("--densities", type=float, nargs="+",
                       default=[0.001, 0.01, 0.05])
+  parser.add_argument("--shards", type=int, default=8,
+                      help="rows selected from, as TopKA2A on this many devices")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--json", help="also write the rows to this file")
   args = parser.parse_args()
@@ -41,10 +42,10 @@ def main():
   rows = []
   one_pass = jax.jit(lambda x: jnp.sum(jnp.abs(x)))
   for size in map(int, args.sizes):
-    length = -(-size // SHARDS)
-    x = jax.random.normal(jax.random.key(0), (SHARDS, length), jnp.float32)
+    length = -(-size // args.shards)
+    x = jax.random.normal(jax.random.key(0), (args.shards, length), jnp.float32)
     for density in args.densities:
-      per_shard = -(-int(np.ceil(density * size)) // SHARDS)
+      per_shard = -(-int(np.ceil(density * size)) // args.shards)
       exact = jax.jit(lambda x, k=per_shard: top_magnitudes(x, k))
       threshold = jax.jit(lambda x, k=per_shard: threshold_magnitudes(x, k))
       pass_s = time_call(functools.partial(one_pass, x), args.repeats)
