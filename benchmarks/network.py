@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -208,9 +209,15 @@ def report(rows: list[dict], processes: int, rate: str) -> list[dict]:
     a2a = next(o for o in rows if o["algorithm"] == "topka2a"
                and o["size"] == r["size"] and o["density"] == r["density"])
     faster = "TopkA" if r["seconds"] < a2a["seconds"] else "TopKA2A"
-    expected = "TopkA" if r["density"] < crossover else "TopKA2A"
-    print(f"  {r['size']:11,} at {r['density']:g}: {faster} faster "
-          f"({'as' if faster == expected else 'NOT as'} the model says)")
+    times = (r["seconds"], a2a["seconds"])
+    margin = 1 - min(times) / max(times)
+    if math.isclose(r["density"], crossover):
+      verdict = "at the crossover itself: the model predicts a tie"
+    else:
+      expected = "TopkA" if r["density"] < crossover else "TopKA2A"
+      verdict = f"{'as' if faster == expected else 'NOT as'} the model says"
+    print(f"  {r['size']:11,} at {r['density']:g}: {faster} faster by "
+          f"{margin:.0%} ({verdict})")
   return rows
 
 

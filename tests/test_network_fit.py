@@ -49,3 +49,13 @@ def test_report_puts_measured_beside_predicted(capsys):
   assert all(r["ratio"] == pytest.approx(r["model_ratio"]) for r in rows)
   out = capsys.readouterr().out
   assert "fitted α = 100 µs" in out and "NOT as" not in out
+  assert "at 0.01: TopkA faster by" in out and "tie" not in out
+
+
+def test_a_density_at_the_crossover_is_called_a_tie(capsys):
+  # 6 processes: TopkA and TopKA2A send equal bytes at 1/(2 * 5) = 0.1.
+  network_benchmark.report(
+      synthetic_rows(Network(latency=1e-4, bandwidth=1e8), 6), 6, "500mbit")
+  out = capsys.readouterr().out
+  assert out.count("at the crossover itself: the model predicts a tie") == 2
+  assert "NOT as" not in out
