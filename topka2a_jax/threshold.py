@@ -231,10 +231,11 @@ def _candidates(group_max: jax.Array, k: int,
 def _group_size(length: int, smallest: int) -> int:
   """Entries per group: ``smallest``, or a little more if that divides the row.
 
-  Groups that tile the row exactly leave nothing over. Merging a leftover
-  into the group keys makes XLA's CPU backend run the strided group maxima of
-  several rows (TopKA2A's shards) a few times slower, so a size up to 1.5
-  times ``smallest`` that divides ``length`` is worth the fewer groups.
+  Groups that tile the row exactly leave nothing over to merge into the
+  keys. With a leftover, XLA's CPU backend ran the group maxima of several
+  rows (TopKA2A's shards) more slowly in some processes than in others, so
+  a size up to 1.5 times ``smallest`` that divides ``length`` is worth the
+  fewer groups.
   """
   largest = min(_MAX_PER_GROUP, smallest + smallest // 2)
   return next((size for size in range(smallest, largest + 1) if length % size == 0),
