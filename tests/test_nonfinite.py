@@ -92,6 +92,22 @@ def test_wrapper_skips_the_whole_chain_bitwise(mesh):
   assert [int(s.nonfinite_steps) for _, s in with_bad] == [0, 1, 1]
 
 
+def test_nested_wrappers_pass_one_decision_down(mesh):
+  # The inner wrapper receives the outer one's decision as an extra argument
+  # and hands its own down under the same name, replacing it.
+  chain = optax.chain(topka2a_jax.topka2a(0.05, min_size=0), optax.sgd(0.1))
+  tx = topka2a_jax.skip_nonfinite(topka2a_jax.skip_nonfinite(chain))
+  x = np.random.default_rng(76).normal(size=(64, 40)).astype(np.float32)
+  good = np.ones(8, np.float32)
+  bad = good.copy()
+  bad[2] = np.nan
+  steps = train(mesh, tx, [(x, good), (x, bad)], {"w": jnp.zeros((40, 30))})
+  assert [int(s.nonfinite_steps) for _, s in steps] == [0, 1]
+  # The outer wrapper keeps the inner state, counter included, as it was.
+  assert [int(s.inner_state.nonfinite_steps) for _, s in steps] == [0, 0]
+  jax.tree.map(np.testing.assert_array_equal, steps[1][0], steps[0][0])
+
+
 def test_wrapper_state_specs_and_init(mesh):
   tx = topka2a_jax.skip_nonfinite(
       optax.chain(topka2a_jax.topka2a(0.05, min_size=0), optax.sgd(0.1)))

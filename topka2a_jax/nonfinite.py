@@ -105,7 +105,7 @@ def skip_nonfinite(
   ) -> tuple[optax.Updates, SkipNonFiniteState]:
     bad = nonfinite_on_any_device(updates, axis_name)
     new_updates, new_inner = inner.update(
-        updates, state.inner_state, params, **extra_args, **{NONFINITE: bad})
+        updates, state.inner_state, params, **{**extra_args, NONFINITE: bad})
     keep = lambda old, new: jnp.where(bad, old, new)
     return (
         jax.tree.map(lambda u: jnp.where(bad, jnp.zeros_like(u), u), new_updates),
