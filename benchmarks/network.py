@@ -9,7 +9,7 @@ every process. All the traffic of the P processes crosses the one shaped
 loopback, so the link is shared like a switch with that capacity.
 
 From the measurements it fits the planner's model of an exchange (seconds =
-messages * α + bytes / bandwidth + elements * selection + entries selected *
+messages * α + bytes / bandwidth + elements read * selection + entries selected *
 per-entry cost, least squares over all rows,
 :class:`topka2a_jax.fusion.StepModel`) and prints, beside each measured ratio
 to dense, the ratio the fitted model predicts.

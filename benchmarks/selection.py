@@ -3,10 +3,10 @@
 For each size and density, selects the top ``ceil(k / P)`` of each of P
 shards of a float32 buffer (what TopKA2A does on P devices; P = 8 unless
 ``--shards`` says otherwise) with exact top-k (``lax.top_k``) and with
-threshold selection, and times one
-``jnp.sum(jnp.abs(x))`` pass over the same buffer, all in one run: compare
-the ratios, not the absolute times, on a shared machine. Also reports the
-magnitude mass threshold selection captures, as a share of exact top-k's.
+threshold selection, and times one ``jnp.sum(jnp.abs(x))`` pass over the
+same buffer, all in one run: compare the ratios, not the absolute times, on
+a shared machine. Also reports the magnitude mass threshold selection
+captures, as a share of exact top-k's.
 
 Run:
   python benchmarks/selection.py [--sizes 1e6 25e6 1e8] [--densities 0.001 0.01 0.05]

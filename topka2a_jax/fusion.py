@@ -55,7 +55,8 @@ see :func:`topka2a_jax.cost.selected_entries`): 1 G entries/s, an
 order-of-magnitude estimate for scattered accesses to accelerator memory.
 
 Pass a measured figure for other hardware: ``benchmarks/network.py`` fits it
-(1e-7 to 1.5e-7 on a 2-core CPU host running 4 to 8 processes).
+(1.2e-7 with 4 processes, 1.6e-7 with 8, on a 2-core CPU host; see the
+README's network tables).
 """
 
 MODEL_GRID = 512  # thresholds considered between the smallest leaf and the model
