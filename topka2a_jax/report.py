@@ -13,17 +13,22 @@ against what the compiler really does. For a group of ``P`` devices:
 | reduce-scatter of a B-byte operand | (P-1)/P · B |
 | collective-permute of B bytes | B |
 
-Asynchronous pairs count once, at their ``-start``.
+Asynchronous pairs count once, at their ``-start``. Given the mesh, every
+collective is also attributed to the mesh axes its replica groups span, so
+that a step's traffic over ``"data"`` and over ``"model"`` can be told apart.
 
 Example:
-  >>> print(comm_report(jax.jit(step).lower(params, opt_state, batch)))
+  >>> print(comm_report(jax.jit(step).lower(params, opt_state, batch), mesh=mesh))
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any
+
+import numpy as np
 
 KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter",
          "collective-permute")
@@ -37,8 +42,12 @@ _INSTRUCTION = re.compile(
     r"=\s*(?P<shape>.+?)\s+(?P<op>" + "|".join(KINDS) + r")(?P<start>-start)?\("
 )
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
-_GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
+_GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}")
+_GROUPS_IOTA = re.compile(
+    r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+_GROUPS_MESH = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([0-9,]+)\]"
+    r"(?:T\(([0-9,]+)\))?\))? \{([^}]*)\}")
 _PARTITIONS = re.compile(r"num_partitions=(\d+)")
 
 
@@ -50,11 +59,13 @@ class CollectiveTotal:
     kind: e.g. ``"all-to-all"``.
     count: how many the program runs.
     bytes: bytes each device sends, over all of them.
+    axes: the mesh axes their groups span (given the mesh), e.g. ``("data",)``.
   """
 
   kind: str
   count: int
   bytes: float
+  axes: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,29 +73,38 @@ class CommReport:
   """The collectives of a compiled program.
 
   Attributes:
-    collectives: one row per kind present, in :data:`KINDS` order.
+    collectives: one row per kind present (per kind and axes, given the
+      mesh), in :data:`KINDS` order.
   """
 
   collectives: tuple[CollectiveTotal, ...]
+
+  def _rows(self, kind: str | None, axis: str | None) -> list[CollectiveTotal]:
+    return [row for row in self.collectives
+            if kind in (None, row.kind) and (axis is None or axis in row.axes)]
 
   @property
   def total_bytes(self) -> float:
     """Bytes each device sends, all collectives together."""
     return sum(row.bytes for row in self.collectives)
 
-  def bytes_of(self, kind: str) -> float:
-    """Bytes each device sends in collectives of ``kind`` (0 if none)."""
-    return sum(row.bytes for row in self.collectives if row.kind == kind)
+  def bytes_of(self, kind: str | None = None, axis: str | None = None) -> float:
+    """Bytes each device sends in collectives of ``kind`` spanning ``axis`` (0 if none).
 
-  def count_of(self, kind: str) -> int:
-    """How many collectives of ``kind`` the program runs."""
-    return sum(row.count for row in self.collectives if row.kind == kind)
+    ``None`` for either means any.
+    """
+    return sum(row.bytes for row in self._rows(kind, axis))
+
+  def count_of(self, kind: str | None = None, axis: str | None = None) -> int:
+    """How many collectives of ``kind`` spanning ``axis`` the program runs."""
+    return sum(row.count for row in self._rows(kind, axis))
 
   def __str__(self) -> str:
-    lines = [f"{'collective':20s} {'count':>6s} {'bytes/device':>14s}"]
+    lines = [f"{'collective':20s} {'axes':>14s} {'count':>6s} {'bytes/device':>14s}"]
     for row in self.collectives:
-      lines.append(f"{row.kind:20s} {row.count:6d} {row.bytes:14,.0f}")
-    lines.append(f"{'total':20s} {sum(r.count for r in self.collectives):6d} "
+      lines.append(f"{row.kind:20s} {','.join(row.axes) or '-':>14s} {row.count:6d} "
+                   f"{row.bytes:14,.0f}")
+    lines.append(f"{'total':20s} {'':>14s} {sum(r.count for r in self.collectives):6d} "
                  f"{self.total_bytes:14,.0f}")
     return "\n".join(lines)
 
@@ -100,14 +120,58 @@ def _arrays_bytes(arrays: list[tuple[str, str]]) -> int:
   return total
 
 
-def _group_size(line: str, default: int) -> int:
+def _ints(text: str) -> list[int]:
+  return [int(x) for x in text.split(",") if x]
+
+
+def _iota(dims: list[int], perm: str | None) -> np.ndarray:
+  ids = np.arange(math.prod(dims)).reshape(dims)
+  return ids if perm is None else ids.transpose(_ints(perm))
+
+
+def replica_groups(line: str) -> list[list[int]] | None:
+  """The device groups of one HLO collective, or None where the line names none.
+
+  Reads the three forms XLA prints: explicit lists (``{{0,2},{1,3}}``), iota
+  (``[2,2]<=[4]`` or ``[2,2]<=[2,2]T(1,0)``) and mesh axes
+  (``mesh['axis_0'=2,'axis_1'=2], device_ids=(...) {'axis_1'}``). Ids are
+  positions in the program's device assignment: for a jitted step, the
+  mesh's devices in order.
+
+  Example:
+    >>> replica_groups("all-reduce(x), replica_groups=[2,2]<=[2,2]T(1,0)")
+    [[0, 2], [1, 3]]
+  """
   listed = _GROUPS_LIST.search(line)
   if listed:
-    return len([d for d in listed.group(1).split(",") if d])
+    groups = [_ints(g) for g in re.findall(r"\{([0-9,]*)\}", listed.group(1))]
+    return [g for g in groups if g] or None
   iota = _GROUPS_IOTA.search(line)
   if iota:
-    return int(iota.group(2))
-  return default
+    count, size = int(iota.group(1)), int(iota.group(2))
+    return _iota(_ints(iota.group(3)), iota.group(4)).reshape(count, size).tolist()
+  mesh = _GROUPS_MESH.search(line)
+  if mesh:
+    axes = re.findall(r"'([^']+)'=(\d+)", mesh.group(1))
+    names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+    ids = (np.arange(math.prod(sizes)) if mesh.group(2) is None
+           else _iota(_ints(mesh.group(2)), mesh.group(3))).reshape(sizes)
+    within = [names.index(a) for a in re.findall(r"'([^']+)'", mesh.group(4))]
+    outer = [i for i in range(len(names)) if i not in within]
+    size = math.prod(sizes[i] for i in within)
+    return ids.transpose(outer + within).reshape(-1, size).tolist()
+  return None
+
+
+def _axes_spanned(groups: list[list[int]] | None, mesh: Any,
+                  num_devices: int) -> tuple[str, ...]:
+  """Mesh axes along which members of a group differ; all axes with no groups."""
+  shape = tuple(mesh.devices.shape)
+  if groups is None:
+    groups = [list(range(num_devices))]
+  coords = [np.array(np.unravel_index(g, shape)) for g in groups if len(g) > 1]
+  return tuple(name for i, name in enumerate(mesh.axis_names)
+               if any(len(set(c[i])) > 1 for c in coords))
 
 
 def _sent_bytes(kind: str, is_start: bool, shape: str, group: int) -> float:
@@ -127,7 +191,8 @@ def _sent_bytes(kind: str, is_start: bool, shape: str, group: int) -> float:
   return share * payload
 
 
-def comm_report(program: Any, num_devices: int | None = None) -> CommReport:
+def comm_report(program: Any, num_devices: int | None = None,
+                mesh: Any = None) -> CommReport:
   """Counts the collectives of a jitted program and the bytes they send.
 
   Args:
@@ -135,6 +200,8 @@ def comm_report(program: Any, num_devices: int | None = None) -> CommReport:
       ``jax.stages.Compiled``, or compiled HLO text.
     num_devices: group size for collectives whose HLO names no replica
       groups; by default the module's ``num_partitions``.
+    mesh: the program's mesh; with it, rows are split by the mesh axes each
+      collective spans (:attr:`CollectiveTotal.axes`).
 
   Returns:
     The :class:`CommReport`.
@@ -149,16 +216,21 @@ def comm_report(program: Any, num_devices: int | None = None) -> CommReport:
   if num_devices is None:
     partitions = _PARTITIONS.search(text)
     num_devices = int(partitions.group(1)) if partitions else 1
-  counts: dict[str, list[float]] = {}
+  counts: dict[tuple[str, tuple[str, ...]], list[float]] = {}
   for line in text.splitlines():
     match = _INSTRUCTION.search(line)
     if not match:
       continue
     kind = match.group("op")
-    sent = _sent_bytes(kind, bool(match.group("start")), match.group("shape"),
-                       _group_size(line, num_devices))
-    row = counts.setdefault(kind, [0, 0.0])
+    groups = replica_groups(line)
+    size = len(groups[0]) if groups else num_devices
+    sent = _sent_bytes(kind, bool(match.group("start")), match.group("shape"), size)
+    axes = () if mesh is None else _axes_spanned(groups, mesh, num_devices)
+    row = counts.setdefault((kind, axes), [0, 0.0])
     row[0] += 1
     row[1] += sent
-  return CommReport(tuple(CollectiveTotal(kind, int(counts[kind][0]), counts[kind][1])
-                          for kind in KINDS if kind in counts))
+  return CommReport(tuple(
+      CollectiveTotal(kind, int(count), sent, axes)
+      for kind in KINDS
+      for (row_kind, axes), (count, sent) in sorted(counts.items())
+      if row_kind == kind))
