@@ -1,10 +1,11 @@
-"""Training one model several ways, data-parallel, and comparing the runs.
+"""Training one Flax NNX model several ways, data-parallel, and comparing the runs.
 
-Shared by ``train_digits.py`` and ``train_charlm.py``: a ``jax.shard_map``
-training step over a ``"data"`` mesh axis (per-device gradients, the optimizer
-state laid out by :func:`topka2a_jax.init`), a progress bar over every run,
-the bytes each device sends per step read from the compiled step, a table of
-means over seeds and a PNG of the curves.
+Shared by ``train_digits.py`` and ``train_charlm.py``: each run is an
+``nnx.Optimizer`` whose chain starts with the sparse exchange, trained by an
+``nnx.jit`` step around :func:`topka2a_jax.nnx_train_step` (the model updated
+in place), with a progress bar over every run, the bytes each device sends
+per step read from the compiled step, a table of means over seeds and a PNG
+of the curves.
 
 Example:
   >>> results = compare(runs, task, steps=300, seeds=(0, 1, 2), mesh=mesh)
@@ -22,8 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from flax import nnx
 from tqdm import tqdm
 
 import topka2a_jax
@@ -43,16 +43,16 @@ class Task:
   """What is trained and how it is scored.
 
   Attributes:
-    init: seed -> the model's parameters (a pytree of float arrays).
-    loss: (params, batch) -> scalar training loss on one device's batch.
+    model: seed -> a freshly initialised ``nnx.Module``.
+    loss: (model, batch) -> scalar training loss on one device's batch.
     batches: (seed, global batch size) -> an endless iterator of batches
       (pytrees of NumPy arrays whose leading axis is split across devices).
-    evaluate: params -> the held-out score (a float).
+    evaluate: model -> the held-out score (a float).
     eval_every: steps between evaluations.
   """
 
-  init: Callable[[int], Any]
-  loss: Callable[[Any, Any], jax.Array]
+  model: Callable[[int], nnx.Module]
+  loss: Callable[[nnx.Module, Any], jax.Array]
   batches: Callable[[int, int], Iterator[Any]]
   evaluate: Callable[[Any], float]
   eval_every: int
@@ -86,22 +86,18 @@ class Result:
     return float(np.mean([losses[-tail:] for losses in self.losses]))
 
 
-def make_step(tx: optax.GradientTransformation, task: Task, mesh, state):
-  """The jitted shard_map step ``(params, state, batch) -> (params, state, loss)``."""
-  specs = topka2a_jax.state_specs(state)
+def nnx_jit_step(train: topka2a_jax.NnxTrainStep):
+  """The ``nnx.jit`` training step a Flax NNX user writes around ``train``."""
 
-  def step(params, state, batch):
-    local = jax.lax.pcast(params, "data", to="varying")  # per-device gradients
-    loss, grads = jax.value_and_grad(task.loss)(local, batch)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, jax.lax.pmean(loss, "data")
+  @nnx.jit
+  def step(model, optimizer, batch):
+    return train(model, optimizer, batch)
 
-  return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data")),
-                               out_specs=(P(), specs, P())))
+  return step
 
 
 def compare(
-    runs: dict[str, Callable[[], optax.GradientTransformation]],
+    runs: dict[str, Callable[..., optax.GradientTransformation]],
     task: Task,
     *,
     steps: int,
@@ -109,32 +105,33 @@ def compare(
     batch_per_device: int,
     mesh,
 ) -> list[Result]:
-  """Trains every run from every seed, one step at a time; returns the results."""
+  """Trains every run from every seed, one step at a time; returns the results.
+
+  ``runs`` maps a name to ``make_tx(mesh=mesh)``, the chain to train with.
+  """
   num_devices = mesh.shape["data"]
-  replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
   results = []
   bar = tqdm(total=len(runs) * len(seeds) * steps, unit="step", smoothing=0.05)
   for name, make_tx in runs.items():
     bar.set_description(name)
-    tx = make_tx()
+    tx = make_tx(mesh=mesh)  # one per run: its seeds share one compilation
+    train = topka2a_jax.nnx_train_step(task.loss, mesh)
+    step = nnx_jit_step(train)
     result = Result(name, [], [], [], 0.0, 0.0)
     start = time.perf_counter()
-    train_step = None
     for seed in seeds:
-      params = jax.device_put(task.init(seed), replicated)
-      state = topka2a_jax.init(tx, params, mesh)
+      model = task.model(seed)
+      optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
       batches = task.batches(seed, batch_per_device * num_devices)
-      if train_step is None:  # one compilation per run, shared by its seeds
-        train_step = make_step(tx, task, mesh, state)
-        lowered = train_step.lower(params, state, jax.device_put(next(batches), split))
+      if not result.bytes_per_step:
+        lowered = train.lower(model, optimizer, next(batches))
         result.bytes_per_step = topka2a_jax.comm_report(lowered).total_bytes
       scores, losses, eval_steps = [], [], []
       for i in range(1, steps + 1):
-        params, state, loss = train_step(params, state,
-                                         jax.device_put(next(batches), split))
+        loss = step(model, optimizer, next(batches))
         losses.append(float(loss))  # waits for the step: see the README on CPU
         if i % task.eval_every == 0 or i == steps:
-          scores.append(task.evaluate(params))
+          scores.append(task.evaluate(model))
           eval_steps.append(i)
         bar.update()
       result.scores.append(scores)

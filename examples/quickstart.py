@@ -5,7 +5,8 @@ from a random teacher network, minibatches on every device) seven ways and
 prints the held-out loss of each: dense ``lax.pmean`` averaging, TopKA2A at
 1% and 5% density, TopKA2A without error feedback, the TopkA allgather
 baseline, TopKA2A with a sparse second phase, and TopKA2A sending bfloat16
-values.
+values. Each run is the plain-jit route: ``tx.init(params)`` and a jitted
+step from :func:`topka2a_jax.train_step`; no shard_map is written here.
 
 Run:
   python examples/quickstart.py [--steps 400] [--lr 3e-3]
@@ -25,9 +26,8 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import topka2a_jax
 
@@ -51,6 +51,10 @@ def mlp(params, x):
 
 def mse(params, x, y):
   return jnp.mean((mlp(params, x) - y) ** 2)
+
+
+def mse_of_batch(params, batch):
+  return mse(params, *batch)
 
 
 def make_task(seed=0):
@@ -78,30 +82,17 @@ def make_task(seed=0):
 def train(mesh, options, steps, learning_rate):
   """Trains from the task's initial parameters; returns the held-out loss."""
   params, (x, y), (x_test, y_test) = make_task()
-  tx = optax.chain(topka2a_jax.topka2a(min_size=1000, **options), optax.adam(learning_rate))
-  opt_state = topka2a_jax.init(tx, params, mesh)
-  specs = topka2a_jax.state_specs(opt_state)
-
-  def step(params, opt_state, x, y, i):
-    batch = (i * BATCH_PER_DEVICE + jnp.arange(BATCH_PER_DEVICE)) % x.shape[0]
-    local = jax.lax.pcast(params, "data", to="varying")  # per-device gradients
-    loss, grads = jax.value_and_grad(mse)(local, x[batch], y[batch])
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    return params, opt_state, jax.lax.pmean(loss, "data")
-
-  train_step = jax.jit(
-      jax.shard_map(
-          step,
-          mesh=mesh,
-          in_specs=(P(), specs, P("data"), P("data"), P()),
-          out_specs=(P(), specs, P()),
-      )
-  )
-  params = jax.device_put(params, NamedSharding(mesh, P()))
-  x, y = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+  x, y = np.asarray(x), np.asarray(y)
+  tx = optax.chain(topka2a_jax.topka2a(min_size=1000, mesh=mesh, **options),
+                   optax.adam(learning_rate))
+  opt_state = tx.init(params)  # residuals per device, laid out for the mesh
+  step = topka2a_jax.train_step(mse_of_batch, tx, mesh)  # a jitted step
+  batch_size = BATCH_PER_DEVICE * mesh.shape["data"]
   for i in range(steps):
-    params, opt_state, loss = train_step(params, opt_state, x, y, jnp.int32(i))
+    # Device d trains on rows (i * 32 + [0, 32)) of its 1,024-row slice.
+    rows = (i * BATCH_PER_DEVICE + np.arange(BATCH_PER_DEVICE)) % (len(x) // 8)
+    chosen = (np.arange(8)[:, None] * (len(x) // 8) + rows).reshape(batch_size)
+    params, opt_state, loss = step(params, opt_state, (x[chosen], y[chosen]))
     loss.block_until_ready()
   return float(mse(params, x_test, y_test))
 

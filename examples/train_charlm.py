@@ -101,15 +101,11 @@ class CharLM(nnx.Module):
 
 def make_task(eval_every: int) -> Task:
   train, valid = load_text()
-  graphdef = nnx.graphdef(CharLM(nnx.Rngs(0)))
   windows = np.lib.stride_tricks.sliding_window_view(valid, CONTEXT + 1)
   valid_windows = windows[:: CONTEXT][:128]  # 128 disjoint windows, 8k bytes
 
-  def init(seed):
-    return nnx.state(CharLM(nnx.Rngs(seed)), nnx.Param)
-
-  def loss(params, windows):
-    logits = nnx.merge(graphdef, params)(windows[:, :-1])
+  def loss(model, windows):
+    logits = model(windows[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(
         logits, windows[:, 1:]).mean()
 
@@ -119,8 +115,9 @@ def make_task(eval_every: int) -> Task:
       starts = rng.integers(0, len(train) - CONTEXT - 1, size)
       yield np.stack([train[s:s + CONTEXT + 1] for s in starts])
 
-  validation = jax.jit(loss)
-  return Task(init, loss, batches, lambda p: float(validation(p, valid_windows)),
+  validation = nnx.jit(loss)
+  return Task(lambda seed: CharLM(nnx.Rngs(seed)), loss, batches,
+              lambda model: float(validation(model, valid_windows)),
               eval_every=eval_every)
 
 
@@ -157,7 +154,7 @@ def main():
   names = args.runs or (QUICK_RUNS if args.quick else list(RUNS))
 
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
-  params = jax.tree.leaves(make_task(1).init(0))
+  params = jax.tree.leaves(nnx.state(CharLM(nnx.Rngs(0)), nnx.Param))
   print(f"{jax.device_count()} devices, {steps} steps of "
         f"{BATCH_PER_DEVICE * jax.device_count()} x {CONTEXT} bytes, seeds "
         f"{args.seeds}, {sum(p.size for p in params):,} parameters, Python "

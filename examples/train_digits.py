@@ -74,17 +74,10 @@ def split_digits():
 
 def make_task() -> Task:
   (x_train, y_train), (x_test, y_test) = split_digits()
-  graphdef = nnx.graphdef(CNN(nnx.Rngs(0)))
 
-  def init(seed):
-    return nnx.state(CNN(nnx.Rngs(seed)), nnx.Param)
-
-  def logits(params, x):
-    return nnx.merge(graphdef, params)(x)
-
-  def loss(params, batch):
+  def loss(model, batch):
     x, y = batch
-    return optax.softmax_cross_entropy_with_integer_labels(logits(params, x), y).mean()
+    return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
 
   def batches(seed, size):
     rng = np.random.default_rng(1000 + seed)
@@ -94,12 +87,12 @@ def make_task() -> Task:
         chosen = order[start:start + size]
         yield x_train[chosen], y_train[chosen].astype(np.int32)
 
-  @jax.jit
-  def accuracy(params):
-    return jnp.mean(jnp.argmax(logits(params, x_test), -1) == y_test)
+  @nnx.jit
+  def accuracy(model):
+    return jnp.mean(jnp.argmax(model(x_test), -1) == y_test)
 
-  return Task(init, loss, batches, lambda params: float(accuracy(params)),
-              eval_every=10)
+  return Task(lambda seed: CNN(nnx.Rngs(seed)), loss, batches,
+              lambda model: float(accuracy(model)), eval_every=10)
 
 
 def optimizer(weight_decay: float, decay_first: bool = False,

@@ -2,10 +2,11 @@
 
 Run in one process (``XLA_FLAGS`` giving it 4 devices) or under the launcher
 (``python -m topka2a_jax.launch -n 2 --devices-per-process 2``); process 0
-writes each step's mean gradient and parameters, so that tests can check the
-two agree:
+writes each step's mean gradient (hand-written shard_map step) or loss
+(``topka2a_jax.train_step``) and parameters, so that tests can check the two
+agree:
 
-  python tests/multiprocess_train.py ALGORITHM OUT.npz
+  python tests/multiprocess_train.py ALGORITHM OUT.npz [shard_map|train_step]
 """
 
 import sys
@@ -38,12 +39,42 @@ def local_copy(array):
   return np.asarray(array.addressable_data(0))
 
 
-def main(algorithm, out):
+def loss_of(params, batch):
+  x, y = batch
+  return jnp.mean((jnp.tanh(x @ params["w"] + params["b"]) - y) ** 2)
+
+
+def with_train_step(mesh, algorithm, params, batches):
+  """The same run through topka2a_jax.train_step: every step's loss and params."""
+  tx = optax.chain(topka2a_jax.topka2a(0.1, algorithm=algorithm, min_size=0,
+                                       mesh=mesh), optax.sgd(0.1))
+  params = jax.tree.map(lambda v: global_array(v, mesh, P()), params)
+  state, step, record = tx.init(params), topka2a_jax.train_step(loss_of, tx, mesh), {}
+  for i, (x, y) in enumerate(batches):
+    batch = (global_array(x, mesh, P("data")), global_array(y, mesh, P("data")))
+    params, state, loss = step(params, state, batch)
+    record[f"loss{i}"] = local_copy(loss)
+    for k in ("w", "b"):
+      record[f"params{i}_{k}"] = local_copy(params[k])
+  return record
+
+
+def main(algorithm, out, route="shard_map"):
   devices = sorted(jax.devices(), key=lambda d: d.id)
   mesh = Mesh(np.array(devices), ("data",))
   rng = np.random.default_rng(91)
   params = {"w": rng.normal(size=(24, 16)).astype(np.float32) / 5,
             "b": np.zeros(16, np.float32)}
+  if route == "train_step":
+    batches = []
+    for _ in range(5):
+      x = rng.normal(size=(32, 24)).astype(np.float32)
+      batches.append((x, np.sin(x[:, :16])))
+    record = with_train_step(mesh, algorithm, params, batches)
+    print(f"{jax.process_count()} processes, {jax.device_count()} devices")
+    if jax.process_index() == 0:
+      np.savez(out, **record)
+    return
   tx = optax.chain(topka2a_jax.topka2a(0.1, algorithm=algorithm, min_size=0),
                    optax.sgd(0.1))
   state = topka2a_jax.init(tx, params, mesh)

@@ -5,6 +5,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax import lax
 from jax.sharding import NamedSharding
@@ -50,10 +51,41 @@ def test_bad_options(kwargs, error, match):
     topka2a_jax.topka2a(0.1, **kwargs)
 
 
-def test_update_outside_shard_map_names_the_axis():
-  tx = topka2a_jax.topka2a(0.1, min_size=0)
-  with pytest.raises(ValueError, match="axis name 'data' is not bound.*shard_map"):
-    tx.update(PARAMS, tx.init(PARAMS))
+OUTSIDE = (r"axis name 'data' is not bound here: this call is outside "
+           r"jax.shard_map.*already all-reduced.*topka2a_jax.train_step")
+
+
+@pytest.mark.parametrize("made_by", ["tx.init with mesh", "topka2a_jax.init",
+                                     "tx.init of placed params"])
+def test_update_under_plain_jit_says_first_that_it_is_outside_shard_map(
+    mesh, made_by):
+  # A plain jax.jit step, as written for optax: the first thing said is that
+  # the call is outside shard_map, however the state was made.
+  if made_by == "tx.init with mesh":
+    tx = optax.chain(topka2a_jax.topka2a(0.1, mesh=mesh), optax.adam(1e-3))
+    state = tx.init(PARAMS)
+  elif made_by == "topka2a_jax.init":
+    tx = optax.chain(topka2a_jax.topka2a(0.1), optax.adam(1e-3))
+    state = topka2a_jax.init(tx, PARAMS, mesh)
+  else:
+    tx = optax.chain(topka2a_jax.topka2a(0.1), optax.adam(1e-3))
+    state = tx.init(jax.device_put(PARAMS, NamedSharding(mesh, P())))
+
+  @jax.jit
+  def step(params, state, x):
+    grads = jax.grad(lambda p: jnp.sum((x @ p["w"] + p["b"]) ** 2))(params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  x = jax.device_put(jnp.ones((16, 64)), NamedSharding(mesh, P("data")))
+  with pytest.raises(ValueError, match=OUTSIDE):
+    step(jax.device_put(PARAMS, NamedSharding(mesh, P())), state, x)
+
+
+def test_init_outside_shard_map_without_a_mesh_says_how_to_give_one():
+  tx = optax.chain(topka2a_jax.topka2a(0.1), optax.adam(1e-3))
+  with pytest.raises(ValueError, match=r"does not know the mesh.*mesh=mesh"):
+    tx.init(PARAMS)  # nnx.Optimizer calls this on an unplaced model
 
 
 def sharded_update(mesh, tx, grads_fn, specs=None):
@@ -86,19 +118,37 @@ def update_step(mesh, tx, state_in, state_out=None):
   return run, jax.device_put(PARAMS, NamedSharding(mesh, P()))
 
 
-def test_wrong_axis_name_inside_shard_map(mesh):
+def test_wrong_axis_name_is_named_where_the_state_is_made(mesh):
+  with pytest.raises(ValueError, match=r"mesh has no axis 'batch'.*\('data',\)"):
+    topka2a_jax.topka2a(0.1, axis_name="batch", mesh=mesh)
   tx = topka2a_jax.topka2a(0.1, axis_name="batch", min_size=0)
-  run, params, state = sharded_update(mesh, tx, per_device_grads)
+  with pytest.raises(ValueError, match=r"mesh has no axis 'batch'.*\('data',\)"):
+    topka2a_jax.init(tx, PARAMS, mesh)
+
+
+def test_wrong_axis_name_inside_shard_map(mesh):
+  # A state made for a mesh with a "batch" axis, used in a step over "data".
+  tx = topka2a_jax.topka2a(0.1, axis_name="batch", min_size=0)
+  batch_mesh = jax.make_mesh((8,), ("batch",))
+  state = jax.device_put(topka2a_jax.init(tx, PARAMS, batch_mesh, axis_name="batch"),
+                         NamedSharding(mesh, P()))
+  run, params = update_step(mesh, tx, P(), P("data"))
   with pytest.raises(ValueError, match="axis name 'batch' is not bound"):
     run(params, state)
 
 
 def test_non_floating_leaf_is_named_at_init_and_update(mesh):
-  tx = topka2a_jax.topka2a(0.1)
+  tx = topka2a_jax.topka2a(0.1, mesh=mesh)
   with pytest.raises(TypeError, match=r"parameter leaf \['step'\] has dtype int32"):
     tx.init({"w": jnp.ones(4), "step": jnp.zeros((), jnp.int32)})
+  state = tx.init({"n": jnp.ones(3)})
+  run = jax.jit(jax.shard_map(
+      lambda g, s: tx.update(g, s), mesh=mesh,
+      in_specs=(P("data"), topka2a_jax.state_specs(state)),
+      out_specs=(P(), topka2a_jax.state_specs(state))))
   with pytest.raises(TypeError, match=r"gradient leaf \['n'\] has dtype int32"):
-    tx.update({"n": jnp.ones(3, jnp.int32)}, topka2a_jax.TopKA2AState({"n": 0}, 0, 0))
+    run({"n": jax.device_put(jnp.ones(24, jnp.int32), NamedSharding(mesh, P("data")))},
+        state)
 
 
 def test_already_summed_gradients_are_refused(mesh):
@@ -115,11 +165,12 @@ def test_already_summed_gradients_are_refused(mesh):
 
 def test_state_of_another_model(mesh):
   tx = topka2a_jax.topka2a(0.1, min_size=0)
-  other = tx.init({"w": jnp.ones((64, 32))})
+  other = topka2a_jax.init(tx, {"w": jnp.ones((64, 32))}, mesh)
+  specs = topka2a_jax.state_specs(other)
+  run = jax.jit(jax.shard_map(lambda p, s: tx.update(per_device_grads(p), s),
+                              mesh=mesh, in_specs=(P(), specs), out_specs=(P(), specs)))
   with pytest.raises(ValueError, match="does not match the gradients' pytree"):
-    jax.jit(jax.shard_map(lambda s: tx.update(PARAMS, s), mesh=mesh,
-                          in_specs=P(), out_specs=P()))(
-        jax.device_put(other, NamedSharding(mesh, P())))
+    run(jax.device_put(PARAMS, NamedSharding(mesh, P())), other)
 
 
 def test_state_passed_replicated_instead_of_per_device(mesh):
@@ -191,3 +242,90 @@ def test_param_specs_of_another_pytree(mesh):
   with pytest.raises(ValueError, match="param_specs has 1 PartitionSpecs for 2 "
                      "parameter leaves"):
     topka2a_jax.init(tx, PARAMS, mesh, param_specs={"w": P()})
+
+
+def test_state_passed_with_p_instead_of_state_specs_on_automatic_axes():
+  # With automatic axes shard_map gathers the state to fit P(): the library
+  # then sees every device's residuals on each device.
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  tx = topka2a_jax.topka2a(0.1, min_size=0, mesh=mesh)
+  run, params = update_step(mesh, tx, P(), P("data"))
+  with pytest.raises(ValueError, match=r"residual for leaf \['b'\] has shape "
+                     r"\(256,\), expected \(32,\) on each device.*state_specs"):
+    run(params, tx.init(PARAMS))
+
+
+def test_state_passed_with_p_instead_of_state_specs_on_explicit_axes(mesh):
+  # jax.make_mesh's explicit axes: JAX refuses the call before the update runs.
+  tx = topka2a_jax.topka2a(0.1, min_size=0, mesh=mesh)
+  run, params = update_step(mesh, tx, P(), P("data"))
+  with pytest.raises(ValueError, match=r"in_specs passed to shard_map: P\(None,\) "
+                     r"does not match the specs of the input: P\('data',\)"):
+    run(params, tx.init(PARAMS))
+
+
+def loss_of(params, batch):
+  return jnp.mean((batch @ params["w"] + params["b"]) ** 2)
+
+
+CHAIN_ORDER = r"per-parameter state \(ScaleByAdamState.*before the topka2a exchange"
+
+
+def test_exchange_after_adam_is_refused_by_the_step(mesh):
+  tx = optax.chain(optax.adam(1e-3), topka2a_jax.topka2a(0.1, mesh=mesh))
+  state = tx.init(PARAMS)  # the state can be made; the step refuses it
+  step = topka2a_jax.train_step(loss_of, tx, mesh)
+  with pytest.raises(ValueError, match=CHAIN_ORDER + r".*topka2a\(\.\.\.\), <the"):
+    step(PARAMS, state, jnp.ones((16, 64)))
+
+
+def test_exchange_after_adam_is_refused_by_init_and_state_specs(mesh):
+  # The hand-written route, even with check_vma=False, passes through these.
+  tx = optax.chain(optax.sgd(0.1, momentum=0.9), topka2a_jax.topka2a(0.1))
+  with pytest.raises(ValueError, match=r"per-parameter state \(TraceState"):
+    topka2a_jax.init(tx, PARAMS, mesh)
+  told = optax.chain(optax.adam(1e-3), topka2a_jax.topka2a(0.1, mesh=mesh))
+  with pytest.raises(ValueError, match=CHAIN_ORDER):
+    topka2a_jax.state_specs(told.init(PARAMS))
+
+
+def test_decay_before_the_exchange_is_allowed(mesh):
+  # Stateless transforms may come first (weight decay before the exchange).
+  tx = optax.chain(optax.add_decayed_weights(1e-4), topka2a_jax.topka2a(0.1),
+                   optax.adam(1e-3))
+  topka2a_jax.state_specs(topka2a_jax.init(tx, PARAMS, mesh))
+
+
+def test_step_without_an_exchange_or_with_multisteps(mesh):
+  step = topka2a_jax.train_step(loss_of, optax.adam(1e-3), mesh)
+  with pytest.raises(ValueError, match="holds no topka2a exchange.*Chain one first"):
+    step(PARAMS, optax.adam(1e-3).init(PARAMS), jnp.ones((16, 64)))
+  tx = optax.MultiSteps(optax.chain(topka2a_jax.topka2a(0.1, mesh=mesh),
+                                    optax.sgd(0.1)), every_k_schedule=4)
+  step = topka2a_jax.train_step(loss_of, tx, mesh)
+  with pytest.raises(ValueError, match=r"optax.MultiSteps.*micro_batches=N"):
+    step(PARAMS, tx.init(PARAMS), jnp.ones((16, 64)))
+
+
+@pytest.mark.parametrize("rows, micro, needs", [(60, 1, 8), (64, 3, 24)])
+def test_batch_that_does_not_split_over_the_devices(mesh, rows, micro, needs):
+  tx = optax.chain(topka2a_jax.topka2a(0.1, mesh=mesh), optax.sgd(0.1))
+  step = topka2a_jax.train_step(loss_of, tx, mesh, micro_batches=micro)
+  state = tx.init(PARAMS)
+  with pytest.raises(ValueError, match=rf"batch leaf <root> has leading axis {rows}, "
+                     rf"which does not split evenly.*multiple of {needs}"):
+    step(PARAMS, state, jnp.ones((rows, 64)))
+  assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
+
+
+def test_parameters_sharded_over_the_data_axis_are_refused(mesh):
+  placed = {"w": jax.device_put(PARAMS["w"], NamedSharding(mesh, P("data"))),
+            "b": jax.device_put(PARAMS["b"], NamedSharding(mesh, P()))}
+  tx = optax.chain(topka2a_jax.topka2a(0.1, mesh=mesh), optax.sgd(0.1))
+  with pytest.raises(ValueError, match=r"parameter \['w'\] is sharded over the data "
+                     r"axis 'data'.*replicate them"):
+    tx.init(placed)
+  state = tx.init(PARAMS)
+  step = topka2a_jax.train_step(loss_of, tx, mesh)
+  with pytest.raises(ValueError, match=r"parameter \['w'\] is sharded over the data"):
+    step(placed, state, jnp.ones((16, 64)))

@@ -20,8 +20,8 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 
 @pytest.fixture(scope="module")
 def digits_results():
-  runs = {name: (lambda options=options: train_digits.optimizer(
-      train_digits.WEIGHT_DECAY, **options))
+  runs = {name: (lambda options=options, **mesh: train_digits.optimizer(
+      train_digits.WEIGHT_DECAY, **options, **mesh))
           for name, options in train_digits.RUNS.items()
           if name in ("dense (pmean)", "topka2a 1%", "topka2a 1%, no error feedback")}
   results = compare(runs, train_digits.make_task(), steps=400, seeds=(0, 1, 2),

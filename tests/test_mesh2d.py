@@ -83,11 +83,11 @@ def test_sparse_on_a_2d_mesh_loses_nothing(mesh2d, problem):
   tx = topka2a_jax.topka2a(0.1, min_size=0)
   updates, _, state = sharded_step(mesh2d, tx, 1, problem)
   want = dense_gradient(*problem)
-  assert state.residuals["w"].sharding.spec == P(("data", "model"))
-  for k, local_shape in (("w", (16, 32)), ("b", (32,))):
-    # Residuals: (data, model) blocks of the local shard, flattened.
-    residual = np.asarray(state.residuals[k]).reshape(4, 2, *local_shape)
-    owed = np.concatenate(list(residual.sum(0)), axis=-1)  # model shards side by side
+  # One parameter-shaped block per data index, split over "model" like it.
+  assert state.residuals["w"].sharding.spec == P("data", "model")
+  assert state.residuals["b"].sharding.spec == P(("data", "model"))
+  for k in ("w", "b"):
+    owed = np.asarray(state.residuals[k]).reshape(4, *want[k].shape).sum(0)
     np.testing.assert_allclose(4 * updates[k] + owed, 4 * want[k], rtol=1e-4,
                                atol=1e-4)
     assert np.abs(owed).sum() > 0

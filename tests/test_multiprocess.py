@@ -17,18 +17,21 @@ def run(command, **env):
   return done
 
 
-@pytest.mark.parametrize("algorithm", ["topka2a", "dense"])
-def test_two_processes_of_two_devices_match_one_of_four(tmp_path, algorithm):
-  one = run([sys.executable, str(SCRIPT), algorithm, str(tmp_path / "one.npz")],
+@pytest.mark.parametrize("algorithm, route, files", [
+    ("topka2a", "shard_map", 25), ("dense", "shard_map", 25),
+    ("topka2a", "train_step", 15)])
+def test_two_processes_of_two_devices_match_one_of_four(tmp_path, algorithm, route,
+                                                        files):
+  one = run([sys.executable, str(SCRIPT), algorithm, str(tmp_path / "one.npz"), route],
             XLA_FLAGS="--xla_force_host_platform_device_count=4")
   assert one.returncode == 0, one.stderr[-3000:]
   two = run([sys.executable, "-m", "topka2a_jax.launch", "-n", "2",
              "--devices-per-process", "2", str(SCRIPT), algorithm,
-             str(tmp_path / "two.npz")])
+             str(tmp_path / "two.npz"), route])
   assert two.returncode == 0, two.stdout[-3000:]
   assert "[1] 2 processes, 4 devices" in two.stdout
   single, multi = np.load(tmp_path / "one.npz"), np.load(tmp_path / "two.npz")
-  assert sorted(single.files) == sorted(multi.files) and len(single.files) == 25
+  assert sorted(single.files) == sorted(multi.files) and len(single.files) == files
   for name in single.files:  # mean gradients, parameters and loss, every step
     np.testing.assert_allclose(multi[name], single[name], rtol=1e-5, atol=1e-6)
 

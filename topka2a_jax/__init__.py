@@ -40,29 +40,42 @@ from topka2a_jax.fusion import FusionPlan, plan_fusion
 from topka2a_jax.nonfinite import SkipNonFiniteState, skip_nonfinite
 from topka2a_jax.placement import init, state_specs
 from topka2a_jax.report import CommReport, comm_report
+from topka2a_jax.step import TrainStep, train_step
 from topka2a_jax.transform import TopKA2AState, topka2a
 from topka2a_jax.tuning import time_call, tune_fusion
 
 __all__ = [
-    "NETWORKS",
-    "CommReport",
-    "Exchange",
-    "FusionPlan",
-    "Network",
-    "SkipNonFiniteState",
-    "TopKA2AState",
-    "breakeven_density",
-    "checkpoint",
-    "collectives",
-    "comm_report",
-    "exchange_cost",
-    "init",
-    "plan_fusion",
-    "restore",
-    "save",
-    "skip_nonfinite",
-    "state_specs",
-    "time_call",
-    "topka2a",
-    "tune_fusion",
+  "NETWORKS",
+  "CommReport",
+  "Exchange",
+  "FusionPlan",
+  "Network",
+  "NnxTrainStep",
+  "SkipNonFiniteState",
+  "TopKA2AState",
+  "TrainStep",
+  "breakeven_density",
+  "checkpoint",
+  "collectives",
+  "comm_report",
+  "exchange_cost",
+  "init",
+  "nnx_train_step",
+  "plan_fusion",
+  "restore",
+  "save",
+  "skip_nonfinite",
+  "state_specs",
+  "time_call",
+  "topka2a",
+  "train_step",
+  "tune_fusion",
 ]
+
+
+def __getattr__(name: str):
+  """``nnx_train_step`` and ``NnxTrainStep`` import Flax, so only on first use."""
+  if name in ("nnx_train_step", "NnxTrainStep"):
+    from topka2a_jax import nnx_step
+    return getattr(nnx_step, name)
+  raise AttributeError(f"module 'topka2a_jax' has no attribute {name!r}")

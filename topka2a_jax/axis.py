@@ -39,10 +39,15 @@ def bound_axis_size(axis_name: Hashable) -> int:
     return int(lax.axis_size(axis_name))
   except NameError as error:
     raise ValueError(
-        f"axis name {axis_name!r} is not bound here. Call the update inside "
-        f"jax.shard_map over a mesh that has an axis named {axis_name!r}, or "
-        "pass the right one with axis_name=... (JAX said: "
-        f"{error})"
+        f"axis name {axis_name!r} is not bound here: this call is outside "
+        f"jax.shard_map over {axis_name!r}. The sparse exchange runs on "
+        "per-device gradients inside a shard_map over the data axis; under "
+        "plain jax.jit the partitioner has already all-reduced the gradients "
+        "densely, leaving nothing to compress. Build the training step with "
+        "topka2a_jax.train_step(loss_fn, tx, mesh) (Flax NNX: "
+        "topka2a_jax.nnx_train_step), or call this inside jax.shard_map over "
+        f"a mesh with an axis named {axis_name!r} (another name: "
+        f"axis_name=...). (JAX said: {error})"
     ) from None
 
 

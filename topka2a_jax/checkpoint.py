@@ -28,17 +28,20 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from topka2a_jax.placement import state_specs
+from topka2a_jax.transform import TopKA2AState
 
 LAYOUT_FILE = "topka2a_layout.json"
 """Written beside Orbax's files: devices, axis, pytree structure and shapes."""
 
 
-def _per_device(state: Any, axis_name: Hashable) -> list[bool]:
+def _per_device(state: Any) -> list[bool]:
   """For every leaf of ``state``, whether it is a per-device residual."""
-  specs = jax.tree.leaves(state_specs(state, axis_name),
-                          is_leaf=lambda node: isinstance(node, P))
-  return [spec == P(axis_name) for spec in specs]
+  is_exchange = lambda node: isinstance(node, TopKA2AState)
+  marked = jax.tree.map(
+      lambda node: node._replace(residuals=jax.tree.map(lambda _: True, node.residuals),
+                                 count=False, nonfinite_steps=False)
+      if is_exchange(node) else False, state, is_leaf=is_exchange)
+  return jax.tree.leaves(marked)
 
 
 def _layout(state: Any, mesh: Mesh, axis_name: Hashable) -> dict[str, Any]:
@@ -50,10 +53,14 @@ def _layout(state: Any, mesh: Mesh, axis_name: Hashable) -> dict[str, Any]:
       "leaves": [
           {"path": jax.tree_util.keystr(path), "shape": list(leaf.shape),
            "dtype": str(leaf.dtype), "per_device": per_device}
-          for (path, leaf), per_device in zip(with_paths,
-                                              _per_device(state, axis_name))
+          for (path, leaf), per_device in zip(with_paths, _per_device(state))
       ],
   }
+
+
+def _saved_shape(shape: list[int], old: int, new: int) -> list[int]:
+  """A per-device residual's global shape on ``old`` devices, from that on ``new``."""
+  return [shape[0] // new * old, *shape[1:]]
 
 
 def _check_axis(mesh: Mesh, axis_name: Hashable) -> None:
@@ -99,7 +106,7 @@ def save(directory: str | Path, state: Any, mesh: Mesh,
 
 def resize_residual(residual: jax.Array, old_devices: int,
                     new_devices: int) -> jax.Array:
-  """One per-device residual, ``(old * n,)``, laid out for ``new`` devices.
+  """One per-device residual, ``(old * d0, ...)``, laid out for ``new`` devices.
 
   The sum over devices is what error feedback still owes, so it is kept.
   Growing keeps every old device's residual and gives the new devices zeros:
@@ -110,30 +117,32 @@ def resize_residual(residual: jax.Array, old_devices: int,
   scale has. On one device only the rounded total fits.
 
   Args:
-    residual: the global array, device ``i``'s part at ``[i * n, (i+1) * n)``.
+    residual: the global array, device ``i``'s block at rows
+      ``[i * d0, (i+1) * d0)`` (:mod:`topka2a_jax.layout`).
     old_devices: devices the residual was made on.
     new_devices: devices it is for.
 
   Returns:
-    The global array of shape ``(new_devices * n,)``, same dtype.
+    The global array of shape ``(new_devices * d0, ...)``, same dtype.
 
   Example:
     >>> resize_residual(jnp.arange(8.0), 4, 2)  # [0+2+4+6, 1+3+5+7] as pairs
   """
-  if residual.ndim != 1 or residual.shape[0] % old_devices:
+  if residual.ndim < 1 or residual.shape[0] % old_devices:
     raise ValueError(f"a residual of shape {residual.shape} is not "
-                     f"{old_devices} equal per-device parts")
+                     f"{old_devices} equal per-device blocks")
+  block = (residual.shape[0] // old_devices, *residual.shape[1:])
   rows = residual.reshape(old_devices, -1)
   if new_devices >= old_devices:
     padding = jnp.zeros((new_devices - old_devices, rows.shape[1]), rows.dtype)
-    return jnp.concatenate([rows, padding]).reshape(-1)
+    return jnp.concatenate([rows, padding]).reshape(new_devices * block[0], *block[1:])
   with jax.enable_x64():
     total = jnp.sum(rows.astype(jnp.float64), axis=0)
     high = total.astype(rows.dtype)
     low = (total - high.astype(jnp.float64)).astype(rows.dtype)
   parts = [high, low][:new_devices]
   parts += [jnp.zeros_like(high)] * (new_devices - len(parts))
-  return jnp.stack(parts).reshape(-1)
+  return jnp.stack(parts).reshape(new_devices * block[0], *block[1:])
 
 
 def restore(directory: str | Path, like: Any, mesh: Mesh,
@@ -178,8 +187,8 @@ def restore(directory: str | Path, like: Any, mesh: Mesh,
   for leaf, described in zip(jax.tree.leaves(like), wanted["leaves"]):
     if described["per_device"] and old != new:
       # Read whole on every device, then resized to the new layout.
-      targets.append(jax.ShapeDtypeStruct((leaf.shape[0] // new * old,), leaf.dtype,
-                                          sharding=NamedSharding(mesh, P())))
+      targets.append(jax.ShapeDtypeStruct(tuple(_saved_shape(list(leaf.shape), old, new)),
+                                          leaf.dtype, sharding=NamedSharding(mesh, P())))
     else:
       targets.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
                                           sharding=leaf.sharding))
@@ -211,7 +220,7 @@ def _check_same_configuration(saved: dict[str, Any], wanted: dict[str, Any],
   for was, want in zip(saved["leaves"], wanted["leaves"]):
     shape = list(want["shape"])
     if want["per_device"]:
-      shape = [shape[0] // new * old]
+      shape = _saved_shape(shape, old, new)
     if was["dtype"] != want["dtype"] or was["shape"] != shape:
       raise ValueError(
           f"leaf {want['path']} was saved as {was['dtype']}{was['shape']} on "

@@ -1,11 +1,12 @@
 """Placing the optimizer state on a mesh: residuals per device, the rest replicated.
 
-Inside ``jax.shard_map`` each device has its own error-feedback residuals,
-while every other piece of optimizer state (Adam's moments, step counts) is
-the same everywhere. Outside, a per-device leaf of local shape ``(n,)`` is one
-global array of shape ``(P * n,)`` sharded along the axis, and everything else
-is replicated. These two helpers build and describe that layout, so users
-need not know which leaves are which.
+Every device has its own error-feedback residuals, while every other piece
+of optimizer state (Adam's moments, step counts) is the same on every device
+of the data axis. :func:`init` builds that state as global arrays,
+:func:`state_specs` describes it for a hand-written ``jax.shard_map``, and
+:func:`check_chain` refuses the chains whose state could not be laid out so:
+an exchange after a transform that keeps per-parameter state would leave
+that state different on every device.
 
 Example:
   >>> opt_state = init(tx, params, mesh)
@@ -25,44 +26,102 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from topka2a_jax.transform import TopKA2AState
+from topka2a_jax import layout
+from topka2a_jax.transform import TopKA2AState, laid_out_for
 
 
 def _is_topka2a_state(node: Any) -> bool:
   return isinstance(node, TopKA2AState)
 
 
-def _axes_of(specs: Any) -> list[Hashable]:
-  """Mesh axes named anywhere in a pytree of PartitionSpecs, in first-seen order."""
-  axes: list[Hashable] = []
-  for spec in jax.tree.leaves(specs, is_leaf=lambda node: isinstance(node, P)):
-    for entry in spec:
-      for axis in entry if isinstance(entry, tuple) else (entry,):
-        if axis is not None and axis not in axes:
-          axes.append(axis)
-  return axes
+def _is_spec(node: Any) -> bool:
+  return isinstance(node, P)
 
 
-def residual_spec(axis_name: Hashable = "data", param_specs: Any = None) -> P:
-  """The ``PartitionSpec`` of every residual: one part per device.
+def _owner(state: Any, path: tuple) -> str:
+  """The name of the innermost optimizer-state record on ``path``, e.g. ScaleByAdamState."""
+  node, owner = state, type(state).__name__
+  for key in path:
+    if hasattr(node, "_fields") or hasattr(node, "__dataclass_fields__"):
+      owner = type(node).__name__
+    try:
+      if isinstance(key, jax.tree_util.SequenceKey):
+        node = node[key.idx]
+      elif isinstance(key, jax.tree_util.GetAttrKey):
+        node = getattr(node, key.name)
+      elif isinstance(key, jax.tree_util.DictKey):
+        node = node[key.key]
+      else:
+        break
+    except (KeyError, IndexError, TypeError, AttributeError):
+      break
+  return owner
 
-  With replicated parameters a residual is split along ``axis_name``. With
-  parameters sharded over other mesh axes (``param_specs``), each device
-  keeps the residual of its own parameter shard, so the residual is split
-  along ``axis_name`` and every axis the parameters are sharded over.
+
+def check_chain(opt_state: Any, *, require_exchange: bool = False) -> None:
+  """Refuses states whose exchange would not be the first thing in the chain.
+
+  A transform that keeps state per parameter entry (momentum, Adam's moments,
+  gradient accumulation) placed before :func:`topka2a_jax.topka2a` sees each
+  device's own gradient, so its state differs from device to device, however
+  the step checks types (``check_vma``).
 
   Args:
-    axis_name: the data-parallel mesh axis.
-    param_specs: the parameters' ``PartitionSpec`` pytree, or None.
+    opt_state: the chain's state (arrays or shapes).
+    require_exchange: also refuse a state with no :class:`TopKA2AState`.
 
-  Returns:
-    The spec, e.g. ``P("data")`` or ``P(("data", "model"))``.
+  Raises:
+    ValueError: per-parameter state before the exchange, gradient
+      accumulation by ``optax.MultiSteps``, more than one exchange, or (with
+      ``require_exchange``) none.
 
   Example:
-    >>> residual_spec("data", {"w": P(None, "model")})  # P(("data", "model"))
+    >>> check_chain(optax.chain(topka2a(0.01), optax.adam(1e-3)).init(params))
   """
-  others = [axis for axis in _axes_of(param_specs) if axis != axis_name]
-  return P((axis_name, *others)) if others else P(axis_name)
+  fix = ("Put the exchange first: optax.chain(topka2a_jax.topka2a(...), "
+         "<the other transforms>).")
+  with_paths = jax.tree_util.tree_flatten_with_path(opt_state,
+                                                    is_leaf=_is_topka2a_state)[0]
+  exchanges = [i for i, (_, leaf) in enumerate(with_paths) if _is_topka2a_state(leaf)]
+  accumulates = lambda node: isinstance(node, optax.MultiStepsState)
+  if any(map(accumulates, jax.tree.leaves(opt_state, is_leaf=accumulates))):
+    raise ValueError(
+        "the optimizer is wrapped in optax.MultiSteps, which accumulates each "
+        "device's own gradients in its state, so that state would differ from "
+        "device to device. Accumulate micro-batches with "
+        "topka2a_jax.train_step(..., micro_batches=N) instead: one exchange "
+        "per step of N micro-batches.")
+  if len(exchanges) > 1:
+    raise ValueError(f"the optimizer holds {len(exchanges)} topka2a exchanges; "
+                     "chain exactly one, first.")
+  if not exchanges:
+    if require_exchange:
+      raise ValueError(
+          "the optimizer holds no topka2a exchange, so nothing would average "
+          "the gradients across devices. Chain one first: optax.chain("
+          "topka2a_jax.topka2a(density), ...) (algorithm='dense' for a dense "
+          "baseline).")
+    return
+  for path, leaf in with_paths[: exchanges[0]]:
+    dtype = getattr(leaf, "dtype", None)
+    if (dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+        and len(getattr(leaf, "shape", ())) >= 1):
+      raise ValueError(
+          f"the optimizer keeps per-parameter state "
+          f"({_owner(opt_state, path)}, at {jax.tree_util.keystr(path)}) before "
+          "the topka2a exchange in the chain: that transform would run on each "
+          "device's own gradient, and its state would drift apart between "
+          f"devices. {fix}")
+
+
+def _residual_specs(residuals: Any, axis_name: Hashable, param_specs: Any) -> Any:
+  """The spec of every residual leaf: per device, split like its parameter."""
+  if param_specs is None:
+    return jax.tree.map(lambda _: layout.residual_spec(axis_name), residuals)
+  return jax.tree.map(
+      lambda spec, residual: (residual if isinstance(residual, optax.MaskedNode)
+                              else layout.residual_spec(axis_name, spec)),
+      param_specs, residuals, is_leaf=_is_spec)
 
 
 def state_specs(opt_state: optax.OptState, axis_name: Hashable = "data",
@@ -70,9 +129,10 @@ def state_specs(opt_state: optax.OptState, axis_name: Hashable = "data",
   """The ``PartitionSpec`` of every optimizer-state leaf, for shard_map.
 
   Residuals of :func:`topka2a_jax.topka2a` (wherever it sits in a chain) are
-  per device (:func:`residual_spec`). With ``param_specs``, every part of the
-  state shaped like the parameters (Adam's moments, momentum) is sharded like
-  them. Everything else is replicated, ``P()``.
+  per device (:func:`topka2a_jax.layout.residual_spec`). With
+  ``param_specs``, every part of the state shaped like the parameters (Adam's
+  moments, momentum) is sharded like them. Everything else is replicated,
+  ``P()``.
 
   Args:
     opt_state: the state, global arrays or shapes (``jax.eval_shape`` works).
@@ -84,13 +144,18 @@ def state_specs(opt_state: optax.OptState, axis_name: Hashable = "data",
     A pytree of ``PartitionSpec`` with the state's structure, for the step's
     ``in_specs`` and ``out_specs``.
 
+  Raises:
+    ValueError: the chain puts per-parameter state before the exchange
+      (:func:`check_chain`), or ``param_specs`` split a parameter over
+      ``axis_name``.
+
   Example:
     >>> specs = state_specs(opt_state)
   """
-  per_device = residual_spec(axis_name, param_specs)
+  check_chain(opt_state)
+  _check_param_specs(param_specs, axis_name)
   params_structure = (None if param_specs is None else
-                      jax.tree.structure(param_specs,
-                                         is_leaf=lambda node: isinstance(node, P)))
+                      jax.tree.structure(param_specs, is_leaf=_is_spec))
 
   def shaped_like_params(node: Any) -> bool:
     return (params_structure is not None and not _is_topka2a_state(node)
@@ -100,7 +165,7 @@ def state_specs(opt_state: optax.OptState, axis_name: Hashable = "data",
 
   def spec_for(node: Any) -> Any:
     if _is_topka2a_state(node):
-      return TopKA2AState(jax.tree.map(lambda _: per_device, node.residuals),
+      return TopKA2AState(_residual_specs(node.residuals, axis_name, param_specs),
                           count=P(), nonfinite_steps=P())
     if shaped_like_params(node):
       return param_specs
@@ -109,6 +174,18 @@ def state_specs(opt_state: optax.OptState, axis_name: Hashable = "data",
   return jax.tree.map(
       spec_for, opt_state,
       is_leaf=lambda node: _is_topka2a_state(node) or shaped_like_params(node))
+
+
+def _check_param_specs(param_specs: Any, axis_name: Hashable) -> None:
+  if param_specs is None:
+    return
+  with_paths = jax.tree_util.tree_flatten_with_path(param_specs, is_leaf=_is_spec)[0]
+  for path, spec in with_paths:
+    layout.check_not_over_data(spec, axis_name, jax.tree_util.keystr(path))
+
+
+def _is_traced(leaf: Any) -> bool:
+  return isinstance(leaf, jax.core.Tracer)
 
 
 def init(
@@ -120,10 +197,12 @@ def init(
 ) -> optax.OptState:
   """Initial optimizer state as global arrays, laid out for ``mesh``.
 
-  The state is made inside ``jax.shard_map``, so every device initialises
-  from its own parameter shard; per-device leaves come out split along the
-  mesh (:func:`state_specs`), the rest replicated or sharded like the
-  parameters.
+  The parameters are placed on the mesh (replicated, or split by
+  ``param_specs``) and ``tx.init`` runs on them, so every
+  :func:`topka2a_jax.topka2a` in ``tx`` lays its residuals out per device, and
+  state shaped like the parameters is split like them; the rest is
+  replicated. Transforms built with ``mesh=`` need none of this:
+  ``tx.init(params)`` does the same.
 
   Args:
     tx: the optimizer, e.g. ``optax.chain(topka2a(0.01), optax.adam(1e-3))``.
@@ -136,11 +215,14 @@ def init(
       sharded over other mesh axes (a 2-D mesh); None when replicated.
 
   Returns:
-    The optimizer state, ready to pass to a shard_map step whose specs come
-    from :func:`state_specs` (with the same ``param_specs``).
+    The optimizer state, ready for :func:`topka2a_jax.train_step` or for a
+    shard_map step whose specs come from :func:`state_specs` (with the same
+    ``param_specs``).
 
   Raises:
-    ValueError: the mesh has no axis ``axis_name``.
+    ValueError: the mesh has no axis ``axis_name``; ``param_specs`` do not
+      match the parameters or split them over ``axis_name``; the chain puts
+      per-parameter state before the exchange (:func:`check_chain`).
 
   Example:
     >>> opt_state = init(tx, params, jax.make_mesh((8,), ("data",)))
@@ -148,28 +230,34 @@ def init(
   if axis_name not in mesh.axis_names:
     raise ValueError(
         f"mesh has no axis {axis_name!r}; its axes are {mesh.axis_names}. "
-        "Pass the data-parallel axis with axis_name=..."
-    )
-  in_specs = P() if param_specs is None else param_specs
-  specs = state_specs(jax.eval_shape(tx.init, params), axis_name, param_specs)
-
+        "Pass the data-parallel axis with axis_name=...")
   leaves, treedef = jax.tree.flatten(params)
-  abstract = [isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves]
-  init_per_device = jax.shard_map(tx.init, mesh=mesh, in_specs=(in_specs,),
-                                  out_specs=specs)
-
-  def build(concrete: list[jax.Array]) -> optax.OptState:
-    given = iter(concrete)
-    full = [jnp.zeros(leaf.shape, leaf.dtype) if is_abstract else next(given)
-            for leaf, is_abstract in zip(leaves, abstract)]
-    return init_per_device(treedef.unflatten(full))
-
-  spec_leaves = [P()] * len(leaves) if param_specs is None else jax.tree.leaves(
-      param_specs, is_leaf=lambda node: isinstance(node, P))
+  spec_leaves = ([P()] * len(leaves) if param_specs is None
+                 else jax.tree.leaves(param_specs, is_leaf=_is_spec))
   if len(spec_leaves) != len(leaves):
     raise ValueError(f"param_specs has {len(spec_leaves)} PartitionSpecs for "
                      f"{len(leaves)} parameter leaves; give one per parameter")
-  placed = [jax.device_put(leaf, NamedSharding(mesh, spec))
-            for leaf, spec, is_abstract in zip(leaves, spec_leaves, abstract)
-            if not is_abstract]
-  return jax.jit(build)(placed)
+  _check_param_specs(param_specs, axis_name)
+  placed = treedef.unflatten(
+      [_placed(leaf, NamedSharding(mesh, spec)) for leaf, spec in zip(leaves, spec_leaves)])
+  with laid_out_for(mesh):
+    state = tx.init(placed)
+  check_chain(state)
+  replicated = NamedSharding(mesh, P())
+  return jax.tree.map(
+      lambda leaf: leaf if _is_traced(leaf) or _on(leaf, mesh)
+      else jax.device_put(leaf, replicated), state)
+
+
+def _placed(leaf: Any, sharding: NamedSharding) -> jax.Array:
+  """``leaf`` on the mesh; zeros made there for a ``jax.ShapeDtypeStruct``."""
+  if isinstance(leaf, jax.ShapeDtypeStruct):
+    return jax.jit(lambda: jnp.zeros(leaf.shape, leaf.dtype), out_shardings=sharding)()
+  if _is_traced(leaf):
+    return jax.lax.with_sharding_constraint(leaf, sharding)
+  return jax.device_put(leaf, sharding)
+
+
+def _on(leaf: Any, mesh: Mesh) -> bool:
+  sharding = getattr(leaf, "sharding", None)
+  return isinstance(sharding, NamedSharding) and sharding.mesh == mesh

@@ -1,8 +1,8 @@
 """The optax transform: sparse mean of the gradients with error feedback.
 
-``topka2a(density)`` goes first in an optax chain, inside the user's
-``jax.shard_map`` data-parallel step. It replaces the dense ``lax.pmean`` of
-the gradients:
+``topka2a(density)`` goes first in an optax chain. Its update runs inside a
+``jax.shard_map`` over the data axis, on per-device gradients, and replaces
+the dense ``lax.pmean`` of the gradients:
 
 1. per device, ``acc = grad + residual`` (error feedback);
 2. the leaves of ``acc`` are fused into flat buckets (:mod:`.buckets`), small
@@ -12,47 +12,55 @@ the gradients:
 4. ``residual = acc - sent`` is kept for the next step, so no gradient mass is
    lost, only delayed.
 
-Around this, two run-time switches inside the one compiled step: a step whose
-gradient holds a NaN or an infinity on any device is skipped on every device
-(:mod:`.nonfinite`), and during the first ``warmup_steps`` every bucket goes
-dense.
+Steps 1-4 are :mod:`.exchange`, with its two run-time switches (non-finite
+steps skipped everywhere, dense warm-up). Where the parameters are sharded
+over other mesh axes that the partitioner handles (a shard_map manual over
+the data axis only), the update runs them in a nested shard_map over those
+axes, so that each device selects from, and keeps residuals for, its own
+parameter shard only (:mod:`.layout`).
+
+:func:`topka2a_jax.train_step` and :func:`topka2a_jax.nnx_train_step` build
+the shard_map for you.
 
 Example:
-  >>> tx = optax.chain(topka2a(density=0.01), optax.adam(1e-3))
+  >>> tx = optax.chain(topka2a(density=0.01, mesh=mesh), optax.adam(1e-3))
+  >>> opt_state = tx.init(params)  # residuals per device, laid out for mesh
+
+References:
+  Peng, Li, Shi, Li. "Communication-Efficient Top-k Sparsification with
+  Optimized AlltoAll for Distributed Deep Learning" (TopKA2A). ICPP 2024.
+  doi:10.1145/3673038.3673140.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-import numbers
-from collections.abc import Hashable, Sequence
+import sys
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from topka2a_jax import buckets
+from topka2a_jax import exchange, layout
 from topka2a_jax.axis import (
     bound_axis_size,
     is_varying,
     tracks_varying_axes,
-    varying_axes,
 )
-from topka2a_jax.collectives import ALGORITHMS, get_selection
-from topka2a_jax.cost import Network, get_network
-from topka2a_jax.fusion import check_plan_options, step_model
-from topka2a_jax.nonfinite import NONFINITE, nonfinite_on_any_device
+from topka2a_jax.nonfinite import NONFINITE
+from topka2a_jax.options import DEFAULT_MIN_SIZE, Options
 
-DEFAULT_MIN_SIZE = 1024
-"""Leaves with fewer elements go dense.
+PARAM_SPECS = "topka2a_param_specs"
+"""Extra argument of the update: the parameters' ``PartitionSpec`` pytree.
 
-Biases and normalisation scales are this small in most models. They are a
-tiny share of the bytes (a thousand such leaves of 1,000 floats are 4 MB a
-step), their shard-wise selection would send nearly every entry anyway, and
-keeping them exact is what users of gradient compression do to keep accuracy.
-"""
-
+:func:`topka2a_jax.train_step` passes it where the partitioner lays the
+parameters out over other mesh axes and their types do not say how."""
 
 
 class TopKA2AState(NamedTuple):
@@ -60,10 +68,11 @@ class TopKA2AState(NamedTuple):
 
   Attributes:
     residuals: per device, not replicated. Mirrors the gradient pytree: for
-      every sparsified leaf, a flat buffer (float32, or float64 for float64
-      leaves) of what this device has not sent yet; ``optax.MaskedNode()``
-      for leaves that go dense, and for all leaves when
-      ``error_feedback=False``.
+      every sparsified leaf, what this device has not sent yet, shaped like
+      its shard of the leaf (``(1,)`` for a scalar), float32 (float64 for
+      float64 leaves); ``optax.MaskedNode()`` for leaves that go dense, and
+      for all leaves when ``error_feedback=False``. As global arrays: one
+      block per data index along dimension 0 (:mod:`topka2a_jax.layout`).
     count: steps applied so far (int32, replicated); skipped steps do not
       count. ``warmup_steps`` compares against it.
     nonfinite_steps: steps skipped because some device's gradient held a NaN
@@ -75,96 +84,33 @@ class TopKA2AState(NamedTuple):
   nonfinite_steps: jax.Array
 
 
-def _check_density(density: Any) -> float:
-  if (
-      not isinstance(density, numbers.Real)
-      or isinstance(density, bool)
-      or not math.isfinite(density)
-      or not 0.0 < density <= 1.0
-  ):
-    raise ValueError(
-        f"density must be a number in (0, 1], the fraction of gradient "
-        f"entries each device sends; got {density!r}. For example "
-        "density=0.01 sends 1%."
-    )
-  return float(density)
+_LAYOUT_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar(
+    "topka2a_layout_mesh", default=None)
 
 
-def _check_count(name: str, value: Any, minimum: int) -> int:
-  if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-    raise TypeError(f"{name} must be an int, got {value!r}")
-  if value < minimum:
-    raise ValueError(f"{name} must be at least {minimum}, got {value}")
-  return int(value)
+@contextlib.contextmanager
+def laid_out_for(mesh: Mesh) -> Iterator[None]:
+  """Within, ``init`` of every :func:`topka2a` lays its state out for ``mesh``.
 
-
-def _check_options(
-    density: Any,
-    algorithm: Any,
-    error_feedback: Any,
-    min_size: Any,
-    fusion: Any,
-    backward_seconds: Any,
-    axis_name: Any,
-    warmup_steps: Any,
-    skip_nonfinite: Any,
-) -> tuple[float, int, int]:
-  """Validates the constructor's arguments; returns the normalised numbers."""
-  if fusion != "auto":
-    _check_count("fusion", fusion, 1)
-  check_plan_options(algorithm, fusion)
-  for name, flag in (("error_feedback", error_feedback),
-                     ("skip_nonfinite", skip_nonfinite)):
-    if not isinstance(flag, bool):
-      raise TypeError(f"{name} must be True or False, got {flag!r}")
-  if not isinstance(axis_name, Hashable):
-    raise TypeError(f"axis_name must be a mesh axis name, got {axis_name!r}")
-  if backward_seconds is not None and not (
-      isinstance(backward_seconds, numbers.Real) and 0 <= backward_seconds < math.inf):
-    raise ValueError(
-        f"backward_seconds must be None or seconds >= 0, got {backward_seconds!r}")
-  return (_check_density(density), _check_count("min_size", min_size, 0),
-          _check_count("warmup_steps", warmup_steps, 0))
-
-
-def _check_value_dtype(value_dtype: Any) -> jnp.dtype | None:
-  if value_dtype is None:
-    return None
+  For transforms built without ``mesh=`` (:func:`topka2a_jax.init` uses it).
+  """
+  token = _LAYOUT_MESH.set(mesh)
   try:
-    dtype = jnp.dtype(value_dtype)
-  except TypeError:
-    dtype = None
-  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-    raise TypeError(
-        f"value_dtype must be a floating dtype such as jnp.bfloat16, or None; "
-        f"got {value_dtype!r}")
-  return dtype
-
-
-def _check_floating(leaves: Sequence[Any], paths: Sequence[str], what: str) -> None:
-  for leaf, path in zip(leaves, paths):
-    dtype = getattr(leaf, "dtype", None)
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-      raise TypeError(
-          f"{what} leaf {path} has dtype {dtype}; topka2a exchanges floating "
-          "gradients only. Keep integer and other non-float leaves out of the "
-          "differentiated pytree, or skip them with optax.masked(...)."
-      )
-
-
-def _residual_dtype(leaf: jax.Array) -> jnp.dtype:
-  return jnp.promote_types(jnp.float32, leaf.dtype)
+    yield
+  finally:
+    _LAYOUT_MESH.reset(token)
 
 
 def topka2a(
     density: float,
     *,
     axis_name: Hashable = "data",
+    mesh: Mesh | None = None,
     algorithm: str = "topka2a",
     error_feedback: bool = True,
     min_size: int = DEFAULT_MIN_SIZE,
     fusion: int | str = "auto",
-    network: str | Network = "eth10",
+    network: Any = "eth10",
     backward_seconds: float | None = None,
     value_dtype: Any = None,
     selection: str = "exact",
@@ -173,19 +119,23 @@ def topka2a(
 ) -> optax.GradientTransformationExtraArgs:
   """Averages gradients across a mesh axis, sending only the top ``density``.
 
-  Use it first in an optax chain, inside a ``jax.shard_map`` step over
-  ``axis_name``, on per-device gradients (differentiate with respect to
-  ``jax.lax.pcast(params, axis_name, to="varying")``; gradients of replicated
-  parameters come out already summed). The updates it returns are the mean
-  gradient across the axis, the scale of ``lax.pmean``, in each leaf's dtype
-  and shape, bitwise identical on every device and typed invariant along the
-  axis. Place the state with :func:`topka2a_jax.init` and
-  :func:`topka2a_jax.state_specs`: its residuals are per device.
+  Use it first in an optax chain. Its update runs inside a ``jax.shard_map``
+  over ``axis_name`` on per-device gradients (:func:`topka2a_jax.train_step`
+  and :func:`topka2a_jax.nnx_train_step` build that step; by hand,
+  differentiate with respect to ``jax.lax.pcast(params, axis_name,
+  to="varying")``). The updates it returns are the mean gradient across the
+  axis, the scale of ``lax.pmean``, in each leaf's dtype and shape, bitwise
+  identical on every device and typed invariant along the axis.
 
   Args:
     density: fraction of every bucket's entries each device sends, in (0, 1].
       1.0 sends everything and equals ``lax.pmean``.
     axis_name: the data-parallel mesh axis.
+    mesh: the mesh of the training step. With it, ``tx.init(params)`` (as
+      ``nnx.Optimizer`` calls it) returns the state as global arrays laid out
+      for the mesh: residuals per device, each holding its own parameter
+      shard's, everything else replicated. Without it, ``init`` reads the
+      mesh from the parameters' shardings.
     algorithm: ``"topka2a"`` (AlltoAll, the default), ``"topka2a_sparse"``
       (TopKA2A with a sparse second phase: O(k) volume), ``"allgather"``
       (TopkA, the baseline whose volume grows with the number of devices),
@@ -193,7 +143,7 @@ def topka2a(
       (each bucket takes the cheapest under the cost model on ``network``).
     error_feedback: keep what was not sent and add it to the next step's
       gradient. Without it the unsent mass is dropped and accuracy suffers.
-    min_size: leaves with fewer elements are averaged densely.
+    min_size: leaves with fewer elements on a device go dense.
     fusion: leaves are fused, last first, into flat buckets of at least this
       many elements (a larger leaf gets a bucket of its own); ``"auto"``
       finds the threshold at trace time by binary search on the cost model's
@@ -228,188 +178,285 @@ def topka2a(
 
   Raises:
     ValueError, TypeError: at construction for a bad argument; when tracing
-      the update for an unbound axis, non-floating or already-summed
+      the update outside shard_map, for non-floating or already-summed
       gradients, or a state that does not match the gradients.
 
   Example:
-    >>> tx = optax.chain(topka2a(density=0.01), optax.adam(1e-3))
-    >>> opt_state = topka2a_jax.init(tx, params, mesh)
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> tx = optax.chain(topka2a(density=0.01, mesh=mesh), optax.adam(1e-3))
+    >>> opt_state = tx.init({"w": jnp.zeros((64, 32))})
+    >>> opt_state[0].residuals["w"].shape
+    (512, 32)
   """
-  density, min_size, warmup_steps = _check_options(
-      density, algorithm, error_feedback, min_size, fusion, backward_seconds,
-      axis_name, warmup_steps, skip_nonfinite
-  )
-  network = get_network(network)
-  value_dtype = _check_value_dtype(value_dtype)
-  get_selection(selection)  # raises for an unknown name
-  value_bytes = 4 if value_dtype is None else value_dtype.itemsize
-
-  def keeps_residual(leaf: jax.Array) -> bool:
-    return (error_feedback and algorithm != "dense" and leaf.size > 0
-            and leaf.size >= min_size)
-
-  def plan(sizes: list[int], num_devices: int) -> list[buckets.Bucket]:
-    model = step_model(sizes, num_devices, density, network=network,
-                       min_size=min_size, backward_seconds=backward_seconds,
-                       value_bytes=value_bytes)
-    threshold = model.best_threshold(algorithm) if fusion == "auto" else fusion
-    return [planned.bucket for planned in model.layout(algorithm, threshold)]
+  options = Options.create(
+      density, axis_name=axis_name, mesh=mesh, algorithm=algorithm,
+      error_feedback=error_feedback, min_size=min_size, fusion=fusion,
+      network=network, backward_seconds=backward_seconds, value_dtype=value_dtype,
+      selection=selection, warmup_steps=warmup_steps, skip_nonfinite=skip_nonfinite)
 
   def init_fn(params: optax.Params) -> TopKA2AState:
-    paths, leaves, treedef = _flatten(params)
-    _check_floating(leaves, paths, "parameter")
-    residuals = [
-        jnp.zeros((leaf.size,), _residual_dtype(leaf))
-        if keeps_residual(leaf)
-        else optax.MaskedNode()
-        for leaf in leaves
-    ]
-    zero = jnp.zeros((), jnp.int32)
-    return TopKA2AState(treedef.unflatten(residuals), zero, zero)
+    return init_state(options, params)
 
-  def exchange(
-      grads: list[jax.Array], residuals: list[Any], num_devices: int, sparse: bool
-  ) -> tuple[list[jax.Array], list[Any]]:
-    """Means of ``grads + residuals`` over the axis, and the new residuals.
-
-    ``sparse=False`` sends every bucket dense (warm-up): nothing stays behind.
-    """
-    means: list[jax.Array] = list(grads)  # empty leaves pass through as they are
-    new_residuals: list[Any] = [optax.MaskedNode()] * len(grads)
-    live = [i for i, g in enumerate(grads) if g.size > 0]
-    for bucket in plan([grads[i].size for i in live], num_devices):
-      members = [live[j] for j in bucket.leaves]
-      sizes = [grads[i].size for i in members]
-      dtype = jnp.result_type(*(_residual_dtype(grads[i]) for i in members))
-      acc = [
-          jnp.ravel(grads[i]).astype(dtype) + residuals[i]
-          if keeps_residual(grads[i])
-          else grads[i]
-          for i in members
-      ]
-      result = ALGORITHMS[bucket.algorithm if sparse else "dense"](
-          buckets.pack(acc, dtype), axis_name, density, value_dtype=value_dtype,
-          selection=selection,
-      )
-      means_flat = buckets.unpack(result.mean, sizes)
-      unsent_flat = buckets.unpack(result.unsent, sizes)
-      for i, mean, unsent in zip(members, means_flat, unsent_flat):
-        means[i] = mean.reshape(grads[i].shape).astype(grads[i].dtype)
-        if keeps_residual(grads[i]):
-          new_residuals[i] = unsent.astype(_residual_dtype(grads[i]))
-    return means, new_residuals
-
-  def update_fn(
-      updates: optax.Updates,
-      state: TopKA2AState,
-      params: optax.Params | None = None,
-      **extra_args: Any,
-  ) -> tuple[optax.Updates, TopKA2AState]:
+  def update_fn(updates: optax.Updates, state: TopKA2AState,
+                params: optax.Params | None = None,
+                **extra_args: Any) -> tuple[optax.Updates, TopKA2AState]:
     del params
-    paths, grads, treedef = _flatten(updates)
-    _check_floating(grads, paths, "gradient")
-    residuals = _matching_residuals(treedef, state, grads, paths, keeps_residual)
-    num_devices = bound_axis_size(axis_name)
-    _check_per_device(grads, paths, axis_name)
-
-    if not any(g.size for g in grads):
-      return updates, state
-
-    def applied(
-        grads: list[jax.Array], residuals: list[Any], count: jax.Array
-    ) -> tuple[list[jax.Array], list[Any], jax.Array]:
-      if warmup_steps == 0:
-        means, new = exchange(grads, residuals, num_devices, sparse=True)
-      else:
-        means, new = jax.lax.cond(
-            count < warmup_steps,
-            lambda g, r: exchange(g, r, num_devices, sparse=False),
-            lambda g, r: exchange(g, r, num_devices, sparse=True),
-            grads, residuals)
-      return means, new, count + 1
-
-    def skipped(
-        grads: list[jax.Array], residuals: list[Any], count: jax.Array
-    ) -> tuple[list[jax.Array], list[Any], jax.Array]:
-      zeros = [_zeros_like_mean(g, axis_name) if g.size else g for g in grads]
-      return zeros, residuals, count
-
-    bad = extra_args.get(NONFINITE)  # decided already by skip_nonfinite(...)
-    if bad is None and skip_nonfinite:
-      bad = nonfinite_on_any_device(grads, axis_name)
-    if bad is not None:
-      means, new_residuals, count = jax.lax.cond(
-          bad, skipped, applied, grads, residuals, state.count)
-      nonfinite_steps = state.nonfinite_steps + bad.astype(jnp.int32)
-    else:
-      means, new_residuals, count = applied(grads, residuals, state.count)
-      nonfinite_steps = state.nonfinite_steps
-    return treedef.unflatten(means), TopKA2AState(
-        treedef.unflatten(new_residuals), count, nonfinite_steps)
+    return update_state(options, updates, state, extra_args)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _zeros_like_mean(grad: jax.Array, axis_name: Hashable) -> jax.Array:
-  """Zeros typed like the mean of ``grad``: invariant along the axis only."""
-  zeros = jnp.zeros(grad.shape, grad.dtype)
-  others = tuple(varying_axes(grad) - {axis_name})
-  return jax.lax.pcast(zeros, others, to="varying") if others else zeros
+def _is_variable(node: Any) -> bool:
+  """Whether ``node`` is a Flax NNX Variable (a leaf's box), without importing Flax."""
+  nnx = sys.modules.get("flax.nnx")
+  return nnx is not None and isinstance(node, nnx.Variable)
 
 
-def _flatten(tree: Any) -> tuple[list[str], list[Any], Any]:
-  """Leaves of ``tree`` with their printable paths and the tree's structure."""
-  with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+def flatten(tree: Any) -> tuple[list[str], list[Any], Any, Any]:
+  """Leaves of ``tree`` with their printable paths, and the tree's structure twice.
+
+  A Flax ``Variable`` counts as one leaf, its value, so that a state built
+  from ``nnx.state(model)`` mirrors the plain arrays updates arrive as.
+
+  Returns:
+    ``(paths, leaves, structure, full structure)``: the first structure has
+    each ``Variable`` as a leaf (residuals and specs mirror it), the second
+    rebuilds the tree as it came, ``Variable`` boxes included.
+  """
+  with_paths, structure = jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=_is_variable)
   paths = [jax.tree_util.keystr(path) or "<root>" for path, _ in with_paths]
-  return paths, [leaf for _, leaf in with_paths], treedef
+  leaves = [leaf.get_value() if _is_variable(leaf) else leaf for _, leaf in with_paths]
+  full = jax.tree.structure(tree)
+  return paths, leaves, structure, full if full.num_leaves == len(leaves) else structure
 
 
-def _matching_residuals(
-    treedef: Any,
-    state: TopKA2AState,
-    grads: Sequence[jax.Array],
-    paths: Sequence[str],
-    keeps_residual: Any,
-) -> list[Any]:
+def _check_floating(leaves: Sequence[Any], paths: Sequence[str], what: str) -> None:
+  for leaf, path in zip(leaves, paths):
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+      raise TypeError(
+          f"{what} leaf {path} has dtype {dtype}; topka2a exchanges floating "
+          "gradients only. Keep integer and other non-float leaves out of the "
+          "differentiated pytree, or skip them with optax.masked(...).")
+
+
+def _layout_mesh(options: Options, leaves: Sequence[Any]) -> Mesh | None:
+  """The mesh to lay a fresh state out for, if the call is outside shard_map."""
+  for mesh in (options.mesh, _LAYOUT_MESH.get()):
+    if mesh is not None:
+      return mesh
+  for leaf in leaves:
+    sharding = getattr(leaf, "sharding", None)
+    if (isinstance(sharding, NamedSharding)
+        and options.axis_name in sharding.mesh.axis_names):
+      return sharding.mesh
+  return None
+
+
+def _axis_is_bound(axis_name: Hashable) -> bool:
+  try:
+    jax.lax.axis_size(axis_name)
+  except NameError:
+    return False
+  return True
+
+
+def init_state(options: Options, params: optax.Params) -> TopKA2AState:
+  """The transform's initial state for ``params``.
+
+  Inside a shard_map over the data axis, every device makes its own
+  residuals; outside, the state comes out as global arrays laid out for the
+  mesh (:func:`_layout_mesh`).
+
+  Raises:
+    TypeError: a non-floating parameter.
+    ValueError: outside shard_map with no mesh to lay the state out for, or a
+      parameter sharded over the data axis.
+  """
+  paths, leaves, treedef, _ = flatten(params)
+  _check_floating(leaves, paths, "parameter")
+  zero = jnp.zeros((), jnp.int32)
+  if _axis_is_bound(options.axis_name):
+    residuals = [
+        jnp.zeros(leaf.shape or (1,), exchange.residual_dtype(leaf.dtype))
+        if options.keeps_residual(leaf.size) else optax.MaskedNode()
+        for leaf in leaves]
+    return TopKA2AState(treedef.unflatten(residuals), zero, zero)
+  mesh = _layout_mesh(options, leaves)
+  if mesh is not None and options.axis_name not in mesh.axis_names:
+    raise ValueError(
+        f"mesh has no axis {options.axis_name!r}; its axes are "
+        f"{mesh.axis_names}. Build topka2a with the data-parallel axis: "
+        "axis_name=...")
+  if mesh is None:
+    raise ValueError(
+        f"topka2a does not know the mesh to lay its state out for: its "
+        f"residuals are per device along {options.axis_name!r}. Build it with "
+        f"topka2a(..., mesh=mesh), place the parameters on the mesh first "
+        f"(jax.device_put(params, NamedSharding(mesh, P()))), or make the "
+        f"state with topka2a_jax.init(tx, params, mesh).")
+  return _global_state(options, mesh, paths, leaves, treedef)
+
+
+def _global_state(options: Options, mesh: Mesh, paths: Sequence[str],
+                  leaves: Sequence[Any], treedef: Any) -> TopKA2AState:
+  """Zero residuals as global arrays, each split like its parameter."""
+  num_devices = mesh.shape[options.axis_name]
+  others = {name: size for name, size in mesh.shape.items()
+            if name != options.axis_name and size > 1}
+  tracing = any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
+  residuals: list[Any] = [optax.MaskedNode()] * len(leaves)
+  kept, shapes, shardings = [], [], []
+  for i, (leaf, path) in enumerate(zip(leaves, paths)):
+    given = layout.param_spec_of(leaf, mesh)
+    layout.check_not_over_data(given, options.axis_name, path)
+    spec = layout.restrict_spec(given, leaf.shape, others)
+    if options.keeps_residual(math.prod(layout.local_shape(leaf.shape, spec, others))):
+      kept.append(i)
+      shapes.append(jax.ShapeDtypeStruct(
+          layout.residual_shape(leaf.shape, num_devices),
+          exchange.residual_dtype(leaf.dtype)))
+      shardings.append(NamedSharding(mesh, layout.residual_spec(options.axis_name,
+                                                                spec)))
+
+  def zeros() -> list[jax.Array]:  # the residuals, then count and nonfinite_steps
+    return ([jnp.zeros(shape.shape, shape.dtype) for shape in shapes]
+            + [jnp.zeros((), jnp.int32) for _ in range(2)])
+
+  replicated = NamedSharding(mesh, P())
+  if tracing:
+    *made, count, skipped = [jax.lax.with_sharding_constraint(z, s) for z, s in
+                             zip(zeros(), shardings + [replicated] * 2)]
+  else:  # made in place: never whole on one device, on every process alike
+    *made, count, skipped = jax.jit(zeros,
+                                    out_shardings=shardings + [replicated] * 2)()
+  for i, array in zip(kept, made):
+    residuals[i] = array
+  return TopKA2AState(treedef.unflatten(residuals), count, skipped)
+
+
+def update_state(options: Options, updates: optax.Updates, state: TopKA2AState,
+                 extra_args: dict[str, Any]) -> tuple[optax.Updates, TopKA2AState]:
+  """The transform's update: the mean of ``updates`` over the axis, and the state.
+
+  Raises:
+    ValueError: outside shard_map (said first), a state that does not match,
+      or gradients already summed across the axis.
+    TypeError: non-floating gradients or a state of another transform.
+  """
+  bound_axis_size(options.axis_name)
+  paths, grads, treedef, full = flatten(updates)
+  _check_floating(grads, paths, "gradient")
+  residuals = _matching_residuals(options, treedef, state, grads, paths,
+                                  extra_args.get(PARAM_SPECS))
+  _check_per_device(grads, paths, options.axis_name)
+  if not any(g.size for g in grads):
+    return updates, state
+  bad = extra_args.get(NONFINITE)  # decided already by skip_nonfinite(...)
+  others = layout.automatic_axes(jax.sharding.get_abstract_mesh(), options.axis_name)
+  if not others:
+    means, new, count, skipped = exchange.step(
+        options, grads, residuals, state.count, state.nonfinite_steps, bad)
+  else:
+    means, new, count, skipped = _step_on_shards(
+        options, others, grads, residuals, state, bad,
+        _given_specs(treedef, extra_args.get(PARAM_SPECS)))
+  return full.unflatten(means), TopKA2AState(treedef.unflatten(new), count, skipped)
+
+
+def _given_specs(treedef: Any, specs: Any) -> list[P | None]:
+  """The parameters' specs passed as :data:`PARAM_SPECS`, one per leaf, or Nones."""
+  if specs is None:
+    return [None] * treedef.num_leaves
+  return treedef.flatten_up_to(specs)
+
+
+def _shard_specs(grads: Sequence[jax.Array], given: Sequence[P | None],
+                 others: dict[Hashable, int]) -> list[P]:
+  """How each gradient leaf splits over ``others``: its type, the given spec, or whole."""
+  mesh = jax.sharding.get_abstract_mesh()
+  specs = []
+  for grad, spec in zip(grads, given):
+    typed = layout.param_spec_of(grad, mesh)
+    specs.append(layout.restrict_spec(typed if typed is not None else spec,
+                                      grad.shape, others))
+  return specs
+
+
+def _step_on_shards(options: Options, others: dict[Hashable, int],
+                    grads: list, residuals: list, state: TopKA2AState,
+                    bad: jax.Array | None, given: Sequence[P | None]):
+  """:func:`exchange.step` in a nested shard_map over the other mesh axes.
+
+  Each device then selects from, and keeps residuals for, its own shard of
+  every leaf (a residual is shaped like its leaf, so one spec splits both);
+  the exchange adds no collective over those axes.
+  """
+  specs = _shard_specs(grads, given, others)
+
+  def on_shards(grads, residuals, count, skipped, bad):
+    return exchange.step(options, grads, residuals, count, skipped, bad)
+
+  run = jax.shard_map(
+      on_shards, mesh=jax.sharding.get_abstract_mesh(), axis_names=set(others),
+      in_specs=(specs, specs, P(), P(), P()), out_specs=(specs, specs, P(), P()))
+  return run(list(grads), list(residuals), state.count, state.nonfinite_steps, bad)
+
+
+def _matching_residuals(options: Options, treedef: Any, state: TopKA2AState,
+                        grads: Sequence[jax.Array], paths: Sequence[str],
+                        given_specs: Any) -> list[Any]:
   """The state's residuals, one per gradient leaf, checked against the grads."""
   if not isinstance(state, TopKA2AState):
     raise TypeError(
         f"expected the TopKA2AState made by this transform's init, got "
-        f"{type(state).__name__}"
-    )
+        f"{type(state).__name__}")
   try:
     residuals = treedef.flatten_up_to(state.residuals)
   except (ValueError, TypeError) as error:
     raise ValueError(
         "the optimizer state does not match the gradients' pytree: was it "
-        "initialised for another model? Re-create it with "
-        f"topka2a_jax.init(tx, params, mesh). ({error})"
-    ) from None
-  for grad, residual, path in zip(grads, residuals, paths):
-    if keeps_residual(grad):
-      if not hasattr(residual, "shape") or residual.shape != (grad.size,):
+        "initialised for another model? Re-create it with tx.init(params) "
+        f"(topka2a built with mesh=...) or topka2a_jax.init(tx, params, mesh). "
+        f"({error})") from None
+  others = layout.automatic_axes(jax.sharding.get_abstract_mesh(), options.axis_name)
+  local_sizes = _local_sizes(grads, _given_specs(treedef, given_specs), others)
+  for grad, residual, path, size in zip(grads, residuals, paths, local_sizes):
+    if options.keeps_residual(size):
+      expected = grad.shape or (1,)
+      if getattr(residual, "shape", None) != expected:
         raise ValueError(
             f"residual for leaf {path} has shape "
             f"{getattr(residual, 'shape', type(residual).__name__)}, expected "
-            f"({grad.size},) on each device. Pass the state through shard_map "
-            "with in_specs/out_specs from topka2a_jax.state_specs(opt_state) "
-            "(its residuals are per device), and create it for this model and "
-            "these options with topka2a_jax.init. A state saved on another "
-            "number of devices is resized by topka2a_jax.restore."
-        )
+            f"{expected} on each device. Its residuals are per device: pass "
+            "the state through shard_map with in_specs/out_specs from "
+            "topka2a_jax.state_specs(opt_state), or let "
+            "topka2a_jax.train_step place it; and make it for this model, "
+            "these options and this mesh with tx.init(params) (topka2a built "
+            "with mesh=...) or topka2a_jax.init. A state saved on another "
+            "number of devices is resized by topka2a_jax.restore.")
     elif not isinstance(residual, optax.MaskedNode):
       raise ValueError(
           f"the state holds a residual for leaf {path}, which these options "
           "send dense or without error feedback: the state was made with "
           "other options (min_size, algorithm or error_feedback). Re-create "
-          "it with topka2a_jax.init for this transform."
-      )
+          "it with tx.init(params) for this transform.")
   return residuals
 
 
-def _check_per_device(
-    grads: Sequence[jax.Array], paths: Sequence[str], axis_name: Hashable
-) -> None:
+def _local_sizes(grads: Sequence[jax.Array], given: Sequence[P | None],
+                 others: dict[Hashable, int]) -> list[int]:
+  """Elements of each leaf on one device, after the split over ``others``."""
+  if not others:
+    return [g.size for g in grads]
+  specs = _shard_specs(grads, given, others)
+  return [math.prod(layout.local_shape(grad.shape, spec, others))
+          for grad, spec in zip(grads, specs)]
+
+
+def _check_per_device(grads: Sequence[jax.Array], paths: Sequence[str],
+                      axis_name: Hashable) -> None:
   """Rejects gradients that JAX already summed across the axis."""
   if not grads or not tracks_varying_axes(axis_name):
     return
@@ -422,5 +469,4 @@ def _check_per_device(
           "differentiates with respect to replicated parameters inside "
           "shard_map. Differentiate with respect to per-device copies: "
           f"jax.grad(loss)(jax.lax.pcast(params, {axis_name!r}, "
-          "to='varying'), batch)."
-      )
+          "to='varying'), batch), or let topka2a_jax.train_step do it.")

@@ -1,0 +1,112 @@
+"""Flax NNX: nnx.Optimizer and an nnx.jit step through nnx_train_step.
+
+References: the functional train_step on the same parameters (the digits
+example's model), and NumPy statistics of each device's slice of the batch.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import train_digits
+from flax import nnx
+
+import topka2a_jax
+
+
+def digits_loss(model, batch):
+  x, y = batch
+  return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+
+def sgd(mesh):
+  return optax.chain(topka2a_jax.topka2a(0.01, mesh=mesh),
+                     optax.sgd(train_digits.LEARNING_RATE,
+                               momentum=train_digits.MOMENTUM))
+
+
+def test_digits_through_nnx_jit_is_the_functional_run(mesh):
+  task = train_digits.make_task()
+  model = train_digits.CNN(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, sgd(mesh), wrt=nnx.Param)
+  train = topka2a_jax.nnx_train_step(digits_loss, mesh)
+
+  @nnx.jit
+  def step(model, optimizer, batch):
+    return train(model, optimizer, batch)
+
+  graphdef, params = nnx.split(task.model(0))  # the same parameters, as a pytree
+  tx = sgd(mesh)
+  state = tx.init(params)
+  functional = topka2a_jax.train_step(
+      lambda params, batch: task.loss(nnx.merge(graphdef, params), batch), tx, mesh)
+  ours, theirs = task.batches(0, 128), task.batches(0, 128)
+  for _ in range(60):
+    loss = step(model, optimizer, next(ours))
+    params, state, want = functional(params, state, next(theirs))
+    np.testing.assert_array_equal(loss, want)
+  jax.tree.map(np.testing.assert_array_equal,
+               nnx.as_pure(nnx.state(model, nnx.Param)), nnx.as_pure(params))
+  accuracy = task.evaluate(model)
+  assert accuracy == task.evaluate(nnx.merge(graphdef, params)) > 0.8
+  assert int(optimizer.step[...]) == 60
+
+
+class Noisy(nnx.Module):
+  """A linear layer, batch norm and dropout: state besides the parameters."""
+
+  def __init__(self, rngs):
+    self.linear = nnx.Linear(6, 4, rngs=rngs)
+    self.norm = nnx.BatchNorm(4, momentum=0.9, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+  def __call__(self, x):
+    return self.drop(self.norm(self.linear(x)))
+
+
+def noisy_loss(model, x):
+  out = model(x)
+  return jnp.mean(out ** 2), {"kept": model.drop(jnp.ones(64))}
+
+
+def noisy_run(mesh, x, steps=1):
+  model = Noisy(nnx.Rngs(0, dropout=1))
+  tx = optax.chain(topka2a_jax.topka2a(0.5, mesh=mesh, min_size=0), optax.sgd(0.1))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  train = nnx.jit(topka2a_jax.nnx_train_step(noisy_loss, mesh, has_aux=True))
+  for _ in range(steps):
+    loss, metrics = train(model, optimizer, x)
+  return model, loss, metrics
+
+
+def test_batch_statistics_are_averaged_and_dropout_differs_per_device(mesh):
+  x = np.random.default_rng(3).normal(size=(32, 6)).astype(np.float32)
+  before = Noisy(nnx.Rngs(0, dropout=1))
+  hidden = np.asarray(before.linear(x)).reshape(8, 4, 4)  # per device
+  model, _, metrics = noisy_run(mesh, x)
+  np.testing.assert_allclose(model.norm.mean[...], 0.1 * hidden.mean(1).mean(0),
+                             rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(model.norm.var[...],
+                             0.9 + 0.1 * hidden.var(1).mean(0), rtol=1e-5)
+  # Each device drops its own entries: their mean is neither 0 nor 2 everywhere.
+  kept = np.asarray(metrics["kept"])
+  assert ((kept > 0) & (kept < 2)).any()
+  again, _, repeat = noisy_run(mesh, x)  # and the same on every run
+  np.testing.assert_array_equal(repeat["kept"], kept)
+  same = nnx.Not(nnx.RngKey)  # keys are typed; the rest compares as arrays
+  jax.tree.map(np.testing.assert_array_equal, nnx.state(again, same),
+               nnx.state(model, same))
+
+
+def test_exchange_after_adam_and_optimizer_without_a_mesh(mesh):
+  model = train_digits.CNN(nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"does not know the mesh.*mesh=mesh"):
+    nnx.Optimizer(model, optax.chain(topka2a_jax.topka2a(0.01), optax.adam(1e-3)),
+                  wrt=nnx.Param)
+  late = optax.chain(optax.adam(1e-3), topka2a_jax.topka2a(0.01, mesh=mesh))
+  optimizer = nnx.Optimizer(model, late, wrt=nnx.Param)
+  train = topka2a_jax.nnx_train_step(digits_loss, mesh)
+  batch = next(train_digits.make_task().batches(0, 128))
+  with pytest.raises(ValueError, match=r"ScaleByAdamState.*before the topka2a"):
+    train(model, optimizer, batch)

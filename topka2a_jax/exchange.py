@@ -1,0 +1,145 @@
+"""One device's step of the transform: buckets, their collectives, and the switches.
+
+Called inside ``jax.shard_map`` on this device's gradient leaves (its shards,
+where the parameters are sharded over other mesh axes) and residuals:
+
+* :func:`plan` fuses the leaves into buckets (:mod:`.buckets`), planned by
+  the cost model (:mod:`.fusion`);
+* :func:`exchange` adds every leaf's residual (error feedback), runs each
+  bucket's collective (:mod:`.collectives`) and returns the means and what
+  stays behind;
+* :func:`step` wraps that in the two run-time switches of the one compiled
+  step: a step with a non-finite gradient anywhere is skipped everywhere
+  (:mod:`.nonfinite`), and the first ``warmup_steps`` go dense.
+
+Example:
+  >>> means, residuals, count, skipped = step(options, grads, residuals,
+  ...                                         count, skipped, bad=None)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from topka2a_jax import buckets
+from topka2a_jax.axis import bound_axis_size, varying_axes
+from topka2a_jax.collectives import ALGORITHMS
+from topka2a_jax.fusion import step_model
+from topka2a_jax.nonfinite import nonfinite_on_any_device
+from topka2a_jax.options import Options
+
+
+def residual_dtype(dtype: jnp.dtype) -> jnp.dtype:
+  """Residuals are float32, or float64 for float64 leaves: nothing rounds away."""
+  return jnp.promote_types(jnp.float32, dtype)
+
+
+def plan(options: Options, sizes: Sequence[int],
+         num_devices: int) -> list[buckets.Bucket]:
+  """The buckets for leaves of ``sizes``, as the planner or ``fusion`` sets them."""
+  model = step_model(sizes, num_devices, options.density, network=options.network,
+                     min_size=options.min_size,
+                     backward_seconds=options.backward_seconds,
+                     value_bytes=options.value_bytes)
+  threshold = (model.best_threshold(options.algorithm) if options.fusion == "auto"
+               else options.fusion)
+  return [planned.bucket for planned in model.layout(options.algorithm, threshold)]
+
+
+def exchange(options: Options, grads: Sequence[jax.Array],
+             residuals: Sequence[Any], sparse: bool) -> tuple[list, list]:
+  """Means of ``grads + residuals`` over the axis, and the new residuals.
+
+  Args:
+    options: the transform's options.
+    grads: this device's gradient leaves.
+    residuals: for every leaf, its residual (shaped like the leaf, or ``(1,)``
+      for a scalar) or ``optax.MaskedNode()`` where it keeps none.
+    sparse: False sends every bucket dense (warm-up): nothing stays behind.
+
+  Returns:
+    ``(means, new residuals)``, leaf by leaf; the means are invariant along
+    the axis.
+  """
+  num_devices = bound_axis_size(options.axis_name)
+  means: list[jax.Array] = list(grads)  # empty leaves pass through as they are
+  new_residuals: list[Any] = [optax.MaskedNode()] * len(grads)
+  live = [i for i, g in enumerate(grads) if g.size > 0]
+  for bucket in plan(options, [grads[i].size for i in live], num_devices):
+    members = [live[j] for j in bucket.leaves]
+    dtype = jnp.result_type(*(residual_dtype(grads[i].dtype) for i in members))
+    acc = [jnp.ravel(grads[i]).astype(dtype) + jnp.ravel(residuals[i])
+           if options.keeps_residual(grads[i].size) else grads[i]
+           for i in members]
+    result = ALGORITHMS[bucket.algorithm if sparse else "dense"](
+        buckets.pack(acc, dtype), options.axis_name, options.density,
+        value_dtype=options.value_dtype, selection=options.selection)
+    sizes = [grads[i].size for i in members]
+    for i, mean, unsent in zip(members, buckets.unpack(result.mean, sizes),
+                               buckets.unpack(result.unsent, sizes)):
+      means[i] = mean.reshape(grads[i].shape).astype(grads[i].dtype)
+      if options.keeps_residual(grads[i].size):
+        new_residuals[i] = unsent.reshape(residuals[i].shape).astype(
+            residuals[i].dtype)
+  return means, new_residuals
+
+
+def _zeros_like_mean(grad: jax.Array, axis_name: Hashable) -> jax.Array:
+  """Zeros typed like the mean of ``grad``: invariant along the axis only."""
+  zeros = jnp.zeros(grad.shape, grad.dtype)
+  others = tuple(varying_axes(grad) - {axis_name})
+  return jax.lax.pcast(zeros, others, to="varying") if others else zeros
+
+
+def _applied(options: Options, grads: list, residuals: list,
+             count: jax.Array) -> tuple[list, list, jax.Array]:
+  """The exchange, dense while ``count < warmup_steps``; one more applied step."""
+  if options.warmup_steps == 0:
+    means, new = exchange(options, grads, residuals, sparse=True)
+  else:
+    means, new = jax.lax.cond(
+        count < options.warmup_steps,
+        lambda g, r: exchange(options, g, r, sparse=False),
+        lambda g, r: exchange(options, g, r, sparse=True),
+        grads, residuals)
+  return means, new, count + 1
+
+
+def _skipped(options: Options, grads: list, residuals: list,
+             count: jax.Array) -> tuple[list, list, jax.Array]:
+  """Zero updates; residuals and count as they were."""
+  zeros = [_zeros_like_mean(g, options.axis_name) if g.size else g for g in grads]
+  return zeros, residuals, count
+
+
+def step(options: Options, grads: list, residuals: list, count: jax.Array,
+         nonfinite_steps: jax.Array, bad: jax.Array | None
+         ) -> tuple[list, list, jax.Array, jax.Array]:
+  """One applied or skipped step of the transform on this device.
+
+  Args:
+    options: the transform's options.
+    grads: this device's gradient leaves.
+    residuals: their residuals (``optax.MaskedNode()`` where none is kept).
+    count: applied steps so far.
+    nonfinite_steps: skipped steps so far.
+    bad: whether some device's gradient is non-finite, decided already by
+      :func:`topka2a_jax.skip_nonfinite`; None to decide here (when
+      ``options.skip_nonfinite``).
+
+  Returns:
+    ``(means, residuals, count, nonfinite_steps)`` after the step.
+  """
+  if bad is None and options.skip_nonfinite:
+    bad = nonfinite_on_any_device(grads, options.axis_name)
+  if bad is None:
+    return (*_applied(options, grads, residuals, count), nonfinite_steps)
+  means, residuals, count = jax.lax.cond(
+      bad, lambda *a: _skipped(options, *a), lambda *a: _applied(options, *a),
+      grads, residuals, count)
+  return means, residuals, count, nonfinite_steps + bad.astype(jnp.int32)

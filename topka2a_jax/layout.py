@@ -1,0 +1,161 @@
+"""Where each piece lives on the mesh: parameter specs and the residuals' layout.
+
+The residual of a parameter is per device. As one global array it is the
+stack, along the data axis, of one parameter-shaped block per data index:
+shape ``(P * d0, d1, ...)`` for a parameter of shape ``(d0, d1, ...)``
+(``(P,)`` for a scalar), split along dimension 0 by the data axis and, within
+each block, exactly as the parameter is split over the other mesh axes. So
+every device holds the residual of its own parameter shard, and a block
+means the same entries whatever the sharding: a partitioner may move it,
+never mix it up.
+
+Example:
+  >>> residual_spec("data", P(None, "model"))
+  PartitionSpec('data', 'model')
+  >>> residual_shape((16, 64), 4)
+  (64, 64)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def spec_axes(spec: P) -> tuple[Hashable, ...]:
+  """Every mesh axis a ``PartitionSpec`` names, in order."""
+  axes: list[Hashable] = []
+  for entry in spec:
+    for axis in entry if isinstance(entry, tuple) else (entry,):
+      if axis is not None:
+        axes.append(axis)
+  return tuple(axes)
+
+
+def _entry_axes(entry: Any) -> tuple[Hashable, ...]:
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _entry(axes: Sequence[Hashable]) -> Any:
+  if not axes:
+    return None
+  return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def restrict_spec(spec: P | None, shape: Sequence[int],
+                  axis_sizes: Mapping[Hashable, int]) -> P:
+  """``spec`` kept to the axes in ``axis_sizes`` that split ``shape`` evenly.
+
+  Axes of other meshes or of size 1, and any dimension the named axes do not
+  divide, are dropped (that dimension is then whole on every device). The
+  result names no trailing whole dimensions, as ``P()`` for a replicated array.
+
+  Example:
+    >>> restrict_spec(P(None, ("data", "model")), (3, 8), {"model": 2})
+    PartitionSpec(None, 'model')
+  """
+  entries = list(spec or ()) + [None] * (len(shape) - len(spec or ()))
+  kept = []
+  for size, entry in zip(shape, entries[: len(shape)]):
+    axes = [a for a in _entry_axes(entry) if axis_sizes.get(a, 1) > 1]
+    split = math.prod(axis_sizes[a] for a in axes)
+    kept.append(_entry(axes) if split and size % split == 0 else None)
+  while kept and kept[-1] is None:
+    kept.pop()
+  return P(*kept)
+
+
+def local_shape(shape: Sequence[int], spec: P,
+                axis_sizes: Mapping[Hashable, int]) -> tuple[int, ...]:
+  """The shape of one device's block of an array of ``shape`` laid out by ``spec``."""
+  entries = list(spec) + [None] * (len(shape) - len(spec))
+  return tuple(size // math.prod(axis_sizes[a] for a in _entry_axes(entry))
+               for size, entry in zip(shape, entries))
+
+
+def residual_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:
+  """Global shape of a parameter's residual: one block per data index."""
+  return (num_devices * shape[0], *shape[1:]) if shape else (num_devices,)
+
+
+def residual_spec(axis_name: Hashable, param_spec: P | None = None) -> P:
+  """The ``PartitionSpec`` of a parameter's residual.
+
+  The data axis splits dimension 0 first (one block per data index); inside
+  each block the parameter's own spec applies.
+
+  Args:
+    axis_name: the data-parallel mesh axis.
+    param_spec: the parameter's spec over the other axes; None when it is
+      replicated.
+
+  Returns:
+    The spec, e.g. ``P("data")`` or ``P(("data", "model"), None)``.
+
+  Example:
+    >>> residual_spec("data", P("model", None))
+    PartitionSpec(('data', 'model'), None)
+  """
+  entries = list(param_spec or ())
+  while entries and entries[-1] is None:
+    entries.pop()
+  if not entries:
+    return P(axis_name)
+  first = _entry((axis_name, *_entry_axes(entries[0])))
+  return P(first, *entries[1:])
+
+
+def param_spec_of(leaf: Any, mesh: Mesh) -> P | None:
+  """How ``leaf`` is split over ``mesh``, where that can be read; else None.
+
+  A concrete array tells its ``NamedSharding`` (when it lives on a mesh with
+  ``mesh``'s axis names); a traced value tells its type on meshes with
+  explicit axes. Under ``jax.jit`` with automatic axes the partitioner has
+  not decided yet, so nothing can be read.
+  """
+  if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+    sharding = leaf.sharding
+  else:
+    try:
+      sharding = jax.typeof(leaf).sharding
+    except (TypeError, AttributeError):
+      return None
+    types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+    if AxisType.Explicit not in types:
+      return None  # automatic axes: the partitioner decides later
+  if not isinstance(sharding, NamedSharding):
+    return None
+  if tuple(sharding.mesh.axis_names) != tuple(mesh.axis_names):
+    return None
+  return sharding.spec
+
+
+def automatic_axes(mesh: Any, exclude: Hashable) -> dict[Hashable, int]:
+  """Axes of ``mesh`` other than ``exclude`` that are not manual, by size (> 1)."""
+  types = getattr(mesh, "axis_types", None) or (AxisType.Auto,) * len(mesh.axis_names)
+  return {name: size for name, size, kind in
+          zip(mesh.axis_names, mesh.axis_sizes, types)
+          if name != exclude and kind != AxisType.Manual and size > 1}
+
+
+def check_not_over_data(spec: P | None, axis_name: Hashable, path: str) -> None:
+  """Refuses a parameter split over the data axis itself, saying why.
+
+  Raises:
+    ValueError: ``spec`` names ``axis_name``.
+  """
+  if spec is not None and axis_name in spec_axes(spec):
+    raise ValueError(
+        f"parameter {path} is sharded over the data axis {axis_name!r} "
+        f"({spec}). topka2a averages gradients over {axis_name!r}, so every "
+        f"device of {axis_name!r} must hold the same parameters: replicate them "
+        f"over {axis_name!r} (shard them over other mesh axes at will), e.g. "
+        f"jax.device_put(params, NamedSharding(mesh, P())). Sharding the "
+        "parameters themselves over the data axis (FSDP) is not supported.")

@@ -1,0 +1,173 @@
+"""The options of :func:`topka2a_jax.topka2a`, validated once into a frozen record.
+
+Every argument of the transform is checked here, at construction, with an
+error that names the option and says what it takes; the rest of the package
+reads the normalised values from :class:`Options`.
+
+Example:
+  >>> options = Options.create(0.01)
+  >>> options.density, options.algorithm
+  (0.01, 'topka2a')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Hashable
+from typing import Any
+
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from topka2a_jax.collectives import get_selection
+from topka2a_jax.cost import Network, get_network
+from topka2a_jax.fusion import check_plan_options
+
+DEFAULT_MIN_SIZE = 1024
+"""Leaves with fewer elements go dense.
+
+Biases and normalisation scales are this small in most models. They are a
+tiny share of the bytes (a thousand such leaves of 1,000 floats are 4 MB a
+step), their shard-wise selection would send nearly every entry anyway, and
+keeping them exact is what users of gradient compression do to keep accuracy.
+"""
+
+
+def _density(density: Any) -> float:
+  if (not isinstance(density, numbers.Real) or isinstance(density, bool)
+      or not math.isfinite(density) or not 0.0 < density <= 1.0):
+    raise ValueError(
+        f"density must be a number in (0, 1], the fraction of gradient "
+        f"entries each device sends; got {density!r}. For example "
+        "density=0.01 sends 1%.")
+  return float(density)
+
+
+def _count(name: str, value: Any, minimum: int) -> int:
+  if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+    raise TypeError(f"{name} must be an int, got {value!r}")
+  if value < minimum:
+    raise ValueError(f"{name} must be at least {minimum}, got {value}")
+  return int(value)
+
+
+def _flag(name: str, value: Any) -> bool:
+  if not isinstance(value, bool):
+    raise TypeError(f"{name} must be True or False, got {value!r}")
+  return value
+
+
+def _value_dtype(value_dtype: Any) -> jnp.dtype | None:
+  if value_dtype is None:
+    return None
+  try:
+    dtype = jnp.dtype(value_dtype)
+  except TypeError:
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(
+        f"value_dtype must be a floating dtype such as jnp.bfloat16, or None; "
+        f"got {value_dtype!r}")
+  return dtype
+
+
+def _backward_seconds(value: Any) -> float | None:
+  if value is not None and not (
+      isinstance(value, numbers.Real) and 0 <= value < math.inf):
+    raise ValueError(f"backward_seconds must be None or seconds >= 0, got {value!r}")
+  return None if value is None else float(value)
+
+
+def _mesh(mesh: Any, axis_name: Hashable) -> Mesh | None:
+  if mesh is None:
+    return None
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh(...)) "
+                    f"or None, got {type(mesh).__name__}")
+  if axis_name not in mesh.axis_names:
+    raise ValueError(f"mesh has no axis {axis_name!r}; its axes are "
+                     f"{mesh.axis_names}. Pass the data-parallel axis with "
+                     "axis_name=...")
+  return mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """What one :func:`topka2a_jax.topka2a` transform does; see its arguments.
+
+  Attributes:
+    density: fraction of every sparse bucket each device sends, in (0, 1].
+    axis_name: the data-parallel mesh axis.
+    algorithm: a collective's name, or ``"auto"``.
+    error_feedback: whether unsent entries are kept for the next step.
+    min_size: smaller leaves go dense and keep no residual.
+    fusion: bucket size threshold in elements, or ``"auto"``.
+    network: the link the planner models.
+    backward_seconds: the backward pass's duration, or None for the default.
+    value_dtype: dtype of sparse values on the wire; None sends them as they are.
+    selection: ``"exact"`` or ``"threshold"``.
+    warmup_steps: applied steps exchanged densely first.
+    skip_nonfinite: whether a non-finite gradient skips the step everywhere.
+    mesh: the mesh ``init`` lays the state out for, or None.
+  """
+
+  density: float
+  axis_name: Hashable = "data"
+  algorithm: str = "topka2a"
+  error_feedback: bool = True
+  min_size: int = DEFAULT_MIN_SIZE
+  fusion: int | str = "auto"
+  network: Network = dataclasses.field(default_factory=lambda: get_network("eth10"))
+  backward_seconds: float | None = None
+  value_dtype: jnp.dtype | None = None
+  selection: str = "exact"
+  warmup_steps: int = 0
+  skip_nonfinite: bool = True
+  mesh: Mesh | None = None
+
+  @classmethod
+  def create(cls, density: Any, **options: Any) -> Options:
+    """Validates the transform's arguments; raises naming the first bad one.
+
+    Raises:
+      ValueError, TypeError: an argument out of range or of the wrong type.
+    """
+    normalised = dict(options)
+    axis_name = normalised.get("axis_name", "data")
+    if not isinstance(axis_name, Hashable):
+      raise TypeError(f"axis_name must be a mesh axis name, got {axis_name!r}")
+    fusion = normalised.get("fusion", "auto")
+    if fusion != "auto":
+      normalised["fusion"] = _count("fusion", fusion, 1)
+    check_plan_options(normalised.get("algorithm", "topka2a"), fusion)
+    for name in ("error_feedback", "skip_nonfinite"):
+      if name in normalised:
+        _flag(name, normalised[name])
+    for name, minimum in (("min_size", 0), ("warmup_steps", 0)):
+      if name in normalised:
+        normalised[name] = _count(name, normalised[name], minimum)
+    if "network" in normalised:
+      normalised["network"] = get_network(normalised["network"])
+    normalised["backward_seconds"] = _backward_seconds(
+        normalised.get("backward_seconds"))
+    normalised["value_dtype"] = _value_dtype(normalised.get("value_dtype"))
+    get_selection(normalised.get("selection", "exact"))  # raises for a bad name
+    normalised["mesh"] = _mesh(normalised.get("mesh"), axis_name)
+    return cls(_density(density), **normalised)
+
+  @property
+  def value_bytes(self) -> int:
+    """Bytes per sparse value on the wire."""
+    return 4 if self.value_dtype is None else self.value_dtype.itemsize
+
+  def keeps_residual(self, local_size: int) -> bool:
+    """Whether a leaf is sparsified with error feedback (else it goes dense).
+
+    Args:
+      local_size: elements of the leaf on one device: the whole leaf, or its
+        shard where parameters are sharded over other mesh axes.
+    """
+    return (self.error_feedback and self.algorithm != "dense" and local_size > 0
+            and local_size >= self.min_size)

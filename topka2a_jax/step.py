@@ -1,0 +1,346 @@
+"""A jit-level data-parallel training step: the shard_map is the library's.
+
+Under plain ``jax.jit`` with sharded inputs, the partitioner all-reduces the
+gradients densely before any optimizer sees them. :func:`train_step` owns
+the part of the step that must be per device instead: a ``jax.shard_map``
+manual over the data axis only (other mesh axes stay with the partitioner,
+so a loss written for ``jax.jit`` runs as it is), per-device gradients
+(over micro-batches if asked), the optimizer's update with the sparse
+exchange, and the placement of parameters, state and batch on the mesh.
+
+Example:
+  >>> mesh = jax.make_mesh((8,), ("data",))
+  >>> tx = optax.chain(topka2a_jax.topka2a(0.01, mesh=mesh), optax.adam(1e-3))
+  >>> opt_state = tx.init(params)
+  >>> step = train_step(loss_fn, tx, mesh)
+  >>> params, opt_state, loss = step(params, opt_state, batch)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from topka2a_jax import layout, placement
+from topka2a_jax.transform import PARAM_SPECS, flatten
+
+LossFn = Callable[..., Any]
+
+
+def check_batch(batch: Any, num_devices: int, micro_batches: int,
+                axis_name: Hashable) -> None:
+  """Raises unless every batch leaf's leading axis splits over devices and micro-batches.
+
+  Raises:
+    ValueError: naming the leaf, its leading size and the multiple it needs.
+
+  Example:
+    >>> check_batch({"x": jnp.zeros((64, 3))}, 8, 4, "data")  # 64 = 8 * 4 * 2
+  """
+  parts = num_devices * micro_batches
+  for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+    shape = getattr(leaf, "shape", ())
+    name = jax.tree_util.keystr(path) or "<root>"
+    if not shape:
+      raise ValueError(
+          f"batch leaf {name} is a scalar; every batch leaf is split along its "
+          f"leading axis over the {num_devices} devices of {axis_name!r}. Pass "
+          "constants through loss_fn's closure instead.")
+    if shape[0] % parts:
+      per = (f"{num_devices} devices of {axis_name!r} x {micro_batches} "
+             "micro-batches" if micro_batches > 1
+             else f"{num_devices} devices of {axis_name!r}")
+      raise ValueError(
+          f"batch leaf {name} has leading axis {shape[0]}, which does not split "
+          f"evenly over {per}: it needs a multiple of {parts}. Drop or pad the "
+          "remainder of the batch.")
+
+
+def device_key(key: jax.Array | None, axis_name: Hashable) -> jax.Array | None:
+  """This device's random key: ``fold_in(key, index along the data axis)``."""
+  if key is None:
+    return None
+  return jax.random.fold_in(key, lax.axis_index(axis_name))
+
+
+def _reduce_over(leaf: jax.Array, axis: int | None, axis_name: Hashable | None):
+  """Mean of a floating leaf, sum of an integer or boolean one."""
+  floating = jnp.issubdtype(leaf.dtype, jnp.floating)
+  if axis is not None:
+    return jnp.mean(leaf, axis) if floating else jnp.sum(leaf, axis)
+  return lax.pmean(leaf, axis_name) if floating else lax.psum(leaf, axis_name)
+
+
+def reduce_metrics(aux: Any, axis_name: Hashable) -> Any:
+  """Per-device metrics over the data axis: floats averaged, integers summed.
+
+  With equal per-device batches, a per-device mean averages to the mean over
+  the global batch and a per-device count sums to the global count.
+  """
+  return jax.tree.map(lambda leaf: _reduce_over(leaf, None, axis_name), aux)
+
+
+def accumulated_gradients(
+    fn: Callable[[Any, Any, Any, Any], tuple[tuple[jax.Array, Any, Any], Any]],
+    params: Any, carry: Any, batch: Any, key: jax.Array | None,
+    micro_batches: int) -> tuple[jax.Array, Any, Any, Any]:
+  """One device's loss and gradient, over ``micro_batches`` slices of its batch.
+
+  Args:
+    fn: ``(params, carry, batch, key) -> ((loss, aux, carry), grads)``.
+    params: the parameters to differentiate (per-device copies).
+    carry: state threaded through the micro-batches (None, or a model's
+      non-differentiated state).
+    batch: this device's batch; its leading axis splits into contiguous
+      micro-batches.
+    key: this device's key, or None; micro-batch ``m`` gets ``fold_in(key, m)``.
+    micro_batches: how many.
+
+  Returns:
+    ``(loss, grads, aux, carry)``: the mean loss and gradient over the
+    micro-batches (gradients summed in order, in at least float32, then
+    divided), the metrics averaged (floats) or summed (integers), and the
+    carry after the last micro-batch.
+  """
+  keys = (None if key is None else
+          jax.vmap(functools.partial(jax.random.fold_in, key))(jnp.arange(micro_batches)))
+  sliced = jax.tree.map(lambda x: x.reshape(micro_batches, -1, *x.shape[1:]), batch)
+  at = lambda tree, m: jax.tree.map(lambda x: x[m], tree)
+  # The first micro-batch runs before the loop, so that the loop's carry has
+  # the types (which axes vary) of real results.
+  (loss, aux, carry), grads = fn(params, carry, at(sliced, 0),
+                                 None if keys is None else keys[0])
+  if micro_batches == 1:
+    return loss, grads, aux, carry
+  wide = lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32))
+
+  def one(state, inputs):
+    loss_sum, grad_sum, carry = state
+    (loss, aux, carry), grads = fn(params, carry, *inputs)
+    grad_sum = jax.tree.map(lambda total, g: total + wide(g), grad_sum, grads)
+    return (loss_sum + wide(loss), grad_sum, carry), aux
+
+  rest = jax.tree.map(lambda x: x[1:], (sliced, keys))
+  (loss_sum, grad_sum, carry), auxes = lax.scan(
+      one, (wide(loss), jax.tree.map(wide, grads), carry), rest)
+  grads = jax.tree.map(lambda total, g: (total / micro_batches).astype(g.dtype),
+                       grad_sum, grads)
+  auxes = jax.tree.map(lambda first, more: jnp.concatenate([first[None], more]),
+                       aux, auxes)
+  aux = jax.tree.map(lambda leaf: _reduce_over(leaf, 0, None), auxes)
+  return (loss_sum / micro_batches).astype(loss.dtype), grads, aux, carry
+
+
+def resolve_param_specs(params: Any, mesh: Mesh, axis_name: Hashable,
+                        given: Any = None) -> list[P | None]:
+  """Each parameter's spec over the other mesh axes: given, read, or None (unknown).
+
+  Raises:
+    ValueError: a parameter split over the data axis.
+  """
+  paths, leaves, treedef, _ = flatten(params)
+  given_leaves = ([None] * len(leaves) if given is None
+                  else treedef.flatten_up_to(given))
+  others = {n: s for n, s in mesh.shape.items() if n != axis_name}
+  specs = []
+  for path, leaf, spec in zip(paths, leaves, given_leaves):
+    spec = spec if spec is not None else layout.param_spec_of(leaf, mesh)
+    layout.check_not_over_data(spec, axis_name, path)
+    specs.append(None if spec is None else layout.restrict_spec(spec, leaf.shape,
+                                                                others))
+  return specs
+
+
+def split_batch(batch: Any, mesh: Mesh, axis_name: Hashable) -> Any:
+  """``batch`` laid out along ``axis_name`` (a no-op where it is already)."""
+  sharding = NamedSharding(mesh, P(axis_name))
+  if AxisType.Explicit in mesh.axis_types:
+    return jax.sharding.reshard(batch, sharding)
+  return jax.lax.with_sharding_constraint(batch, sharding)
+
+
+def _is_concrete(tree: Any) -> bool:
+  return not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(tree))
+
+
+def shardings(mesh: Mesh, axis_name: Hashable, params: Any,
+              specs: tuple[P, ...], opt_state: Any) -> tuple[Any, Any]:
+  """Where the parameters and the optimizer state live on ``mesh``.
+
+  Parameters are split by ``specs`` (one per leaf, over the other axes) and
+  replicated over ``axis_name``; residuals are per device
+  (:mod:`topka2a_jax.layout`); state shaped like the parameters is split
+  like them; the rest is replicated.
+  """
+  spec_tree = flatten(params)[2].unflatten(specs)
+  named = lambda spec: NamedSharding(mesh, spec)
+  is_spec = lambda node: isinstance(node, P)
+  return (jax.tree.map(named, spec_tree, is_leaf=is_spec),
+          jax.tree.map(named, placement.state_specs(opt_state, axis_name, spec_tree),
+                       is_leaf=is_spec))
+
+
+class TrainStep:
+  """The step :func:`train_step` builds: call it, or lower it for inspection.
+
+  ``step(params, opt_state, batch, key=None)`` returns ``(params, opt_state,
+  loss)``, plus the metrics with ``has_aux=True``.
+  """
+
+  def __init__(self, loss_fn: LossFn, tx: optax.GradientTransformation, mesh: Mesh,
+               *, axis_name: Hashable, has_aux: bool, micro_batches: int,
+               param_specs: Any, donate: bool):
+    self._loss_fn, self._mesh, self._axis_name = loss_fn, mesh, axis_name
+    self._tx = optax.with_extra_args_support(tx)
+    self._has_aux, self._micro_batches = has_aux, micro_batches
+    self._param_specs = param_specs
+    self._checked: set[Any] = set()
+    self._jitted = jax.jit(self._run, static_argnames=("specs",),
+                           donate_argnums=(0, 1) if donate else ())
+
+  def _value_and_grad(self, params, carry, batch, key):
+    args = (batch,) if key is None else (batch, key)
+    if self._has_aux:
+      (loss, aux), grads = jax.value_and_grad(self._loss_fn, has_aux=True)(params, *args)
+    else:
+      loss, grads = jax.value_and_grad(self._loss_fn)(params, *args)
+      aux = None
+    return (loss, aux, carry), grads
+
+  def _body(self, params, opt_state, batch, key, specs):
+    axis = self._axis_name
+    local = lax.pcast(params, axis, to="varying")
+    loss, grads, aux, _ = accumulated_gradients(
+        self._value_and_grad, local, None, batch, device_key(key, axis),
+        self._micro_batches)
+    updates, opt_state = self._tx.update(grads, opt_state, params,
+                                         **{PARAM_SPECS: specs})
+    out = (optax.apply_updates(params, updates), opt_state, lax.pmean(loss, axis))
+    return out + (reduce_metrics(aux, axis),) if self._has_aux else out
+
+  def _run(self, params, opt_state, batch, key, specs):
+    spec_tree = flatten(params)[2].unflatten(specs)
+    state_in = placement.state_specs(opt_state, self._axis_name)
+    out_specs = (P(), state_in, P()) + ((P(),) if self._has_aux else ())
+    body = jax.shard_map(
+        functools.partial(self._body, specs=spec_tree), mesh=self._mesh,
+        in_specs=(P(), state_in, P(self._axis_name), P()), out_specs=out_specs,
+        axis_names={self._axis_name})
+    return body(params, opt_state, split_batch(batch, self._mesh, self._axis_name), key)
+
+  def _prepare(self, params, opt_state, batch, key):
+    """Checks the inputs; places concrete ones on the mesh; the specs to trace with."""
+    structure = jax.tree.structure(opt_state)
+    if structure not in self._checked:
+      placement.check_chain(opt_state, require_exchange=True)
+      self._checked.add(structure)
+    check_batch(batch, self._mesh.shape[self._axis_name], self._micro_batches,
+                self._axis_name)
+    specs = resolve_param_specs(params, self._mesh, self._axis_name,
+                                self._param_specs)
+    specs = tuple(P() if s is None else s for s in specs)  # unknown: whole
+    if not _is_concrete((params, opt_state, batch, key)):
+      return params, opt_state, batch, key, specs
+    params, opt_state = jax.device_put(
+        (params, opt_state),
+        shardings(self._mesh, self._axis_name, params, specs, opt_state))
+    batch, key = jax.device_put(
+        (batch, key), (NamedSharding(self._mesh, P(self._axis_name)),
+                       NamedSharding(self._mesh, P())))
+    return params, opt_state, batch, key, specs
+
+  def __call__(self, params: Any, opt_state: Any, batch: Any,
+               key: jax.Array | None = None) -> tuple[Any, ...]:
+    """One step: ``(params, opt_state, loss)``, plus the metrics with ``has_aux``."""
+    *args, specs = self._prepare(params, opt_state, batch, key)
+    return self._jitted(*args, specs=specs)
+
+  def lower(self, params: Any, opt_state: Any, batch: Any,
+            key: jax.Array | None = None) -> jax.stages.Lowered:
+    """The lowered step, e.g. for :func:`topka2a_jax.comm_report`."""
+    *args, specs = self._prepare(params, opt_state, batch, key)
+    return self._jitted.lower(*args, specs=specs)
+
+
+def train_step(
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    axis_name: Hashable = "data",
+    has_aux: bool = False,
+    micro_batches: int = 1,
+    param_specs: Any = None,
+    donate: bool = True,
+) -> TrainStep:
+  """Builds a jitted data-parallel training step around ``tx``'s sparse exchange.
+
+  The step runs ``loss_fn`` on each device's slice of the batch, inside a
+  ``jax.shard_map`` manual over ``axis_name`` only: other mesh axes (a
+  ``"model"`` axis the parameters are sharded over) stay with the
+  partitioner, so ``loss_fn`` is written as for ``jax.jit``. The gradients
+  are per device; ``tx`` (a chain that starts with
+  :func:`topka2a_jax.topka2a`) averages them sparsely, and the parameters
+  are updated identically everywhere. Each device selects from, and keeps
+  residuals for, only its own shard of every parameter, read from the
+  parameters' shardings (or ``param_specs``).
+
+  Args:
+    loss_fn: ``loss_fn(params, batch)`` returning a scalar, or ``(loss,
+      metrics)`` with ``has_aux=True``; ``loss_fn(params, batch, key)`` when
+      the step is called with a key.
+    tx: the optimizer, e.g. ``optax.chain(topka2a(0.01, mesh=mesh),
+      optax.adam(1e-3))``.
+    mesh: the device mesh; its axis ``axis_name`` splits the batch.
+    axis_name: the data-parallel axis (the one ``topka2a`` was built with).
+    has_aux: ``loss_fn`` returns ``(loss, metrics)``. The step returns the
+      metrics over the data axis: floating leaves averaged, integer and
+      boolean leaves summed (a mean or a count over the global batch).
+    micro_batches: each device's batch is split into this many contiguous
+      micro-batches; their gradients are summed in order and divided by
+      their number, then exchanged once (one exchange per step, like
+      PyTorch DDP's ``no_sync``).
+    param_specs: the parameters' ``PartitionSpec`` pytree over the other mesh
+      axes. Not needed when the step is called with arrays placed on the
+      mesh, nor on meshes with explicit axes: their shardings say it. Inside
+      a larger ``jax.jit`` on automatic axes, pass it, else each device
+      exchanges whole parameters (correct, with more work).
+    donate: donate the incoming parameters' and state's buffers.
+
+  Returns:
+    A :class:`TrainStep`: ``step(params, opt_state, batch, key=None)`` returns
+    ``(params, opt_state, loss)`` (and the metrics); ``loss`` is the mean over
+    the devices. With a ``key``, device ``i`` calls ``loss_fn`` with
+    ``fold_in(fold_in(key, i), m)`` for micro-batch ``m``: different on
+    every device, the same on every run. Concrete inputs are placed on the
+    mesh first (batch split along its leading axis over ``axis_name``).
+
+  Raises:
+    ValueError: at call, for a batch that does not split evenly, parameters
+      sharded over ``axis_name``, or a chain without a topka2a exchange or
+      with per-parameter state before it.
+
+  Example:
+    >>> step = train_step(loss_fn, tx, mesh)
+    >>> for batch in batches:
+    ...   params, opt_state, loss = step(params, opt_state, batch)
+  """
+  if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or (
+      micro_batches < 1):
+    raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
+  if axis_name not in mesh.axis_names:
+    raise ValueError(f"mesh has no axis {axis_name!r}; its axes are "
+                     f"{mesh.axis_names}. Pass the data-parallel axis with "
+                     "axis_name=...")
+  return TrainStep(loss_fn, tx, mesh, axis_name=axis_name, has_aux=has_aux,
+                   micro_batches=micro_batches, param_specs=param_specs,
+                   donate=donate)
+
