@@ -200,14 +200,14 @@ def test_inside_a_larger_jit_and_donation(mesh):
 
 
 # A 4 x 2 mesh with automatic axes; parameters sharded over "model" by
-# device_put alone, as pjit-style code does.
-SPECS = {"w": P(None, "model"), "b": P("model"), "v": P("model", None)}
+# device_put alone, as pjit-style code does, and one replicated over it.
+SPECS = {"w": P(None, "model"), "b": P("model"), "v": P("model", None), "c": P()}
 
 
 def mesh_loss(params, batch):
   x, t = batch
   h = jnp.tanh(x @ params["w"] + params["b"])
-  return jnp.mean((h @ params["v"] - t) ** 2)
+  return jnp.mean((h @ params["v"] + params["c"] - t) ** 2)
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +220,8 @@ def sharded_problem():
   rng = np.random.default_rng(5)
   params = {"w": rng.normal(size=(16, 64)).astype(np.float32) / 4,
             "b": rng.normal(size=64).astype(np.float32) / 4,
-            "v": rng.normal(size=(64, 8)).astype(np.float32) / 8}
+            "v": rng.normal(size=(64, 8)).astype(np.float32) / 8,
+            "c": rng.normal(size=8).astype(np.float32) / 8}
   batches = [(rng.normal(size=(32, 16)).astype(np.float32),
               rng.normal(size=(32, 8)).astype(np.float32)) for _ in range(3)]
   return params, batches
@@ -278,7 +279,7 @@ def test_2d_sparse_loses_nothing_and_keeps_shard_sized_residuals(
     # Each device holds the residual of its parameter shard only.
     shard_bytes = placed[k].addressable_shards[0].data.nbytes
     assert {s.data.nbytes for s in residual.addressable_shards} == {shard_bytes}
-    assert shard_bytes == params[k].nbytes // 2
+    assert shard_bytes == params[k].nbytes // (1 if k == "c" else 2)
 
 
 def test_2d_exchange_adds_no_collective_over_model(auto_mesh, sharded_problem):

@@ -51,6 +51,24 @@ def plan(options: Options, sizes: Sequence[int],
   return [planned.bucket for planned in model.layout(options.algorithm, threshold)]
 
 
+def _buckets(options: Options, grads: Sequence[jax.Array],
+             num_devices: int) -> list[tuple[list[int], str]]:
+  """The planned buckets as (leaf positions, algorithm), empty leaves left out.
+
+  Leaves that differ across other mesh axes (shards of a parameter split
+  over ``"model"``) never share a bucket with leaves that do not (a
+  parameter replicated over it): a replicated leaf then gets the same
+  update on every device of those axes.
+  """
+  groups: dict[frozenset, list[int]] = {}
+  for i, grad in enumerate(grads):
+    if grad.size > 0:
+      groups.setdefault(varying_axes(grad) - {options.axis_name}, []).append(i)
+  return [([live[j] for j in bucket.leaves], bucket.algorithm)
+          for live in groups.values()
+          for bucket in plan(options, [grads[i].size for i in live], num_devices)]
+
+
 def exchange(options: Options, grads: Sequence[jax.Array],
              residuals: Sequence[Any], sparse: bool) -> tuple[list, list]:
   """Means of ``grads + residuals`` over the axis, and the new residuals.
@@ -69,14 +87,12 @@ def exchange(options: Options, grads: Sequence[jax.Array],
   num_devices = bound_axis_size(options.axis_name)
   means: list[jax.Array] = list(grads)  # empty leaves pass through as they are
   new_residuals: list[Any] = [optax.MaskedNode()] * len(grads)
-  live = [i for i, g in enumerate(grads) if g.size > 0]
-  for bucket in plan(options, [grads[i].size for i in live], num_devices):
-    members = [live[j] for j in bucket.leaves]
+  for members, algorithm in _buckets(options, grads, num_devices):
     dtype = jnp.result_type(*(residual_dtype(grads[i].dtype) for i in members))
     acc = [jnp.ravel(grads[i]).astype(dtype) + jnp.ravel(residuals[i])
            if options.keeps_residual(grads[i].size) else grads[i]
            for i in members]
-    result = ALGORITHMS[bucket.algorithm if sparse else "dense"](
+    result = ALGORITHMS[algorithm if sparse else "dense"](
         buckets.pack(acc, dtype), options.axis_name, options.density,
         value_dtype=options.value_dtype, selection=options.selection)
     sizes = [grads[i].size for i in members]
