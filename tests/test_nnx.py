@@ -110,3 +110,54 @@ def test_exchange_after_adam_and_optimizer_without_a_mesh(mesh):
   batch = next(train_digits.make_task().batches(0, 128))
   with pytest.raises(ValueError, match=r"ScaleByAdamState.*before the topka2a"):
     train(model, optimizer, batch)
+
+
+class Sharded(nnx.Module):
+  """Two layers annotated for a "model" axis, as Flax's sharding guide writes them."""
+
+  def __init__(self, rngs):
+    init, zeros = nnx.initializers.lecun_normal(), nnx.initializers.zeros_init()
+    self.up = nnx.Linear(16, 64, rngs=rngs,
+                         kernel_init=nnx.with_partitioning(init, (None, "model")),
+                         bias_init=nnx.with_partitioning(zeros, ("model",)))
+    self.down = nnx.Linear(64, 8, rngs=rngs,
+                           kernel_init=nnx.with_partitioning(init, ("model", None)),
+                           bias_init=nnx.with_partitioning(zeros, (None,)))
+
+  def __call__(self, x):
+    return self.down(jnp.tanh(self.up(x)))
+
+
+def test_annotated_model_on_a_2d_mesh_inside_nnx_jit(mesh):
+  # Inside nnx.jit the arrays cannot say how they are split; the annotations
+  # can, so the run is the functional step's on the same parameters (which
+  # reads the arrays' shardings), and the exchange stays off "model".
+  mesh2d = jax.make_mesh((4, 2), ("data", "model"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+  def loss(model, batch):
+    x, t = batch
+    return jnp.mean((model(x) - t) ** 2)
+
+  tx = optax.chain(topka2a_jax.topka2a(0.1, min_size=0), optax.adam(1e-2))
+  with jax.set_mesh(mesh2d):
+    model = Sharded(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  graphdef, params = nnx.split(model)
+  params = jax.tree.map(jnp.copy, nnx.as_pure(params))
+  state = tx.init(params)
+  functional = topka2a_jax.train_step(
+      lambda p, batch: loss(nnx.merge(graphdef, p), batch), tx, mesh2d)
+  train = topka2a_jax.nnx_train_step(loss, mesh2d)
+  step = nnx.jit(lambda model, optimizer, batch: train(model, optimizer, batch))
+  rng = np.random.default_rng(4)
+  for _ in range(3):
+    batch = (rng.normal(size=(32, 16)).astype(np.float32),
+             rng.normal(size=(32, 8)).astype(np.float32))
+    step(model, optimizer, batch)
+    params, state, _ = functional(params, state, batch)
+  jax.tree.map(np.testing.assert_array_equal,
+               nnx.as_pure(nnx.state(model, nnx.Param)), params)
+  report = topka2a_jax.comm_report(train.lower(model, optimizer, batch), mesh=mesh2d)
+  assert [(r.kind, r.axes) for r in report.collectives if "model" in r.axes] == [
+      ("all-reduce", ("data", "model")), ("all-reduce", ("model",))]

@@ -63,6 +63,21 @@ def _agreed(leaf: jax.Array, axis_name: Hashable) -> jax.Array:
   return lax.pmax(leaf, axis_name)
 
 
+def _annotated_specs(params: nnx.State) -> Any:
+  """The parameters' specs from their ``nnx.with_partitioning`` annotations.
+
+  Inside ``nnx.jit`` on automatic axes the arrays cannot say how they are
+  split; the annotations can. None where a parameter has none.
+  """
+  is_variable = lambda node: isinstance(node, nnx.Variable)
+
+  def spec(variable: nnx.Variable) -> P | None:
+    names = variable.get_metadata().get("out_sharding")
+    return None if names is None else P(*names)
+
+  return jax.tree.map(spec, params, is_leaf=is_variable)
+
+
 def _device_keys(keys: Any, axis_name: Hashable) -> Any:
   """The model's random keys folded with this device's index along the axis."""
   index = lax.axis_index(axis_name)
@@ -131,8 +146,9 @@ class NnxTrainStep:
       self._checked.add(structure)
     check_batch(batch, self._mesh.shape[self._axis_name], self._micro_batches,
                 self._axis_name)
-    specs = tuple(P() if s is None else s for s in resolve_param_specs(
-        params, self._mesh, self._axis_name))
+    read = resolve_param_specs(params, self._mesh, self._axis_name,
+                               _annotated_specs(params))
+    specs = tuple(P() if s is None else s for s in read)
     params, keys, rest = nnx.as_pure(params), nnx.as_pure(keys), nnx.as_pure(rest)
     inputs = (params, rest, opt_state, keys, batch)
     if not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(inputs)):
@@ -193,7 +209,9 @@ def nnx_train_step(
       metrics)`` with ``has_aux=True``.
     mesh: the device mesh; its axis ``axis_name`` splits the batch, other axes
       are left to the partitioner (parameters sharded over them keep their
-      sharding, and each device exchanges its own shard).
+      sharding, and each device exchanges its own shard). The split is read
+      from each parameter's array at top level, and from its
+      ``nnx.with_partitioning`` annotation inside ``nnx.jit``.
     axis_name: the data-parallel axis.
     has_aux: ``loss_fn`` returns metrics too; they come back averaged over
       the devices (floats) or summed (integers).
