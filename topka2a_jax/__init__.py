@@ -3,12 +3,18 @@
 Data-parallel training averages every gradient across devices at every step.
 This package sends only the largest ``density`` fraction of each device's
 gradient, keeps the rest in a per-device residual (error feedback) and
-averages the sparse pieces with the TopKA2A algorithm (ICPP 2024), whose
-volume does not grow with the number of devices.
+averages the sparse pieces with the TopKA2A algorithm (Peng, Li, Shi, Li,
+ICPP 2024, doi:10.1145/3673038.3673140), whose volume does not grow with the
+number of devices.
 
 Read it top-down:
 
-* :mod:`topka2a_jax.transform`: the optax transform users chain first.
+* :mod:`topka2a_jax.step`: ``train_step``, the jitted data-parallel step;
+  :mod:`topka2a_jax.nnx_step`: the same for Flax NNX.
+* :mod:`topka2a_jax.transform`: the optax transform users chain first, with
+  its options (:mod:`topka2a_jax.options`) and the per-device exchange
+  (:mod:`topka2a_jax.exchange`).
+* :mod:`topka2a_jax.layout`: parameter specs and the residuals' layout.
 * :mod:`topka2a_jax.buckets`: fusing gradient leaves into flat buffers.
 * :mod:`topka2a_jax.collectives`: the dense, TopkA and TopKA2A exchanges.
 * :mod:`topka2a_jax.selection`: how many entries to send, and which.
@@ -27,9 +33,11 @@ Read it top-down:
   in :mod:`topka2a_jax.model_shapes`.
 
 Example:
-  >>> tx = optax.chain(topka2a_jax.topka2a(density=0.01), optax.adam(1e-3))
-  >>> opt_state = topka2a_jax.init(tx, params, mesh)
-  >>> specs = topka2a_jax.state_specs(opt_state)
+  >>> tx = optax.chain(topka2a_jax.topka2a(density=0.01, mesh=mesh),
+  ...                  optax.adam(1e-3))
+  >>> opt_state = tx.init(params)
+  >>> step = topka2a_jax.train_step(loss_fn, tx, mesh)
+  >>> params, opt_state, loss = step(params, opt_state, batch)
 """
 
 from topka2a_jax import checkpoint, collectives
