@@ -270,3 +270,16 @@ def test_init_accepts_shapes_alone(mesh):
   concrete = topka2a_jax.init(tx, {"w": jnp.zeros((30, 40))}, mesh)
   jax.tree.map(np.testing.assert_array_equal, state, concrete)
   assert state[0].residuals["w"].sharding.spec == P("data")
+
+
+def test_state_shapes_come_from_eval_shape_without_allocating(mesh):
+  # What checkpoint restores and benchmarks do: trace init, allocate nothing.
+  params = {"w": jax.ShapeDtypeStruct((30, 40), jnp.float32)}
+  told = optax.chain(topka2a_jax.topka2a(0.1, min_size=0, mesh=mesh), optax.adam(1e-3))
+  plain = optax.chain(topka2a_jax.topka2a(0.1, min_size=0), optax.adam(1e-3))
+  concrete = topka2a_jax.init(plain, {"w": jnp.zeros((30, 40))}, mesh)
+  for shapes in (jax.eval_shape(told.init, params),
+                 jax.eval_shape(lambda: topka2a_jax.init(plain, params, mesh))):
+    assert jax.tree.structure(shapes) == jax.tree.structure(concrete)
+    assert [(s.shape, s.dtype) for s in jax.tree.leaves(shapes)] == [
+        (c.shape, c.dtype) for c in jax.tree.leaves(concrete)]

@@ -137,6 +137,13 @@ def param_spec_of(leaf: Any, mesh: Mesh) -> P | None:
   return sharding.spec
 
 
+def constrain(x: Any, sharding: NamedSharding) -> Any:
+  """``x`` (traced) laid out as ``sharding``: a reshard on explicit axes, else a constraint."""
+  if AxisType.Explicit in sharding.mesh.axis_types:
+    return jax.sharding.reshard(x, sharding)
+  return jax.lax.with_sharding_constraint(x, sharding)
+
+
 def automatic_axes(mesh: Any, exclude: Hashable) -> dict[Hashable, int]:
   """Axes of ``mesh`` other than ``exclude`` that are not manual, by size (> 1)."""
   types = getattr(mesh, "axis_types", None) or (AxisType.Auto,) * len(mesh.axis_names)

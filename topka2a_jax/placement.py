@@ -254,7 +254,7 @@ def _placed(leaf: Any, sharding: NamedSharding) -> jax.Array:
   if isinstance(leaf, jax.ShapeDtypeStruct):
     return jax.jit(lambda: jnp.zeros(leaf.shape, leaf.dtype), out_shardings=sharding)()
   if _is_traced(leaf):
-    return jax.lax.with_sharding_constraint(leaf, sharding)
+    return layout.constrain(leaf, sharding)
   return jax.device_put(leaf, sharding)
 
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from topka2a_jax import layout, placement
@@ -161,10 +161,7 @@ def resolve_param_specs(params: Any, mesh: Mesh, axis_name: Hashable,
 
 def split_batch(batch: Any, mesh: Mesh, axis_name: Hashable) -> Any:
   """``batch`` laid out along ``axis_name`` (a no-op where it is already)."""
-  sharding = NamedSharding(mesh, P(axis_name))
-  if AxisType.Explicit in mesh.axis_types:
-    return jax.sharding.reshard(batch, sharding)
-  return jax.lax.with_sharding_constraint(batch, sharding)
+  return layout.constrain(batch, NamedSharding(mesh, P(axis_name)))
 
 
 def _is_concrete(tree: Any) -> bool:

@@ -326,7 +326,7 @@ def _global_state(options: Options, mesh: Mesh, paths: Sequence[str],
 
   replicated = NamedSharding(mesh, P())
   if tracing:
-    *made, count, skipped = [jax.lax.with_sharding_constraint(z, s) for z, s in
+    *made, count, skipped = [layout.constrain(z, s) for z, s in
                              zip(zeros(), shardings + [replicated] * 2)]
   else:  # made in place: never whole on one device, on every process alike
     *made, count, skipped = jax.jit(zeros,
