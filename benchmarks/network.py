@@ -37,7 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ALGORITHMS = ("dense", "allgather", "topka2a", "topka2a_sparse")
+from topka2a_jax.algorithms import ALLGATHER, DENSE, REGISTRY, TOPKA2A
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -101,8 +102,6 @@ def worker(sizes: list[int], densities: list[float], repeats: int,
   from jax.sharding import Mesh, NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from topka2a_jax import collectives
-
   mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: d.id)), ("data",))
   rows = []
   for size in sizes:
@@ -110,9 +109,9 @@ def worker(sizes: list[int], densities: list[float], repeats: int,
         (mesh.size * size,), NamedSharding(mesh, P("data")),
         lambda index, size=size: np.random.default_rng(index[0].start or 0).normal(
             size=size).astype(np.float32))
-    for algorithm in ALGORITHMS:
-      for density in [1.0] if algorithm == "dense" else densities:
-        exchange = getattr(collectives, algorithm)
+    for algorithm in REGISTRY:
+      for density in [1.0] if algorithm == DENSE.name else densities:
+        exchange = REGISTRY[algorithm].collective
         run = jax.jit(jax.shard_map(
             lambda b, exchange=exchange, density=density: exchange(
                 b, "data", density, selection=selection).mean,
@@ -192,7 +191,7 @@ def report(rows: list[dict], processes: int, rate: str) -> list[dict]:
         f"{per_entry * 1e9:.0f} ns per selected entry")
   print(f"{'elements':>11s} {'density':>7s} {'algorithm':15s} {'seconds':>8s} "
         f"{'vs dense':>8s} {'model':>6s} {'off by':>7s}")
-  dense = {r["size"]: r for r in rows if r["algorithm"] == "dense"}
+  dense = {r["size"]: r for r in rows if r["algorithm"] == DENSE.name}
   for r in rows:
     base = dense[r["size"]]
     model_ratio = predicted(r) / predicted(base)
@@ -201,20 +200,20 @@ def report(rows: list[dict], processes: int, rate: str) -> list[dict]:
           f"{r['seconds']:8.4f} {r['ratio']:7.3f}x {model_ratio:5.3f}x "
           f"{r['ratio'] / model_ratio - 1:+6.0%}")
   crossover = 1 / (2 * (processes - 1))
-  print(f"\nTopkA against TopKA2A (the model's crossover: density "
-        f"1/(2(P-1)) = {crossover:.3f}):")
+  print(f"\n{ALLGATHER.title} against {TOPKA2A.title} (the model's crossover: "
+        f"density 1/(2(P-1)) = {crossover:.3f}):")
   for r in rows:
-    if r["algorithm"] != "allgather":
+    if r["algorithm"] != ALLGATHER.name:
       continue
-    a2a = next(o for o in rows if o["algorithm"] == "topka2a"
+    a2a = next(o for o in rows if o["algorithm"] == TOPKA2A.name
                and o["size"] == r["size"] and o["density"] == r["density"])
-    faster = "TopkA" if r["seconds"] < a2a["seconds"] else "TopKA2A"
+    faster = ALLGATHER.title if r["seconds"] < a2a["seconds"] else TOPKA2A.title
     times = (r["seconds"], a2a["seconds"])
     margin = 1 - min(times) / max(times)
     if math.isclose(r["density"], crossover):
       verdict = "at the crossover itself: the model predicts a tie"
     else:
-      expected = "TopkA" if r["density"] < crossover else "TopKA2A"
+      expected = ALLGATHER.title if r["density"] < crossover else TOPKA2A.title
       verdict = f"{'as' if faster == expected else 'NOT as'} the model says"
     print(f"  {r['size']:11,} at {r['density']:g}: {faster} faster by "
           f"{margin:.0%} ({verdict})")

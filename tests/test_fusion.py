@@ -8,7 +8,7 @@ import pytest
 
 from topka2a_jax.cost import Network
 from topka2a_jax.fusion import plan_fusion
-from topka2a_jax.model_shapes import MODELS
+from topka2a_jax.plan import MODELS
 
 PARAMETER_COUNTS = {"resnet50": 25_557_032, "bert-base": 109_482_240,
                     "gpt2": 124_439_808}

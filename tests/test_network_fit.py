@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from topka2a_jax.algorithms import REGISTRY
 from topka2a_jax.cost import Network, exchange_cost
 
 spec = importlib.util.spec_from_file_location(
@@ -17,7 +18,7 @@ def synthetic_rows(link, processes, per_element=0.0, per_entry=0.0):
   """Timings of the planner's model: α-β on ``link`` plus selection's cost."""
   rows = []
   for size in (1_000_000, 8_000_000):
-    for algorithm in network_benchmark.ALGORITHMS:
+    for algorithm in REGISTRY:
       for density in [1.0] if algorithm == "dense" else [0.01, 0.1]:
         k = round(density * size)  # a multiple of 4: every shard gets k / 4
         entries = {"dense": 0, "allgather": k, "topka2a": k,

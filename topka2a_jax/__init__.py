@@ -29,8 +29,10 @@ Read it top-down:
   online variant that times real steps is :mod:`topka2a_jax.tuning`.
 * :mod:`topka2a_jax.cost`: the α-β cost of each exchange.
 * :mod:`topka2a_jax.report`: the collectives a compiled program really runs.
-* :mod:`topka2a_jax.plan`: the command-line planner; shapes of known models
-  in :mod:`topka2a_jax.model_shapes`.
+* :mod:`topka2a_jax.algorithms`: every exchange, its collective and its cost
+  terms, in one registry.
+* :mod:`topka2a_jax.plan`: the command-line planner, with the layer shapes of
+  known models.
 
 Example:
   >>> tx = optax.chain(topka2a_jax.topka2a(density=0.01, mesh=mesh),

@@ -11,9 +11,8 @@ The plan depends only on static sizes, so it is computed at trace time and
 every step compiles to the same fixed shapes.
 
 Example:
-  >>> plan_buckets([10, 3, 10], ["topka2a", "dense", "topka2a"], 15)
-  (Bucket(leaves=(2, 0), algorithm='topka2a', size=20),
-   Bucket(leaves=(1,), algorithm='dense', size=3))
+  >>> plan_buckets([10, 3, 10], ["sparse", "small", "sparse"], 15)
+  (Bucket(leaves=(2, 0), algorithm='sparse', size=20), Bucket(leaves=(1,), algorithm='small', size=3))
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ class Bucket(NamedTuple):
     leaves: positions of the leaves in the flattened gradient pytree, in the
       order they are packed.
     algorithm: the collective's name, a key of
-      :data:`topka2a_jax.collectives.ALGORITHMS`.
+      :data:`topka2a_jax.algorithms.REGISTRY`.
     size: total elements.
   """
 

@@ -296,12 +296,3 @@ class Collective(Protocol):
   def __call__(self, buffer: jax.Array, axis_name: Hashable, density: float, *,
                value_dtype: jnp.dtype | None = None,
                selection: str = "exact") -> Exchange: ...
-
-
-ALGORITHMS: dict[str, Collective] = {
-    "dense": dense,
-    "allgather": allgather,
-    "topka2a": topka2a,
-    "topka2a_sparse": topka2a_sparse,
-}
-"""The collectives by the name the optax transform's ``algorithm=`` takes."""

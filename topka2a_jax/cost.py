@@ -2,26 +2,16 @@
 
 An exchange sends ``messages`` messages in sequence and ``bytes`` bytes per
 device; on a network with per-message latency α and bandwidth B it takes
-``messages * α + bytes / B`` seconds. For a buffer of ``d`` elements on ``P``
-devices with ``k = ceil(density * d)``, ``s = ceil(d / P)`` and
-``q = ceil(k / P)``, and ``v``, ``i`` bytes per value and index:
-
-| algorithm | messages | bytes sent per device |
-|---|---|---|
-| dense (ring all-reduce) | 2(P-1) | 2(P-1)/P · d·v |
-| allgather (TopkA) | P-1 | (P-1) · k(v+i) |
-| topka2a | 2(P-1) | (P-1) · (q(v+i) + s·v) |
-| topka2a_sparse | 2(P-1) | (P-1) · 2q(v+i) |
-
-Values and indices travel in one message (see :mod:`topka2a_jax.wire`), so
-TopkA and TopKA2A pay one latency term per phase, not two as in the paper's
-table. Indices are as narrow as the positions they address allow: 2 bytes up
-to 65,536 positions (a shard, or TopkA's whole buffer), else 4. With v = i and α = 0, TopKA2A beats dense iff density < 1/2 and beats
-TopkA iff density > 1/(2(P-1)).
+``messages * α + bytes / B`` seconds. What each exchange sends is in its
+:mod:`topka2a_jax.algorithms` entry; this module names the links (measured
+or preset) and solves for the density at which two exchanges tie. With
+``v = i`` and α = 0, TopKA2A beats dense iff density < 1/2 and beats TopkA
+iff density > 1/(2(P-1)).
 
 Example:
   >>> cost = exchange_cost("topka2a", 25_000_000, 8, 0.01)
-  >>> cost.seconds(NETWORKS["eth10"])
+  >>> round(cost.seconds(NETWORKS["eth10"]), 3)
+  0.14
 """
 
 from __future__ import annotations
@@ -30,8 +20,8 @@ import dataclasses
 import math
 from collections.abc import Callable
 
-from topka2a_jax.selection import ShardLayout, sparse_count
-from topka2a_jax.wire import index_dtype
+from topka2a_jax import algorithms
+from topka2a_jax.algorithms import Cost
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,59 +97,6 @@ def get_network(network: str | Network) -> Network:
   return NETWORKS[network]
 
 
-@dataclasses.dataclass(frozen=True)
-class Cost:
-  """What one exchange puts on the wire, per device.
-
-  Attributes:
-    messages: latency terms paid in sequence.
-    bytes: bytes each device sends.
-  """
-
-  messages: int
-  bytes: float
-
-  def seconds(self, network: Network) -> float:
-    """Time on ``network`` in the α-β model."""
-    return self.messages * network.latency + self.bytes / network.bandwidth
-
-
-MODELLED_ALGORITHMS = ("dense", "allgather", "topka2a", "topka2a_sparse")
-
-
-def _cost(
-    algorithm: str,
-    num_devices: int,
-    length: float,
-    k: float,
-    shard_length: float,
-    per_shard: float,
-    value_bytes: int,
-    index_bytes: int,
-) -> Cost:
-  """The table above, from the counts (exact ints or continuous floats)."""
-  others = num_devices - 1
-  pair = value_bytes + index_bytes
-  if algorithm == "dense":
-    return Cost(2 * others, 2 * others / num_devices * length * value_bytes)
-  if algorithm == "allgather":
-    return Cost(others, others * k * pair)
-  if algorithm == "topka2a":
-    return Cost(2 * others, others * (per_shard * pair + shard_length * value_bytes))
-  if algorithm == "topka2a_sparse":
-    return Cost(2 * others, others * 2 * per_shard * pair)
-  raise ValueError(
-      f"no cost model for algorithm {algorithm!r}; modelled: "
-      f"{', '.join(MODELLED_ALGORITHMS)}"
-  )
-
-
-def _index_bytes(algorithm: str, length: float, num_devices: int) -> int:
-  """Bytes of one index as the collectives send it."""
-  addressed = length if algorithm == "allgather" else math.ceil(length / num_devices)
-  return index_dtype(max(1, math.ceil(addressed))).itemsize
-
-
 def exchange_cost(
     algorithm: str,
     length: int,
@@ -174,67 +111,27 @@ def exchange_cost(
   so the bytes equal what the compiled program sends.
 
   Args:
-    algorithm: one of :data:`MODELLED_ALGORITHMS`.
+    algorithm: a name in :data:`topka2a_jax.algorithms.REGISTRY`.
     length: elements in the buffer.
     num_devices: P.
     density: fraction sent, in (0, 1].
-    value_bytes: bytes per value on the wire.
+    value_bytes: bytes per value on the wire (dense sends the buffer's
+      float32 whatever this says).
     index_bytes: bytes per index on the wire; by default the narrowest the
       collectives use for this buffer.
 
   Returns:
     The :class:`Cost`.
 
+  Raises:
+    ValueError: an unknown algorithm.
+
   Example:
     >>> exchange_cost("dense", 1000, 8, 0.01).bytes
     7000.0
   """
-  layout = ShardLayout.create(length, num_devices, density)
-  if index_bytes is None:
-    index_bytes = _index_bytes(algorithm, length, num_devices)
-  return _cost(
-      algorithm, num_devices, length, sparse_count(length, density),
-      layout.shard_length, layout.per_shard, value_bytes, index_bytes)
-
-
-def elements_read(algorithm: str, length: int, num_devices: int) -> int:
-  """Elements one device's selections read in one exchange: work growing with ``d``.
-
-  TopkA and TopKA2A select from the whole buffer once; TopKA2A-sparse's
-  owner also selects from its summed shard of ``s = ceil(d / P)`` elements;
-  dense selects nothing.
-
-  Example:
-    >>> elements_read("topka2a_sparse", 1000, 4)
-    1250
-  """
-  if algorithm == "dense":
-    return 0
-  if algorithm == "topka2a_sparse":
-    return length + -(-length // num_devices)
-  return length
-
-
-def selected_entries(algorithm: str, length: int, num_devices: int,
-                     density: float) -> int:
-  """Entries one device selects in one exchange: the work that grows with ``k``.
-
-  Selection reads every element (:func:`elements_read`), but compacting the
-  chosen entries, packing them and adding them in at the receiver cost per
-  entry. TopkA selects ``k`` of the buffer; TopKA2A ``q`` of each of ``P``
-  shards; TopKA2A-sparse also ``q`` of the owned, summed shard; dense none.
-
-  Example:
-    >>> selected_entries("topka2a_sparse", 1000, 4, 0.01)
-    15
-  """
-  if algorithm == "dense":
-    return 0
-  if algorithm == "allgather":
-    return sparse_count(length, density)
-  layout = ShardLayout.create(length, num_devices, density)
-  per_device = num_devices * layout.per_shard
-  return per_device + layout.per_shard if algorithm == "topka2a_sparse" else per_device
+  return algorithms.get(algorithm).cost(length, num_devices, density, value_bytes,
+                                        index_bytes)
 
 
 def continuous_cost(
@@ -246,11 +143,33 @@ def continuous_cost(
     index_bytes: int | None = None,
 ) -> Cost:
   """:func:`exchange_cost` without rounding: ``k = density * d``, ``s = d / P``."""
-  if index_bytes is None:
-    index_bytes = _index_bytes(algorithm, length, num_devices)
-  k = density * length
-  return _cost(algorithm, num_devices, length, k, length / num_devices,
-               k / num_devices, value_bytes, index_bytes)
+  return algorithms.get(algorithm).cost(length, num_devices, density, value_bytes,
+                                        index_bytes, exact=False)
+
+
+def elements_read(algorithm: str, length: int, num_devices: int) -> int:
+  """Elements one device's selections read in one exchange: work growing with ``d``.
+
+  Example:
+    >>> elements_read("topka2a_sparse", 1000, 4)
+    1250
+  """
+  return algorithms.get(algorithm).elements_read(length, num_devices)
+
+
+def selected_entries(algorithm: str, length: int, num_devices: int,
+                     density: float) -> int:
+  """Entries one device selects in one exchange: the work that grows with ``k``.
+
+  Selection reads every element (:func:`elements_read`), but compacting the
+  chosen entries, packing them and adding them in at the receiver cost per
+  entry.
+
+  Example:
+    >>> selected_entries("topka2a_sparse", 1000, 4, 0.01)
+    15
+  """
+  return algorithms.get(algorithm).selected_entries(length, num_devices, density)
 
 
 def breakeven_density(

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import optax
 
 from topka2a_jax import buckets
+from topka2a_jax.algorithms import DENSE, REGISTRY
 from topka2a_jax.axis import bound_axis_size, varying_axes
-from topka2a_jax.collectives import ALGORITHMS
 from topka2a_jax.fusion import step_model
 from topka2a_jax.nonfinite import nonfinite_on_any_device
 from topka2a_jax.options import Options
@@ -92,7 +92,8 @@ def exchange(options: Options, grads: Sequence[jax.Array],
     acc = [jnp.ravel(grads[i]).astype(dtype) + jnp.ravel(residuals[i])
            if options.keeps_residual(grads[i].size) else grads[i]
            for i in members]
-    result = ALGORITHMS[algorithm if sparse else "dense"](
+    exchange_with = REGISTRY[algorithm] if sparse else DENSE
+    result = exchange_with.collective(
         buckets.pack(acc, dtype), options.axis_name, options.density,
         value_dtype=options.value_dtype, selection=options.selection)
     sizes = [grads[i].size for i in members]

@@ -30,18 +30,10 @@ from typing import Any
 
 import jax
 
+from topka2a_jax import algorithms
+from topka2a_jax.algorithms import AUTO, DENSE, REGISTRY
 from topka2a_jax.buckets import Bucket, plan_buckets
-from topka2a_jax.collectives import ALGORITHMS
-from topka2a_jax.cost import (
-    Network,
-    elements_read,
-    exchange_cost,
-    get_network,
-    selected_entries,
-)
-
-IMPLEMENTED = tuple(ALGORITHMS)
-"""The algorithms ``"auto"`` chooses from."""
+from topka2a_jax.cost import Network, get_network
 
 DEFAULT_SELECTION_SECONDS_PER_ELEMENT = 1e-10
 """Selection cost: 10 G elements/s, a few passes over accelerator memory.
@@ -55,8 +47,7 @@ see :func:`topka2a_jax.cost.selected_entries`): 1 G entries/s, an
 order-of-magnitude estimate for scattered accesses to accelerator memory.
 
 Pass a measured figure for other hardware: ``benchmarks/network.py`` fits it
-(1.2e-7 with 4 processes, 1.6e-7 with 8, on a 2-core CPU host; see the
-README's network tables).
+on a host (the README's network tables give its fits).
 """
 
 MODEL_GRID = 512  # thresholds considered between the smallest leaf and the model
@@ -114,16 +105,17 @@ class FusionPlan:
               f"{sum(b.bucket.size for b in self.buckets):,} elements, "
               f"P={self.num_devices}, density={self.density:g}, "
               f"network={self.network.name}, threshold={self.threshold:,} elements")
-    columns = (f"{'bucket':>6s} {'leaves':>6s} {'first .. last leaf':40s} "
-               f"{'elements':>12s} {'algorithm':>10s} {'ms':>9s} {'ends at ms':>10s}")
+    spans = [f"{self.names[p.bucket.leaves[0]]} .. {self.names[p.bucket.leaves[-1]]}"
+             for p in self.buckets]
+    width = max(len("first .. last leaf"), *map(len, spans))  # whole names
+    columns = (f"{'bucket':>6s} {'leaves':>6s} {'first .. last leaf':{width}s} "
+               f"{'elements':>12s} {'algorithm':>14s} {'ms':>9s} {'ends at ms':>10s}")
     lines = [header, columns]
-    for i, planned in enumerate(self.buckets):
-      leaves = planned.bucket.leaves
-      span = f"{self.names[leaves[0]]} .. {self.names[leaves[-1]]}"
+    for i, (planned, span) in enumerate(zip(self.buckets, spans)):
       lines.append(
-          f"{i:6d} {len(leaves):6d} {span[:40]:40s} {planned.bucket.size:12,d} "
-          f"{planned.bucket.algorithm:>10s} {1e3 * planned.seconds:9.3f} "
-          f"{1e3 * planned.finish:10.3f}")
+          f"{i:6d} {len(planned.bucket.leaves):6d} {span:{width}s} "
+          f"{planned.bucket.size:12,d} {planned.bucket.algorithm:>14s} "
+          f"{1e3 * planned.seconds:9.3f} {1e3 * planned.finish:10.3f}")
     lines.append(f"backward pass (assumed): {1e3 * self.backward_seconds:.3f} ms")
     lines.append(
         f"predicted step end: {1e3 * self.step_seconds:.3f} ms; all dense: "
@@ -231,23 +223,22 @@ class StepModel:
 
   def seconds(self, algorithm: str, size: int) -> float:
     """Selection plus communication time of one bucket."""
-    if algorithm == "dense":  # an all-reduce sends the float32 buffer as it is
-      return exchange_cost(algorithm, size, self.num_devices, self.density
-                           ).seconds(self.network)
-    comm = exchange_cost(algorithm, size, self.num_devices, self.density,
-                         self.value_bytes, self.index_bytes).seconds(self.network)
-    elements = elements_read(algorithm, size, self.num_devices)
-    entries = selected_entries(algorithm, size, self.num_devices, self.density)
-    return (comm + self.selection_seconds_per_element * elements
-            + self.selection_seconds_per_entry * entries)
+    exchange = REGISTRY[algorithm]
+    comm = exchange.cost(size, self.num_devices, self.density, self.value_bytes,
+                         self.index_bytes if exchange.sparse else None)
+    return (comm.seconds(self.network)
+            + self.selection_seconds_per_element * exchange.elements_read(
+                size, self.num_devices)
+            + self.selection_seconds_per_entry * exchange.selected_entries(
+                size, self.num_devices, self.density))
 
   def layout(self, algorithm: str, threshold: int) -> tuple[PlannedBucket, ...]:
     """Buckets under ``threshold``, timed; ``"auto"`` buckets take the cheapest."""
-    labels = ["dense" if s < self.min_size else algorithm for s in self.sizes]
+    labels = [DENSE.name if s < self.min_size else algorithm for s in self.sizes]
     chosen = []
     for bucket in plan_buckets(self.sizes, labels, threshold):
-      if bucket.algorithm == "auto":
-        best = min(IMPLEMENTED, key=lambda a: self.seconds(a, bucket.size))
+      if bucket.algorithm == AUTO:
+        best = min(REGISTRY, key=lambda a: self.seconds(a, bucket.size))
         bucket = bucket._replace(algorithm=best)
       chosen.append(bucket)
     return _simulate(self.sizes, chosen, self.backward_seconds,
@@ -285,8 +276,9 @@ def step_model(
     raise ValueError(f"need at least one leaf, all non-empty; got sizes {sizes}")
   net = get_network(network)
   if backward_seconds is None:
-    backward_seconds = exchange_cost("dense", sum(sizes), num_devices, density,
-                                     value_bytes).seconds(net)
+    ring = DENSE.counts(sum(sizes), num_devices, density)._replace(
+        value_bytes=value_bytes)  # the whole gradient, at the wire's value width
+    backward_seconds = algorithms.Cost(*DENSE.traffic(ring)).seconds(net)
   return StepModel(tuple(sizes), num_devices, density, net, min_size,
                    backward_seconds, selection_seconds_per_element, value_bytes,
                    index_bytes, selection_seconds_per_entry)
@@ -294,9 +286,8 @@ def step_model(
 
 def check_plan_options(algorithm: str, threshold: int | str) -> None:
   """Raises ValueError for an algorithm or threshold the planner cannot use."""
-  if algorithm != "auto" and algorithm not in IMPLEMENTED:
-    raise ValueError(f"unknown algorithm {algorithm!r}; choose 'auto' or one of "
-                     f"{', '.join(repr(a) for a in IMPLEMENTED)}")
+  if algorithm != AUTO:
+    algorithms.get(algorithm)
   if threshold != "auto" and (
       isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1):
     raise ValueError(f"threshold must be 'auto' or a positive int, got {threshold!r}")
@@ -362,6 +353,6 @@ def plan_fusion(
       network=model.network,
       backward_seconds=model.backward_seconds,
       step_seconds=planned[-1].finish,
-      dense_seconds=end("dense")[1][-1].finish,
-      allgather_seconds=end("allgather")[1][-1].finish,
+      dense_seconds=end(DENSE.name)[1][-1].finish,
+      allgather_seconds=end(algorithms.ALLGATHER.name)[1][-1].finish,
   )

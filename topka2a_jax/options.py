@@ -21,9 +21,13 @@ from typing import Any
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from topka2a_jax import algorithms
 from topka2a_jax.collectives import get_selection
 from topka2a_jax.cost import Network, get_network
 from topka2a_jax.fusion import check_plan_options
+
+DEFAULT_ALGORITHM = algorithms.TOPKA2A.name
+"""The exchange ``topka2a(density)`` runs with no ``algorithm=``."""
 
 DEFAULT_MIN_SIZE = 1024
 """Leaves with fewer elements go dense.
@@ -115,7 +119,7 @@ class Options:
 
   density: float
   axis_name: Hashable = "data"
-  algorithm: str = "topka2a"
+  algorithm: str = DEFAULT_ALGORITHM
   error_feedback: bool = True
   min_size: int = DEFAULT_MIN_SIZE
   fusion: int | str = "auto"
@@ -141,7 +145,7 @@ class Options:
     fusion = normalised.get("fusion", "auto")
     if fusion != "auto":
       normalised["fusion"] = _count("fusion", fusion, 1)
-    check_plan_options(normalised.get("algorithm", "topka2a"), fusion)
+    check_plan_options(normalised.get("algorithm", DEFAULT_ALGORITHM), fusion)
     for name in ("error_feedback", "skip_nonfinite"):
       if name in normalised:
         _flag(name, normalised[name])
@@ -169,5 +173,6 @@ class Options:
       local_size: elements of the leaf on one device: the whole leaf, or its
         shard where parameters are sharded over other mesh axes.
     """
-    return (self.error_feedback and self.algorithm != "dense" and local_size > 0
+    sparse = self.algorithm == algorithms.AUTO or algorithms.get(self.algorithm).sparse
+    return (self.error_feedback and sparse and local_size > 0
             and local_size >= self.min_size)

@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from topka2a_jax import layout
+from topka2a_jax.algorithms import DENSE
 from topka2a_jax.transform import TopKA2AState, laid_out_for
 
 
@@ -99,8 +100,8 @@ def check_chain(opt_state: Any, *, require_exchange: bool = False) -> None:
       raise ValueError(
           "the optimizer holds no topka2a exchange, so nothing would average "
           "the gradients across devices. Chain one first: optax.chain("
-          "topka2a_jax.topka2a(density), ...) (algorithm='dense' for a dense "
-          "baseline).")
+          f"topka2a_jax.topka2a(density), ...) (algorithm={DENSE.name!r} for a "
+          "dense baseline).")
     return
   for path, leaf in with_paths[: exchanges[0]]:
     dtype = getattr(leaf, "dtype", None)

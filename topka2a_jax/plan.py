@@ -7,7 +7,9 @@ Usage:
 
 Prints the fusion plan (one row per bucket), the predicted step against
 all-dense and all-TopkA exchanges, and the break-even densities of TopKA2A
-for a bucket of the model's size.
+for a bucket of the model's size. ``--model`` takes the layer shapes of a
+known model (:data:`MODELS`, in the order its layers run; the backward pass
+produces their gradients in reverse).
 """
 
 from __future__ import annotations
@@ -16,9 +18,87 @@ import argparse
 import math
 import sys
 
+from topka2a_jax.algorithms import (
+  ALLGATHER,
+  AUTO,
+  DENSE,
+  REGISTRY,
+  TOPKA2A,
+  TOPKA2A_SPARSE,
+)
 from topka2a_jax.cost import NETWORKS, Network, breakeven_density
 from topka2a_jax.fusion import plan_fusion
-from topka2a_jax.model_shapes import MODELS
+from topka2a_jax.options import DEFAULT_ALGORITHM
+
+Shapes = list[tuple[str, tuple[int, ...]]]
+
+
+def _norm(name: str, width: int) -> Shapes:
+  return [(f"{name}.scale", (width,)), (f"{name}.bias", (width,))]
+
+
+def resnet50(classes: int = 1000) -> Shapes:
+  """ResNet-50 (He et al. 2016): bottleneck blocks [3, 4, 6, 3], batch norm."""
+  shapes: Shapes = [("conv1", (7, 7, 3, 64))] + _norm("bn1", 64)
+  channels = 64
+  for stage, (blocks, width) in enumerate(zip((3, 4, 6, 3), (64, 128, 256, 512))):
+    for block in range(blocks):
+      prefix = f"layer{stage + 1}.{block}"
+      shapes += [(f"{prefix}.conv1", (1, 1, channels, width))]
+      shapes += _norm(f"{prefix}.bn1", width)
+      shapes += [(f"{prefix}.conv2", (3, 3, width, width))]
+      shapes += _norm(f"{prefix}.bn2", width)
+      shapes += [(f"{prefix}.conv3", (1, 1, width, 4 * width))]
+      shapes += _norm(f"{prefix}.bn3", 4 * width)
+      if block == 0:
+        shapes += [(f"{prefix}.downsample", (1, 1, channels, 4 * width))]
+        shapes += _norm(f"{prefix}.downsample_bn", 4 * width)
+      channels = 4 * width
+  return shapes + [("fc.kernel", (channels, classes)), ("fc.bias", (classes,))]
+
+
+def bert_base(vocab: int = 30522, layers: int = 12, hidden: int = 768) -> Shapes:
+  """BERT-base (Devlin et al. 2019), with the pooler."""
+  shapes: Shapes = [
+      ("embeddings.word", (vocab, hidden)),
+      ("embeddings.position", (512, hidden)),
+      ("embeddings.token_type", (2, hidden)),
+  ] + _norm("embeddings.norm", hidden)
+  for layer in range(layers):
+    prefix = f"layer{layer}"
+    for proj in ("query", "key", "value", "output"):
+      shapes += [(f"{prefix}.attention.{proj}.kernel", (hidden, hidden)),
+                 (f"{prefix}.attention.{proj}.bias", (hidden,))]
+    shapes += _norm(f"{prefix}.attention.norm", hidden)
+    shapes += [(f"{prefix}.intermediate.kernel", (hidden, 4 * hidden)),
+               (f"{prefix}.intermediate.bias", (4 * hidden,)),
+               (f"{prefix}.output.kernel", (4 * hidden, hidden)),
+               (f"{prefix}.output.bias", (hidden,))]
+    shapes += _norm(f"{prefix}.output.norm", hidden)
+  return shapes + [("pooler.kernel", (hidden, hidden)), ("pooler.bias", (hidden,))]
+
+
+def gpt2_small(vocab: int = 50257, layers: int = 12, hidden: int = 768) -> Shapes:
+  """GPT-2 small (Radford et al. 2019), output embedding tied to the input."""
+  shapes: Shapes = [("wte", (vocab, hidden)), ("wpe", (1024, hidden))]
+  for layer in range(layers):
+    prefix = f"h{layer}"
+    shapes += _norm(f"{prefix}.ln_1", hidden)
+    shapes += [(f"{prefix}.attn.c_attn.kernel", (hidden, 3 * hidden)),
+               (f"{prefix}.attn.c_attn.bias", (3 * hidden,)),
+               (f"{prefix}.attn.c_proj.kernel", (hidden, hidden)),
+               (f"{prefix}.attn.c_proj.bias", (hidden,))]
+    shapes += _norm(f"{prefix}.ln_2", hidden)
+    shapes += [(f"{prefix}.mlp.c_fc.kernel", (hidden, 4 * hidden)),
+               (f"{prefix}.mlp.c_fc.bias", (4 * hidden,)),
+               (f"{prefix}.mlp.c_proj.kernel", (4 * hidden, hidden)),
+               (f"{prefix}.mlp.c_proj.bias", (hidden,))]
+  return shapes + _norm("ln_f", hidden)
+
+
+MODELS = {"resnet50": resnet50, "bert-base": bert_base, "gpt2": gpt2_small}
+"""Known models by the name ``--model`` takes."""
+
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,9 +114,11 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--latency", type=float,
                       help="measured α in seconds (with --bandwidth, replaces --network)")
   parser.add_argument("--bandwidth", type=float, help="measured bytes per second")
-  parser.add_argument("--algorithm", default="auto",
-                      choices=["auto", "dense", "allgather", "topka2a",
-                               "topka2a_sparse"])
+  parser.add_argument(
+      "--algorithm", default=AUTO, choices=[AUTO, *REGISTRY],
+      help=f"the exchange of every large bucket; default {AUTO}: each bucket its "
+           f"cheapest (topka2a(...) itself defaults to {DEFAULT_ALGORITHM}). "
+           + "; ".join(f"{a.name}: {a.summary}" for a in REGISTRY.values()))
   parser.add_argument("--threshold", default="auto",
                       help="bucket size in elements, or auto (default)")
   parser.add_argument("--backward-ms", type=float,
@@ -74,12 +156,13 @@ def main(argv: list[str] | None = None) -> int:
   print(plan)
   if args.devices > 1:
     total = sum(sizes)
-    for name, algorithm in (("TopKA2A", "topka2a"),
-                            ("TopKA2A-sparse", "topka2a_sparse")):
-      dense = breakeven_density(algorithm, "dense", total, args.devices, network)
-      topka = breakeven_density(algorithm, "allgather", total, args.devices, network)
-      print(f"one {total:,}-element bucket: {name} beats dense below density "
-            f"{_density(dense)} and beats TopkA above density {_density(topka)}")
+    for exchange in (TOPKA2A, TOPKA2A_SPARSE):
+      dense = breakeven_density(exchange.name, DENSE.name, total, args.devices, network)
+      topka = breakeven_density(exchange.name, ALLGATHER.name, total, args.devices,
+                                network)
+      print(f"one {total:,}-element bucket: {exchange.title} beats dense below "
+            f"density {_density(dense)} and beats {ALLGATHER.title} above density "
+            f"{_density(topka)}")
   return 0
 
 

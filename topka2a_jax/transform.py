@@ -54,7 +54,7 @@ from topka2a_jax.axis import (
     tracks_varying_axes,
 )
 from topka2a_jax.nonfinite import NONFINITE
-from topka2a_jax.options import DEFAULT_MIN_SIZE, Options
+from topka2a_jax.options import DEFAULT_ALGORITHM, DEFAULT_MIN_SIZE, Options
 
 PARAM_SPECS = "topka2a_param_specs"
 """Extra argument of the update: the parameters' ``PartitionSpec`` pytree.
@@ -106,7 +106,7 @@ def topka2a(
     *,
     axis_name: Hashable = "data",
     mesh: Mesh | None = None,
-    algorithm: str = "topka2a",
+    algorithm: str = DEFAULT_ALGORITHM,
     error_feedback: bool = True,
     min_size: int = DEFAULT_MIN_SIZE,
     fusion: int | str = "auto",
@@ -136,11 +136,12 @@ def topka2a(
       for the mesh: residuals per device, each holding its own parameter
       shard's, everything else replicated. Without it, ``init`` reads the
       mesh from the parameters' shardings.
-    algorithm: ``"topka2a"`` (AlltoAll, the default), ``"topka2a_sparse"``
-      (TopKA2A with a sparse second phase: O(k) volume), ``"allgather"``
-      (TopkA, the baseline whose volume grows with the number of devices),
-      ``"dense"`` (``lax.pmean``; ``density`` is then ignored) or ``"auto"``
-      (each bucket takes the cheapest under the cost model on ``network``).
+    algorithm: the exchange: a name in
+      :data:`topka2a_jax.algorithms.REGISTRY` (TopKA2A by default; its
+      sparse-second-phase variant, O(k) volume; TopkA, whose volume grows
+      with the number of devices; dense ``lax.pmean``, which ignores
+      ``density``), or ``"auto"``: each bucket takes the cheapest under the
+      cost model on ``network``.
     error_feedback: keep what was not sent and add it to the next step's
       gradient. Without it the unsent mass is dropped and accuracy suffers.
     min_size: leaves with fewer elements on a device go dense.

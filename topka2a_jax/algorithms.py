@@ -1,0 +1,232 @@
+"""Every exchange the library implements, and everything it knows about each.
+
+One :class:`Algorithm` per exchange: the name ``topka2a(algorithm=...)``
+takes, its collective (:mod:`.collectives`), where the entries it does not
+send wait, and its cost terms, from which the cost model, the planner, the
+command-line planner and the benchmarks all read. Adding an exchange is one
+entry here plus its collective and tests.
+
+For a buffer of ``d`` elements on ``P`` devices with ``k = ceil(density * d)``,
+shards of ``s = ceil(d / P)``, ``q = ceil(k / P)`` per shard, and ``v``, ``i``
+bytes per value and index:
+
+| algorithm | messages | bytes sent per device | elements read | entries selected |
+|---|---|---|---|---|
+| dense (ring all-reduce) | 2(P-1) | 2(P-1)/P · d·v | 0 | 0 |
+| allgather (TopkA) | P-1 | (P-1) · k(v+i) | d | k |
+| topka2a | 2(P-1) | (P-1) · (q(v+i) + s·v) | d | P·q |
+| topka2a_sparse | 2(P-1) | (P-1) · 2q(v+i) | d + s | P·q + q |
+
+Values and indices travel in one message (:mod:`.wire`), so TopkA and
+TopKA2A pay one latency term per phase. Indices are as narrow as the
+positions they address allow: a shard, or for TopkA the whole buffer.
+
+Example:
+  >>> REGISTRY["topka2a"].cost(25_000_000, 8, 0.01).messages
+  14
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+from topka2a_jax import collectives
+from topka2a_jax.selection import ShardLayout, sparse_count
+from topka2a_jax.wire import index_dtype
+
+AUTO = "auto"
+"""``algorithm=AUTO``: each bucket takes the cheapest entry under the cost model."""
+
+
+class Counts(NamedTuple):
+  """The sizes one exchange's cost depends on (floats for the continuous model).
+
+  Attributes:
+    devices: P.
+    length: d, elements in the buffer.
+    k: entries selected from the whole buffer.
+    shard: s, elements per shard.
+    per_shard: q, entries selected per shard.
+    value_bytes: v.
+    index_bytes: i.
+  """
+
+  devices: int
+  length: float
+  k: float
+  shard: float
+  per_shard: float
+  value_bytes: float
+  index_bytes: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+  """What one exchange puts on the wire, per device.
+
+  Attributes:
+    messages: latency terms paid in sequence.
+    bytes: bytes each device sends.
+  """
+
+  messages: int
+  bytes: float
+
+  def seconds(self, network) -> float:
+    """Time on ``network`` (a :class:`topka2a_jax.Network`) in the α-β model."""
+    return self.messages * network.latency + self.bytes / network.bandwidth
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+  """One exchange of a flat buffer across the data axis.
+
+  Attributes:
+    name: what ``topka2a(algorithm=...)`` takes.
+    title: its printable name.
+    summary: what it does, in one line.
+    collective: the function that runs it inside ``shard_map``.
+    sparse: whether it sends a top-k selection (the rest waits in a
+      residual); a dense exchange sends everything.
+    unsent_at: where the entries not sent wait.
+    compresses_values: whether ``value_dtype`` applies to what it sends
+      (an all-reduce adds in transit, so it sends the buffer's dtype).
+    global_indices: whether its indices address the whole buffer rather
+      than one shard.
+    traffic: ``Counts -> (messages, bytes sent per device)``.
+    reads: ``(d, P) -> elements its selections read``.
+    selects: ``Counts -> entries it selects``.
+  """
+
+  name: str
+  title: str
+  summary: str
+  collective: collectives.Collective
+  sparse: bool
+  unsent_at: str
+  compresses_values: bool
+  global_indices: bool
+  traffic: Callable[[Counts], tuple[float, float]]
+  reads: Callable[[int, int], int]
+  selects: Callable[[Counts], float]
+
+  def index_bytes(self, length: float, devices: int) -> int:
+    """Bytes of one index on the wire, as the collective sends it."""
+    addressed = length if self.global_indices else math.ceil(length / devices)
+    return index_dtype(max(1, math.ceil(addressed))).itemsize
+
+  def counts(self, length: float, devices: int, density: float, value_bytes: int = 4,
+             index_bytes: int | None = None, *, exact: bool = True) -> Counts:
+    """The sizes of one exchange: the collectives' rounding, or none (``exact=False``)."""
+    if index_bytes is None:
+      index_bytes = self.index_bytes(length, devices)
+    if not self.compresses_values:
+      value_bytes = 4
+    if exact:
+      layout = ShardLayout.create(int(length), devices, density)
+      return Counts(devices, length, sparse_count(int(length), density),
+                    layout.shard_length, layout.per_shard, value_bytes, index_bytes)
+    k = density * length
+    return Counts(devices, length, k, length / devices, k / devices, value_bytes,
+                  index_bytes)
+
+  def cost(self, length: float, devices: int, density: float, value_bytes: int = 4,
+           index_bytes: int | None = None, *, exact: bool = True) -> Cost:
+    """Messages and bytes of one exchange of ``length`` elements.
+
+    Example:
+      >>> REGISTRY["dense"].cost(1000, 8, 0.01).bytes
+      7000.0
+    """
+    messages, sent = self.traffic(self.counts(length, devices, density, value_bytes,
+                                              index_bytes, exact=exact))
+    return Cost(int(messages), float(sent))
+
+  def elements_read(self, length: int, devices: int) -> int:
+    """Elements one device's selections read in one exchange.
+
+    Example:
+      >>> REGISTRY["topka2a_sparse"].elements_read(1000, 4)
+      1250
+    """
+    return self.reads(length, devices)
+
+  def selected_entries(self, length: int, devices: int, density: float) -> int:
+    """Entries one device selects in one exchange (packed, sent, added in).
+
+    Example:
+      >>> REGISTRY["topka2a_sparse"].selected_entries(1000, 4, 0.01)
+      15
+    """
+    return int(self.selects(self.counts(length, devices, density)))
+
+
+def _ring(c: Counts) -> tuple[float, float]:
+  return 2 * (c.devices - 1), 2 * (c.devices - 1) / c.devices * c.length * c.value_bytes
+
+
+def _gather_pairs(c: Counts) -> tuple[float, float]:
+  return c.devices - 1, (c.devices - 1) * c.k * (c.value_bytes + c.index_bytes)
+
+
+def _to_owners_then_shards(c: Counts) -> tuple[float, float]:
+  pairs = c.per_shard * (c.value_bytes + c.index_bytes)
+  return 2 * (c.devices - 1), (c.devices - 1) * (pairs + c.shard * c.value_bytes)
+
+
+def _to_owners_then_pairs(c: Counts) -> tuple[float, float]:
+  return 2 * (c.devices - 1), (c.devices - 1) * 2 * c.per_shard * (c.value_bytes
+                                                                   + c.index_bytes)
+
+
+DENSE = Algorithm(
+    name="dense", title="dense", summary="lax.pmean: a ring all-reduce of everything",
+    collective=collectives.dense, sparse=False, unsent_at="nowhere (all is sent)",
+    compresses_values=False, global_indices=False, traffic=_ring,
+    reads=lambda length, devices: 0, selects=lambda c: 0)
+
+ALLGATHER = Algorithm(
+    name="allgather", title="TopkA",
+    summary="every device's top-k pairs all-gathered and summed everywhere",
+    collective=collectives.allgather, sparse=True, unsent_at="the sender",
+    compresses_values=True, global_indices=True, traffic=_gather_pairs,
+    reads=lambda length, devices: length, selects=lambda c: c.k)
+
+TOPKA2A = Algorithm(
+    name="topka2a", title="TopKA2A",
+    summary="shard-wise top-k, AlltoAll to the owners, AllGather of the summed shards",
+    collective=collectives.topka2a, sparse=True, unsent_at="the sender",
+    compresses_values=True, global_indices=False, traffic=_to_owners_then_shards,
+    reads=lambda length, devices: length, selects=lambda c: c.devices * c.per_shard)
+
+TOPKA2A_SPARSE = Algorithm(
+    name="topka2a_sparse", title="TopKA2A-sparse",
+    summary="TopKA2A whose owners re-select their summed shard: O(k) volume",
+    collective=collectives.topka2a_sparse, sparse=True,
+    unsent_at="the sender, and the owner for its summed shard",
+    compresses_values=True, global_indices=False, traffic=_to_owners_then_pairs,
+    reads=lambda length, devices: length + -(-length // devices),
+    selects=lambda c: (c.devices + 1) * c.per_shard)
+
+REGISTRY: dict[str, Algorithm] = {
+    algorithm.name: algorithm for algorithm in (DENSE, ALLGATHER, TOPKA2A, TOPKA2A_SPARSE)}
+"""Every exchange, by the name ``topka2a(algorithm=...)`` takes."""
+
+
+def get(name: str) -> Algorithm:
+  """The exchange called ``name``, or a ValueError listing the choices.
+
+  Example:
+    >>> get("topka2a").title
+    'TopKA2A'
+  """
+  if name == AUTO:
+    raise ValueError(f"no cost model for algorithm {AUTO!r}: it takes one exchange "
+                     f"per bucket; name one of {', '.join(map(repr, REGISTRY))}")
+  if name not in REGISTRY:
+    raise ValueError(f"unknown algorithm {name!r}; choose {AUTO!r} or one of "
+                     f"{', '.join(map(repr, REGISTRY))}")
+  return REGISTRY[name]
