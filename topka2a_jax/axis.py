@@ -6,8 +6,11 @@ gradients that were silently summed already) into errors that say what is
 wrong and how to fix it.
 
 Example:
-  >>> def step(x):
-  ...   return x * bound_axis_size("data")  # inside shard_map over "data"
+  >>> mesh = jax.make_mesh((8,), ("data",))
+  >>> scale = jax.shard_map(lambda x: x * bound_axis_size("data"), mesh=mesh,
+  ...                       in_specs=P("data"), out_specs=P("data"))
+  >>> scale(jax.device_put(jnp.ones(8), NamedSharding(mesh, P("data"))))
+  Array([8., 8., 8., 8., 8., 8., 8., 8.], dtype=float32)
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ def bound_axis_size(axis_name: Hashable) -> int:
       ``jax.shard_map`` or the mesh has no axis of that name.
 
   Example:
-    >>> jax.shard_map(lambda x: x * bound_axis_size("data"), ...)
+    >>> bound_axis_size("data")  # outside shard_map
+    Traceback (most recent call last):
+    ValueError: axis name 'data' is not bound here: this call is outside ...
   """
   try:
     return int(lax.axis_size(axis_name))

@@ -10,9 +10,19 @@ resizing the residuals with :func:`resize_residual` so that their sum over
 devices is kept.
 
 Example:
-  >>> save("/ckpt/step_500", {"params": params, "opt_state": opt_state}, mesh)
-  >>> like = {"params": params, "opt_state": topka2a_jax.init(tx, params, mesh)}
-  >>> state = restore("/ckpt/step_500", like, mesh)
+  >>> import tempfile
+  >>> mesh = jax.make_mesh((8,), ("data",))
+  >>> tx = optax.chain(topka2a_jax.topka2a(0.1, min_size=0, mesh=mesh), optax.sgd(0.1))
+  >>> params = {"w": jnp.ones((4, 3))}
+  >>> directory = tempfile.mkdtemp() + "/step_500"
+  >>> save(directory, {"params": params, "opt_state": tx.init(params)}, mesh)
+  >>> small = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+  >>> small_tx = optax.chain(topka2a_jax.topka2a(0.1, min_size=0, mesh=small),
+  ...                        optax.sgd(0.1))
+  >>> state = restore(directory, {"params": params,
+  ...                             "opt_state": small_tx.init(params)}, small)
+  >>> state["opt_state"][0].residuals["w"].shape  # 4 blocks of (4, 3)
+  (16, 3)
 """
 
 from __future__ import annotations
@@ -85,7 +95,10 @@ def save(directory: str | Path, state: Any, mesh: Mesh,
     FileExistsError: ``directory`` exists.
 
   Example:
-    >>> save("/ckpt/step_500", {"params": params, "opt_state": opt_state}, mesh)
+    >>> import tempfile
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> tx = topka2a_jax.topka2a(0.1, min_size=0, mesh=mesh)
+    >>> save(tempfile.mkdtemp() + "/ckpt", {"opt_state": tx.init(jnp.ones(5))}, mesh)
   """
   import orbax.checkpoint as ocp
 
@@ -126,7 +139,8 @@ def resize_residual(residual: jax.Array, old_devices: int,
     The global array of shape ``(new_devices * d0, ...)``, same dtype.
 
   Example:
-    >>> resize_residual(jnp.arange(8.0), 4, 2)  # [0+2+4+6, 1+3+5+7] as pairs
+    >>> resize_residual(jnp.arange(8.0), 4, 2)  # 4 devices of 2 entries onto 2
+    Array([12., 16.,  0.,  0.], dtype=float32)
   """
   if residual.ndim < 1 or residual.shape[0] % old_devices:
     raise ValueError(f"a residual of shape {residual.shape} is not "
@@ -169,7 +183,14 @@ def restore(directory: str | Path, like: Any, mesh: Mesh,
       structure, shapes or dtypes differ from ``like``'s); nothing is loaded.
 
   Example:
-    >>> state = restore("/ckpt/step_500", like, jax.make_mesh((4,), ("data",)))
+    >>> import tempfile
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> tx = topka2a_jax.topka2a(0.1, min_size=0, mesh=mesh)
+    >>> directory = tempfile.mkdtemp() + "/ckpt"
+    >>> save(directory, {"opt_state": tx.init(jnp.ones(5))}, mesh)
+    >>> like = {"opt_state": tx.init(jnp.ones(5))}
+    >>> restore(directory, like, mesh)["opt_state"].residuals.shape
+    (40,)
   """
   import orbax.checkpoint as ocp
 

@@ -10,8 +10,8 @@ iff density > 1/(2(P-1)).
 
 Example:
   >>> cost = exchange_cost("topka2a", 25_000_000, 8, 0.01)
-  >>> round(cost.seconds(NETWORKS["eth10"]), 3)
-  0.14
+  >>> f"{cost.seconds(NETWORKS['eth10']):.3f} s"
+  '0.072 s'
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ def breakeven_density(
     is faster at every density.
 
   Example:
-    >>> breakeven_density("topka2a", "dense", 1e6, 8, Network(0.0, 1e9))
+    >>> round(breakeven_density("topka2a", "dense", 1e6, 8, Network(0.0, 1e9)), 9)
     0.5
   """
   net = get_network(network)

@@ -10,10 +10,13 @@ sets, or else ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
 to JAX's own detection (SLURM, Open MPI, Kubernetes and cloud TPU
 environments).
 
-Example:
+Example (in a script that ``python -m topka2a_jax.launch`` or a cluster
+starts once per process; it cannot run in an interactive session that has
+already used JAX):
+
   >>> import topka2a_jax.distributed
-  >>> topka2a_jax.distributed.initialize()  # before any other JAX call
-  >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  >>> topka2a_jax.distributed.initialize()  # doctest: +SKIP
+  >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))  # every process's
 """
 
 from __future__ import annotations
@@ -50,9 +53,10 @@ def from_environment() -> tuple[str, int, int] | None:
     ValueError: the process count or rank is not an integer.
 
   Example:
-    >>> os.environ.update(JAX_COORDINATOR_ADDRESS="host0:1234",
-    ...                   JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="1")
-    >>> from_environment()
+    >>> from unittest import mock
+    >>> with mock.patch.dict(os.environ, JAX_COORDINATOR_ADDRESS="host0:1234",
+    ...                      JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="1"):
+    ...   print(from_environment())
     ('host0:1234', 2, 1)
   """
   for names in VARIABLES:
@@ -79,8 +83,8 @@ def initialize() -> None:
     ValueError: the process count or rank in the environment is malformed.
 
   Example:
-    >>> initialize()
-    >>> jax.process_count()
+    >>> initialize()  # doctest: +SKIP
+    >>> jax.process_count()  # doctest: +SKIP
     4
   """
   jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -13,8 +13,21 @@ where the parameters are sharded over other mesh axes) and residuals:
   (:mod:`.nonfinite`), and the first ``warmup_steps`` go dense.
 
 Example:
-  >>> means, residuals, count, skipped = step(options, grads, residuals,
-  ...                                         count, skipped, bad=None)
+  >>> mesh = jax.make_mesh((8,), ("data",))
+  >>> options = Options.create(0.5, min_size=0)
+  >>> def one_step(grad, residual):
+  ...   zero = jnp.zeros((), jnp.int32)
+  ...   means, residuals, count, skipped = step(
+  ...       options, [grad[0]], [residual[0]], zero, zero, bad=None)
+  ...   return means[0], residuals[0][None], count
+  >>> grads, zeros = jax.device_put(
+  ...     (jnp.arange(32.0).reshape(8, 4), jnp.zeros((8, 4))),
+  ...     NamedSharding(mesh, P("data")))
+  >>> mean, residuals, count = jax.shard_map(
+  ...     one_step, mesh=mesh, in_specs=P("data"),
+  ...     out_specs=(P(), P("data"), P()))(grads, zeros)
+  >>> bool(jnp.allclose(8 * mean + residuals.sum(0), grads.sum(0))), int(count)
+  (True, 1)
 """
 
 from __future__ import annotations

@@ -18,7 +18,9 @@ deterministic and printable.
 
 Example:
   >>> plan = plan_fusion([4096, 64, 1_000_000], num_devices=32, density=0.01)
-  >>> print(plan)
+  >>> print(plan)  # doctest: +ELLIPSIS
+  fusion plan: 3 leaves, 1,004,160 elements, P=32, density=0.01, network=eth10, ...
+  ...
 """
 
 from __future__ import annotations
@@ -329,7 +331,9 @@ def plan_fusion(
       threshold.
 
   Example:
-    >>> plan_fusion([4096, 64, 1_000_000], 32, 0.01, network="eth10").threshold
+    >>> [b.bucket.algorithm for b in plan_fusion(
+    ...     [4096, 64, 1_000_000], 32, 0.01, network="eth10").buckets]
+    ['dense', 'topka2a_sparse']
   """
   check_plan_options(algorithm, threshold)
   if not (isinstance(sizes, Sequence) and all(isinstance(s, int) for s in sizes)):

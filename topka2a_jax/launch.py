@@ -92,7 +92,7 @@ def launch(command: Sequence[str], num_processes: int, devices_per_process: int)
     process killed by a signal counts as 128 + the signal number).
 
   Example:
-    >>> launch([sys.executable, "train.py"], 2, 2)
+    >>> launch([sys.executable, "-c", "pass"], 2, 1)
     0
   """
   port = free_port()

@@ -11,7 +11,7 @@ never mix it up.
 
 Example:
   >>> residual_spec("data", P(None, "model"))
-  PartitionSpec('data', 'model')
+  P('data', 'model')
   >>> residual_shape((16, 64), 4)
   (64, 64)
 """
@@ -59,7 +59,7 @@ def restrict_spec(spec: P | None, shape: Sequence[int],
 
   Example:
     >>> restrict_spec(P(None, ("data", "model")), (3, 8), {"model": 2})
-    PartitionSpec(None, 'model')
+    P(None, 'model')
   """
   entries = list(spec or ()) + [None] * (len(shape) - len(spec or ()))
   kept = []
@@ -101,7 +101,7 @@ def residual_spec(axis_name: Hashable, param_spec: P | None = None) -> P:
 
   Example:
     >>> residual_spec("data", P("model", None))
-    PartitionSpec(('data', 'model'), None)
+    P(('data', 'model'),)
   """
   entries = list(param_spec or ())
   while entries and entries[-1] is None:

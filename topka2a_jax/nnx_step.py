@@ -14,13 +14,21 @@ masks, the same on every run; the model's other state (batch statistics)
 is averaged over the data axis after the step.
 
 Example:
+  >>> from flax import nnx
+  >>> mesh = jax.make_mesh((8,), ("data",))
+  >>> model = nnx.Linear(16, 4, rngs=nnx.Rngs(0))
   >>> tx = optax.chain(topka2a_jax.topka2a(0.01, mesh=mesh), optax.adam(1e-3))
   >>> optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-  >>> train = topka2a_jax.nnx_train_step(loss_fn, mesh)  # loss_fn(model, batch)
+  >>> def loss_fn(model, batch):
+  ...   x, y = batch
+  ...   return jnp.mean((model(x) - y) ** 2)
+  >>> train = topka2a_jax.nnx_train_step(loss_fn, mesh)
   >>> @nnx.jit
   ... def step(model, optimizer, batch):
-  ...   return train(model, optimizer, batch)
-  >>> loss = step(model, optimizer, batch)
+  ...   return train(model, optimizer, batch)  # for value_and_grad + update
+  >>> loss = step(model, optimizer, (jnp.ones((64, 16)), jnp.zeros((64, 4))))
+  >>> int(optimizer.step[...])
+  1
 """
 
 from __future__ import annotations
@@ -226,9 +234,17 @@ def nnx_train_step(
     does (``optimizer.step`` counts the steps).
 
   Example:
-    >>> train = nnx_train_step(lambda model, batch: loss(model(batch[0]), batch[1]),
-    ...                        mesh)
-    >>> loss = train(model, optimizer, (x, y))
+    >>> from flax import nnx
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> model = nnx.Sequential(nnx.Linear(16, 32, rngs=nnx.Rngs(0)),
+    ...                        nnx.BatchNorm(32, rngs=nnx.Rngs(0)))
+    >>> tx = optax.chain(topka2a_jax.topka2a(0.05, mesh=mesh), optax.sgd(0.1))
+    >>> optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    >>> train = nnx_train_step(lambda model, x: jnp.mean(model(x) ** 2), mesh,
+    ...                        micro_batches=2)
+    >>> loss = train(model, optimizer, jnp.ones((64, 16)))  # at top level too
+    >>> model.layers[1].mean.shape  # batch statistics, averaged over devices
+    (32,)
   """
   if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or (
       micro_batches < 1):

@@ -12,7 +12,12 @@ chain as the extra argument :data:`NONFINITE`, so a ``topka2a`` inside takes
 it instead of checking again.
 
 Example:
-  >>> tx = skip_nonfinite(optax.chain(topka2a(0.01), optax.adam(1e-3)))
+  >>> mesh = jax.make_mesh((8,), ("data",))
+  >>> tx = skip_nonfinite(optax.chain(topka2a_jax.topka2a(0.01, mesh=mesh),
+  ...                                 optax.adam(1e-3)))
+  >>> state = tx.init({"w": jnp.zeros(4)})
+  >>> int(state.nonfinite_steps)
+  0
 """
 
 from __future__ import annotations
@@ -43,7 +48,12 @@ def nonfinite_on_any_device(tree: Any, axis_name: Hashable) -> jax.Array:
     axis the gradients vary along.
 
   Example:
-    >>> bad = nonfinite_on_any_device(grads, "data")
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> grads = jnp.ones(8).at[5].set(jnp.nan)  # device 5's gradient
+    >>> jax.shard_map(lambda g: nonfinite_on_any_device(g, "data"), mesh=mesh,
+    ...               in_specs=P("data"), out_specs=P())(
+    ...     jax.device_put(grads, NamedSharding(mesh, P("data"))))
+    Array(True, dtype=bool)
   """
   local = jnp.zeros((), jnp.int32)
   for leaf in jax.tree.leaves(tree):
@@ -89,8 +99,9 @@ def skip_nonfinite(
     :class:`SkipNonFiniteState`.
 
   Example:
-    >>> tx = skip_nonfinite(optax.chain(topka2a(0.01), optax.adam(1e-3)))
-    >>> opt_state = topka2a_jax.init(tx, params, mesh)
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> tx = skip_nonfinite(optax.chain(topka2a_jax.topka2a(0.01), optax.adam(1e-3)))
+    >>> opt_state = topka2a_jax.init(tx, {"w": jnp.zeros(4)}, mesh)
   """
   inner = optax.with_extra_args_support(inner)
 

@@ -9,10 +9,12 @@ an exchange after a transform that keeps per-parameter state would leave
 that state different on every device.
 
 Example:
-  >>> opt_state = init(tx, params, mesh)
+  >>> mesh = jax.make_mesh((8,), ("data",))
+  >>> tx = optax.chain(topka2a_jax.topka2a(0.01, min_size=0), optax.adam(1e-3))
+  >>> opt_state = init(tx, {"w": jnp.zeros((4, 3))}, mesh)
   >>> specs = state_specs(opt_state)
-  >>> step = jax.shard_map(f, mesh=mesh, in_specs=(P(), specs, P("data")),
-  ...                      out_specs=(P(), specs))
+  >>> specs[0].residuals["w"], specs[1][0].mu["w"]
+  (P('data',), P())
 """
 
 from __future__ import annotations
@@ -77,7 +79,11 @@ def check_chain(opt_state: Any, *, require_exchange: bool = False) -> None:
       ``require_exchange``) none.
 
   Example:
-    >>> check_chain(optax.chain(topka2a(0.01), optax.adam(1e-3)).init(params))
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> late = optax.chain(optax.adam(1e-3), topka2a_jax.topka2a(0.01, mesh=mesh))
+    >>> check_chain(late.init({"w": jnp.zeros(4)}))
+    Traceback (most recent call last):
+    ValueError: the optimizer keeps per-parameter state (ScaleByAdamState, at [0][0].mu['w']) before the topka2a exchange ...
   """
   fix = ("Put the exchange first: optax.chain(topka2a_jax.topka2a(...), "
          "<the other transforms>).")
@@ -151,7 +157,13 @@ def state_specs(opt_state: optax.OptState, axis_name: Hashable = "data",
       ``axis_name``.
 
   Example:
-    >>> specs = state_specs(opt_state)
+    >>> mesh = jax.make_mesh((4, 2), ("data", "model"))
+    >>> tx = optax.chain(topka2a_jax.topka2a(0.01, min_size=0), optax.adam(1e-3))
+    >>> param_specs = {"w": P(None, "model")}
+    >>> opt_state = init(tx, {"w": jnp.zeros((4, 6))}, mesh, param_specs=param_specs)
+    >>> specs = state_specs(opt_state, param_specs=param_specs)
+    >>> specs[0].residuals["w"], specs[1][0].mu["w"]
+    (P('data', 'model'), P(None, 'model'))
   """
   check_chain(opt_state)
   _check_param_specs(param_specs, axis_name)
@@ -226,7 +238,10 @@ def init(
       per-parameter state before the exchange (:func:`check_chain`).
 
   Example:
-    >>> opt_state = init(tx, params, jax.make_mesh((8,), ("data",)))
+    >>> tx = optax.chain(topka2a_jax.topka2a(0.01, min_size=0), optax.adam(1e-3))
+    >>> opt_state = init(tx, {"w": jnp.zeros((4, 3))}, jax.make_mesh((8,), ("data",)))
+    >>> opt_state[0].residuals["w"].shape  # one (4, 3) block per device
+    (32, 3)
   """
   if axis_name not in mesh.axis_names:
     raise ValueError(

@@ -18,7 +18,14 @@ collective is also attributed to the mesh axes its replica groups span, so
 that a step's traffic over ``"data"`` and over ``"model"`` can be told apart.
 
 Example:
-  >>> print(comm_report(jax.jit(step).lower(params, opt_state, batch), mesh=mesh))
+  >>> mesh = jax.make_mesh((8,), ("data",))
+  >>> mean = jax.jit(jax.shard_map(lambda x: jax.lax.pmean(x, "data"), mesh=mesh,
+  ...                              in_specs=P("data"), out_specs=P()))
+  >>> x = jax.device_put(jnp.ones(8 * 1000), NamedSharding(mesh, P("data")))
+  >>> print(comm_report(mean.lower(x), mesh=mesh))
+  collective                     axes  count   bytes/device
+  all-reduce                     data      1          7,000
+  total                                    1          7,000
 """
 
 from __future__ import annotations
@@ -207,8 +214,13 @@ def comm_report(program: Any, num_devices: int | None = None,
     The :class:`CommReport`.
 
   Example:
-    >>> report = comm_report(jax.jit(step).lower(params, opt_state, batch))
-    >>> report.bytes_of("all-to-all")
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> swap = jax.jit(jax.shard_map(
+    ...     lambda x: jax.lax.all_to_all(x, "data", 0, 0, tiled=True), mesh=mesh,
+    ...     in_specs=P("data"), out_specs=P("data")))
+    >>> x = jax.device_put(jnp.ones(8 * 800), NamedSharding(mesh, P("data")))
+    >>> comm_report(swap.lower(x)).bytes_of("all-to-all")  # 7/8 of 800 floats
+    2800.0
   """
   if hasattr(program, "compile"):
     program = program.compile()

@@ -10,10 +10,17 @@ exchange, and the placement of parameters, state and batch on the mesh.
 
 Example:
   >>> mesh = jax.make_mesh((8,), ("data",))
+  >>> def loss_fn(params, batch):
+  ...   x, y = batch
+  ...   return jnp.mean((x @ params["w"] - y) ** 2)
+  >>> params = {"w": jnp.zeros((16, 4))}
   >>> tx = optax.chain(topka2a_jax.topka2a(0.01, mesh=mesh), optax.adam(1e-3))
   >>> opt_state = tx.init(params)
   >>> step = train_step(loss_fn, tx, mesh)
-  >>> params, opt_state, loss = step(params, opt_state, batch)
+  >>> params, opt_state, loss = step(params, opt_state,
+  ...                                (jnp.ones((64, 16)), jnp.ones((64, 4))))
+  >>> float(loss)
+  1.0
 """
 
 from __future__ import annotations
@@ -44,6 +51,9 @@ def check_batch(batch: Any, num_devices: int, micro_batches: int,
 
   Example:
     >>> check_batch({"x": jnp.zeros((64, 3))}, 8, 4, "data")  # 64 = 8 * 4 * 2
+    >>> check_batch({"x": jnp.zeros((60, 3))}, 8, 1, "data")
+    Traceback (most recent call last):
+    ValueError: batch leaf ['x'] has leading axis 60, which does not split evenly over 8 devices of 'data': it needs a multiple of 8. Drop or pad the remainder of the batch.
   """
   parts = num_devices * micro_batches
   for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
@@ -326,9 +336,19 @@ def train_step(
       with per-parameter state before it.
 
   Example:
-    >>> step = train_step(loss_fn, tx, mesh)
-    >>> for batch in batches:
-    ...   params, opt_state, loss = step(params, opt_state, batch)
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> def loss_fn(params, batch, key):  # with a key: dropout
+    ...   keep = jax.random.bernoulli(key, 0.9, batch.shape)
+    ...   return jnp.mean((batch * keep / 0.9) @ params["w"]), {"kept": jnp.sum(keep)}
+    >>> tx = optax.chain(topka2a_jax.topka2a(0.1, mesh=mesh), optax.sgd(0.1))
+    >>> params = {"w": jnp.ones((32, 2))}
+    >>> step = train_step(loss_fn, tx, mesh, has_aux=True, micro_batches=2)
+    >>> opt_state = tx.init(params)
+    >>> for i in range(3):
+    ...   params, opt_state, loss, metrics = step(
+    ...       params, opt_state, jnp.ones((64, 32)), jax.random.key(i))
+    >>> int(metrics["kept"]) <= 64 * 32  # a count over the global batch
+    True
   """
   if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or (
       micro_batches < 1):

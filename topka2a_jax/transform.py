@@ -23,8 +23,11 @@ parameter shard only (:mod:`.layout`).
 the shard_map for you.
 
 Example:
+  >>> mesh = jax.make_mesh((8,), ("data",))
   >>> tx = optax.chain(topka2a(density=0.01, mesh=mesh), optax.adam(1e-3))
-  >>> opt_state = tx.init(params)  # residuals per device, laid out for mesh
+  >>> opt_state = tx.init({"w": jnp.zeros((64, 32))})  # per device, on mesh
+  >>> opt_state[0].residuals["w"].sharding.spec
+  P('data',)
 
 References:
   Peng, Li, Shi, Li. "Communication-Efficient Top-k Sparsification with

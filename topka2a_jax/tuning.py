@@ -7,12 +7,20 @@ chosen by the same sweep-then-bisect search as the planner, on a short
 log-spaced grid so that only a handful of steps are compiled.
 
 Example:
+  >>> mesh = jax.make_mesh((8,), ("data",))
+  >>> params = {f"w{i}": jnp.zeros((64, 64)) for i in range(4)}
+  >>> def loss_fn(params, x):
+  ...   return sum(jnp.sum(jnp.tanh(x @ w)) for w in params.values())
   >>> def make_step(threshold):
-  ...   tx = optax.chain(topka2a_jax.topka2a(0.01, fusion=threshold),
+  ...   tx = optax.chain(topka2a_jax.topka2a(0.01, fusion=threshold, mesh=mesh),
   ...                    optax.sgd(0.1))
-  ...   ...  # init the state, jit the shard_map step
-  ...   return lambda: train_step(params, opt_state, batch)
-  >>> best, timings = tune_fusion(make_step, low=2**16, high=2**26)
+  ...   step = topka2a_jax.train_step(loss_fn, tx, mesh, donate=False)
+  ...   opt_state = tx.init(params)
+  ...   return lambda: step(params, opt_state, jnp.ones((64, 64)))
+  >>> best, timings = tune_fusion(make_step, low=4096, high=4 * 4096, points=2,
+  ...                             repeats=1)
+  >>> best in timings
+  True
 """
 
 from __future__ import annotations

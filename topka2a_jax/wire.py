@@ -9,8 +9,12 @@ is converted on the way, so the receiver decodes the exact bits sent.
 
 Example:
   >>> fmt = WireFormat.create(jnp.bfloat16, index_range=4096, fallback=jnp.float32)
-  >>> packed = fmt.encode(values, indices)      # (rows, k * (2 + 2)) uint8
-  >>> values, indices = fmt.decode(packed, jnp.float32)
+  >>> values, indices = jnp.array([[1.5, -2.0]]), jnp.array([[7, 4095]])
+  >>> packed = fmt.encode(values, indices)
+  >>> packed.shape, packed.dtype  # 2 entries of 2 + 2 bytes
+  ((1, 8), dtype('uint8'))
+  >>> fmt.decode(packed, jnp.float32)
+  (Array([[ 1.5, -2. ]], dtype=float32), Array([[   7, 4095]], dtype=int32))
 """
 
 from __future__ import annotations
