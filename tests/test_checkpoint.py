@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import chex
 import jax
 import numpy as np
 import optax
@@ -76,8 +77,8 @@ def test_restart_on_another_device_count_keeps_the_residual_total(tmp_path, old,
     else:
       np.testing.assert_allclose(now, was, rtol=1e-6, atol=1e-7)
   # Everything else is replicated and comes back bitwise.
-  jax.tree.map(np.testing.assert_array_equal, after["params"], before["params"])
-  jax.tree.map(np.testing.assert_array_equal, after["opt_state"][1],
+  chex.assert_trees_all_equal(after["params"], before["params"])
+  chex.assert_trees_all_equal(after["opt_state"][1],
                before["opt_state"][1])
   resident = after["opt_state"][0].residuals["w"]
   assert resident.shape == (new * 40, 30)  # a (40, 30) block per device

@@ -4,6 +4,7 @@ References: the functional train_step on the same parameters (the digits
 example's model), and NumPy statistics of each device's slice of the batch.
 """
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,7 +47,7 @@ def test_digits_through_nnx_jit_is_the_functional_run(mesh):
     loss = step(model, optimizer, next(ours))
     params, state, want = functional(params, state, next(theirs))
     np.testing.assert_array_equal(loss, want)
-  jax.tree.map(np.testing.assert_array_equal,
+  chex.assert_trees_all_equal(
                nnx.as_pure(nnx.state(model, nnx.Param)), nnx.as_pure(params))
   accuracy = task.evaluate(model)
   assert accuracy == task.evaluate(nnx.merge(graphdef, params)) > 0.8
@@ -95,7 +96,7 @@ def test_batch_statistics_are_averaged_and_dropout_differs_per_device(mesh):
   again, _, repeat = noisy_run(mesh, x)  # and the same on every run
   np.testing.assert_array_equal(repeat["kept"], kept)
   same = nnx.Not(nnx.RngKey)  # keys are typed; the rest compares as arrays
-  jax.tree.map(np.testing.assert_array_equal, nnx.state(again, same),
+  chex.assert_trees_all_equal(nnx.state(again, same),
                nnx.state(model, same))
 
 
@@ -156,7 +157,7 @@ def test_annotated_model_on_a_2d_mesh_inside_nnx_jit(mesh):
              rng.normal(size=(32, 8)).astype(np.float32))
     step(model, optimizer, batch)
     params, state, _ = functional(params, state, batch)
-  jax.tree.map(np.testing.assert_array_equal,
+  chex.assert_trees_all_equal(
                nnx.as_pure(nnx.state(model, nnx.Param)), params)
   report = topka2a_jax.comm_report(train.lower(model, optimizer, batch), mesh=mesh2d)
   assert [(r.kind, r.axes) for r in report.collectives if "model" in r.axes] == [

@@ -1,5 +1,6 @@
 """A NaN or an infinity on one device skips the step on every device alike."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,10 +86,10 @@ def test_wrapper_skips_the_whole_chain_bitwise(mesh):
   params = {"w": jnp.zeros((40, 30))}
   with_bad = train(mesh, tx, [(xs[0], good), (xs[1], bad), (xs[2], good)], params)
   without = train(mesh, tx, [(xs[0], good), (xs[2], good)], params)
-  jax.tree.map(np.testing.assert_array_equal, with_bad[1][0], with_bad[0][0])
-  jax.tree.map(np.testing.assert_array_equal, with_bad[2][0], without[1][0])
+  chex.assert_trees_all_equal(with_bad[1][0], with_bad[0][0])
+  chex.assert_trees_all_equal(with_bad[2][0], without[1][0])
   inner_then, inner_now = with_bad[2][1].inner_state, without[1][1].inner_state
-  jax.tree.map(np.testing.assert_array_equal, inner_then, inner_now)
+  chex.assert_trees_all_equal(inner_then, inner_now)
   assert [int(s.nonfinite_steps) for _, s in with_bad] == [0, 1, 1]
 
 
@@ -105,7 +106,7 @@ def test_nested_wrappers_pass_one_decision_down(mesh):
   assert [int(s.nonfinite_steps) for _, s in steps] == [0, 1]
   # The outer wrapper keeps the inner state, counter included, as it was.
   assert [int(s.inner_state.nonfinite_steps) for _, s in steps] == [0, 0]
-  jax.tree.map(np.testing.assert_array_equal, steps[1][0], steps[0][0])
+  chex.assert_trees_all_equal(steps[1][0], steps[0][0])
 
 
 def test_wrapper_state_specs_and_init(mesh):

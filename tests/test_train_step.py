@@ -7,6 +7,7 @@ and what stays behind.
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,7 +80,7 @@ def test_twenty_steps_bitwise_as_the_hand_written_step(mesh):
   ours = library_step(tx, mesh, params, batches)
   assert len(ours) == 20
   for mine, reference in zip(ours, theirs):
-    jax.tree.map(np.testing.assert_array_equal, mine, reference)
+    chex.assert_trees_all_equal(mine, reference)
   assert ours[-1][2] < ours[0][2]  # and it trains
 
 
@@ -89,7 +90,7 @@ def test_state_from_tx_init_is_topka2a_jax_init(mesh):
   plain = optax.chain(topka2a_jax.topka2a(0.05, min_size=0), optax.adam(1e-3))
   made, placed = tx.init(params), topka2a_jax.init(plain, params, mesh)
   assert jax.tree.structure(made) == jax.tree.structure(placed)
-  jax.tree.map(np.testing.assert_array_equal, made, placed)
+  chex.assert_trees_all_equal(made, placed)
   for a, b in zip(jax.tree.leaves(made[0]), jax.tree.leaves(placed[0])):
     assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
 
@@ -126,7 +127,7 @@ def test_micro_batches_exchange_the_mean_of_their_gradients(mesh):
     for batch in batches:
       theirs = run(*theirs, jax.device_put(batch, NamedSharding(mesh, P("data"))))
       ours = accumulate(*ours, batch)[:2]
-      jax.tree.map(np.testing.assert_array_equal, ours, theirs)
+      chex.assert_trees_all_equal(ours, theirs)
 
 
 def test_micro_batches_exchange_once_per_step(mesh):
@@ -196,7 +197,7 @@ def test_inside_a_larger_jit_and_donation(mesh):
   assert not jax.tree.leaves(state)[0].is_deleted()  # not donated
   once = top(placed, state, batch)
   assert jax.tree.leaves(placed)[0].is_deleted()  # donated
-  jax.tree.map(np.testing.assert_array_equal, nested, top(*once[:2], batch))
+  chex.assert_trees_all_equal(nested, top(*once[:2], batch))
 
 
 # A 4 x 2 mesh with automatic axes; parameters sharded over "model" by
@@ -314,4 +315,4 @@ def test_2d_inside_a_larger_jit_with_param_specs(auto_mesh, sharded_problem):
   batch = jax.device_put(batches[0], NamedSharding(auto_mesh, P("data")))
   want = top(placed, state, batch)
   got = jax.jit(inner)(placed, state, batch)
-  jax.tree.map(np.testing.assert_array_equal, got, want)
+  chex.assert_trees_all_equal(got, want)

@@ -1,5 +1,6 @@
 """The optax transform against the NumPy model, leaf by leaf and fused."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -268,7 +269,7 @@ def test_init_accepts_shapes_alone(mesh):
   shapes = {"w": jax.ShapeDtypeStruct((30, 40), jnp.float32)}
   state = topka2a_jax.init(tx, shapes, mesh)
   concrete = topka2a_jax.init(tx, {"w": jnp.zeros((30, 40))}, mesh)
-  jax.tree.map(np.testing.assert_array_equal, state, concrete)
+  chex.assert_trees_all_equal(state, concrete)
   assert state[0].residuals["w"].sharding.spec == P("data")
 
 

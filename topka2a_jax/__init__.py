@@ -94,6 +94,10 @@ __all__ = [
 def __getattr__(name: str):
   """``nnx_train_step`` and ``NnxTrainStep`` import Flax, so only on first use."""
   if name in ("nnx_train_step", "NnxTrainStep"):
-    from topka2a_jax import nnx_step
+    try:
+      from topka2a_jax import nnx_step
+    except ImportError as error:
+      raise ImportError(f"topka2a_jax.{name} needs Flax: pip install "
+                        f"'topka2a-jax[nnx]' ({error})") from None
     return getattr(nnx_step, name)
   raise AttributeError(f"module 'topka2a_jax' has no attribute {name!r}")

@@ -81,9 +81,7 @@ def varying_axes(x: jax.Array) -> frozenset[Hashable]:
   Returns:
     The axes; empty outside shard_map or with ``check_vma=False``.
   """
-  aval = jax.typeof(x)
-  manual_axis_type = getattr(aval, "mat", None)  # JAX >= 0.10
-  return frozenset(aval.vma if manual_axis_type is None else manual_axis_type.varying)
+  return frozenset(jax.typeof(x).mat.varying)
 
 
 def is_varying(x: jax.Array, axis_name: Hashable) -> bool:

@@ -9,7 +9,7 @@ send, which error feedback keeps for the next step.
 * :func:`allgather` ("TopkA"): every device's top-k (value, global index) pairs
   are all-gathered and summed. Each device receives ``k * (P - 1)`` pairs,
   which grows with P.
-* :func:`topka2a` (TopKA2A, ICPP 2024): shard-wise top-k, one AlltoAll to the
+* :func:`topka2a` (TopKA2A, Peng et al. 2024): shard-wise top-k, one AlltoAll to the
   shards' owners, a scatter-add there, and an AllGather of the dense shards.
   The volume no longer grows with P.
 * :func:`topka2a_sparse`: TopKA2A whose owners re-select the top of their
@@ -33,6 +33,19 @@ Example:
   >>> mean, unsent = exchange(rows)
   >>> bool(jnp.allclose(8 * mean + unsent.sum(0), rows.sum(0)))  # nothing lost
   True
+
+References:
+  Peng, Li, Shi, Li. TopKA2A: top-k sparsification whose sparse exchange is
+  an AlltoAll to shard owners. In Proceedings of the 53rd International
+  Conference on Parallel Processing (ICPP 2024). doi:10.1145/3673038.3673140.
+
+  Shi et al. gTop-k S-SGD: global top-k sparsification, whose aggregated
+  entries not sent stay with the aggregating worker, as in
+  :func:`topka2a_sparse`. ICDCS 2019.
+
+  Renggli, Ashkboos, Aghagolzadeh, Alistarh, Hoefler. "SparCML: High-Performance
+  Sparse Communication for Machine Learning" (the allgather of top-k pairs).
+  SC 2019.
 """
 
 from __future__ import annotations

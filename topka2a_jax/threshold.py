@@ -43,6 +43,15 @@ Example:
   >>> exact = jax.lax.top_k(jnp.abs(rows), 20)[0].sum()
   >>> bool(jnp.abs(values).sum() > 0.99 * exact)  # of exact top-k's mass
   True
+
+References:
+  Shi et al. "Towards Scalable Distributed Training of Deep Learning on
+  Public Cloud Clusters" (MSTopK: a threshold found by sampling and
+  bisection instead of a sort). MLSys 2021.
+
+  Lin, Han, Mao, Wang, Dally. "Deep Gradient Compression: Reducing the
+  Communication Bandwidth for Distributed Training" (a sampled threshold;
+  error feedback). ICLR 2018.
 """
 
 from __future__ import annotations
@@ -236,11 +245,10 @@ def _candidates(group_max: jax.Array, k: int,
 def _group_size(length: int, smallest: int) -> int:
   """Entries per group: ``smallest``, or a little more if that divides the row.
 
-  Groups that tile the row exactly leave nothing over to merge into the
-  keys. With a leftover, XLA's CPU backend ran the group maxima of several
-  rows (TopKA2A's shards) more slowly in some processes than in others, so
-  a size up to 1.5 times ``smallest`` that divides ``length`` is worth the
-  fewer groups.
+  Groups that tile the row exactly leave no entries over to merge into the
+  keys afterwards, so the group maxima are one reduction over whole groups;
+  a size up to 1.5 times ``smallest`` that divides ``length`` is taken for
+  that, at the price of fewer groups.
   """
   largest = min(_MAX_PER_GROUP, smallest + smallest // 2)
   return next((size for size in range(smallest, largest + 1) if length % size == 0),

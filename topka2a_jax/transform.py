@@ -30,9 +30,9 @@ Example:
   P('data',)
 
 References:
-  Peng, Li, Shi, Li. "Communication-Efficient Top-k Sparsification with
-  Optimized AlltoAll for Distributed Deep Learning" (TopKA2A). ICPP 2024.
-  doi:10.1145/3673038.3673140.
+  Peng, Li, Shi, Li. TopKA2A: top-k sparsification whose sparse exchange is
+  an AlltoAll to shard owners. In Proceedings of the 53rd International
+  Conference on Parallel Processing (ICPP 2024). doi:10.1145/3673038.3673140.
 """
 
 from __future__ import annotations
