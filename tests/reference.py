@@ -86,3 +86,19 @@ def topka2a_sparse(buffers: np.ndarray, density: float):
 
 ALGORITHMS = {"dense": dense, "allgather": allgather, "topka2a": topka2a,
               "topka2a_sparse": topka2a_sparse}
+
+
+def leafwise(algorithm, grads, residuals, density):
+  """Every leaf of per-device ``grads`` (leading device axis) in a bucket of its own.
+
+  Returns:
+    ``(means, unsent)`` by leaf: the mean in the leaf's shape, and what each
+    device keeps, ``(P, n)``.
+  """
+  means, unsent = {}, {}
+  for k, g in grads.items():
+    devices = g.shape[0]
+    acc = g.reshape(devices, -1).astype(np.float64) + residuals.get(k, 0.0)
+    mean, rest = ALGORITHMS[algorithm](acc, density)
+    means[k], unsent[k] = mean.reshape(g.shape[1:]), rest
+  return means, unsent

@@ -27,7 +27,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -39,8 +38,8 @@ PARAMS = {"w": jnp.zeros((40, 30)), "b": jnp.zeros(30)}
 
 
 def fresh(mesh):
-  """Initial {"params", "opt_state"} on ``mesh``."""
-  params = jax.device_put(PARAMS, NamedSharding(mesh, P()))
+  """Initial {"params", "opt_state"} on ``mesh`` (fresh buffers: steps donate them)."""
+  params = jax.device_put(jax.tree.map(jnp.copy, PARAMS), NamedSharding(mesh, P()))
   return {"params": params, "opt_state": topka2a_jax.init(TX, params, mesh)}
 
 
@@ -50,24 +49,18 @@ def batch(step):
   return rng.normal(size=(48, 40)).astype(np.float32)
 
 
+def loss(params, x):
+  return jnp.mean((x @ params["w"] + params["b"] - jnp.sin(x[:, :30])) ** 2)
+
+
 def train(state, mesh, steps):
   """Runs the given step numbers; returns the new state."""
-  specs = topka2a_jax.state_specs(state)
-
-  def step(state, x):
-    def loss(p):
-      return jnp.mean((x @ p["w"] + p["b"] - jnp.sin(x[:, :30])) ** 2)
-    grads = jax.grad(loss)(lax.pcast(state["params"], "data", to="varying"))
-    updates, opt_state = TX.update(grads, state["opt_state"], state["params"])
-    return {"params": optax.apply_updates(state["params"], updates),
-            "opt_state": opt_state}
-
-  run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs, P("data")),
-                              out_specs=specs))
+  step = topka2a_jax.train_step(loss, TX, mesh)
+  params, opt_state = state["params"], state["opt_state"]
   for i in steps:
-    state = run(state, jax.device_put(batch(i), NamedSharding(mesh, P("data"))))
-    jax.block_until_ready(state)
-  return state
+    params, opt_state, _ = step(params, opt_state, batch(i))
+    jax.block_until_ready(params)
+  return {"params": params, "opt_state": opt_state}
 
 
 def leaves(state):

@@ -26,6 +26,7 @@ def run_script(*args, processes=1):
   assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("processes", [1, 2])
 def test_save_and_resume_in_a_fresh_process_is_bitwise(tmp_path, processes):
   # 1 process holds all 8 devices; 2 hold 4 each, with gloo between them.
@@ -40,6 +41,7 @@ def test_save_and_resume_in_a_fresh_process_is_bitwise(tmp_path, processes):
     np.testing.assert_array_equal(resumed[name], straight[name])
 
 
+@pytest.mark.slow
 def test_saved_by_two_processes_resumed_by_one(tmp_path):
   # Gloo and the in-process collectives add in different orders: float close.
   run_script("straight", tmp_path / "straight.npz")

@@ -89,21 +89,6 @@ def test_init_outside_shard_map_without_a_mesh_says_how_to_give_one():
     tx.init(PARAMS)  # nnx.Optimizer calls this on an unplaced model
 
 
-def sharded_update(mesh, tx, grads_fn, specs=None):
-  """Runs tx.update in a shard_map step on grads_fn(params)."""
-  state = topka2a_jax.init(tx, PARAMS, mesh)
-  specs = topka2a_jax.state_specs(state) if specs is None else specs
-
-  def step(params, state):
-    updates, state = tx.update(grads_fn(params), state, params)
-    return updates, state
-
-  params = jax.device_put(PARAMS, NamedSharding(mesh, P()))
-  run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs),
-                              out_specs=(P(), topka2a_jax.state_specs(state))))
-  return run, params, state
-
-
 def loss_of(params, batch):
   return jnp.mean((batch @ params["w"] + params["b"]) ** 2)
 
@@ -113,14 +98,19 @@ def per_device_grads(params):
   return jax.tree.map(lambda p: p * (1 + lax.axis_index("data")), local)
 
 
-def update_step(mesh, tx, state_in, state_out=None):
-  """tx.update on per_device_grads in a jitted shard_map step with these state
-  specs, and PARAMS placed for it."""
+def hand_written(mesh, tx, state_in, state_out=None, grads_fn=per_device_grads):
+  """``tx.update(grads_fn(params), state)`` in a jitted shard_map step, as a
+  user writes one with these state specs; and PARAMS placed for it."""
   run = jax.jit(jax.shard_map(
-      lambda p, s: tx.update(per_device_grads(p), s), mesh=mesh,
-      in_specs=(P(), state_in),
+      lambda p, s: tx.update(grads_fn(p), s, p), mesh=mesh, in_specs=(P(), state_in),
       out_specs=(P(), state_in if state_out is None else state_out)))
   return run, jax.device_put(PARAMS, NamedSharding(mesh, P()))
+
+
+def made(tx, mesh):
+  """The state and its specs, as topka2a_jax.init and state_specs give them."""
+  state = topka2a_jax.init(tx, PARAMS, mesh)
+  return state, topka2a_jax.state_specs(state)
 
 
 def test_wrong_axis_name_is_named_where_the_state_is_made(mesh):
@@ -137,7 +127,7 @@ def test_wrong_axis_name_inside_shard_map(mesh):
   batch_mesh = jax.make_mesh((8,), ("batch",))
   state = jax.device_put(topka2a_jax.init(tx, PARAMS, batch_mesh, axis_name="batch"),
                          NamedSharding(mesh, P()))
-  run, params = update_step(mesh, tx, P(), P("data"))
+  run, params = hand_written(mesh, tx, P(), P("data"))
   with pytest.raises(ValueError, match="axis name 'batch' is not bound"):
     run(params, state)
 
@@ -163,7 +153,8 @@ def test_already_summed_gradients_are_refused(mesh):
   def grads_of_replicated(params):
     return jax.grad(lambda p: jnp.sum(p["w"] ** 2) + jnp.sum(p["b"]))(params)
 
-  run, params, state = sharded_update(mesh, tx, grads_of_replicated)
+  state, specs = made(tx, mesh)
+  run, params = hand_written(mesh, tx, specs, grads_fn=grads_of_replicated)
   with pytest.raises(ValueError, match=r"already\s+summed.*pcast\(params, 'data'"):
     run(params, state)
 
@@ -179,18 +170,18 @@ def test_state_of_another_model(mesh):
 
 
 def test_state_made_with_other_options(mesh):
-  made = topka2a_jax.topka2a(0.1, min_size=0)
+  first = topka2a_jax.topka2a(0.1, min_size=0)
   used = topka2a_jax.topka2a(0.1, min_size=100)
-  state = topka2a_jax.init(made, PARAMS, mesh)
-  specs = topka2a_jax.state_specs(state)
-  run, params = update_step(mesh, used, specs)
+  state, specs = made(first, mesh)
+  run, params = hand_written(mesh, used, specs)
   with pytest.raises(ValueError, match=r"residual for leaf \['b'\].*other options"):
     run(params, state)
 
 
 def test_failed_update_leaves_the_state_usable(mesh):
   tx = topka2a_jax.topka2a(0.1, min_size=0)
-  run, params, state = sharded_update(mesh, tx, per_device_grads)
+  state, specs = made(tx, mesh)
+  run, params = hand_written(mesh, tx, specs)
   params_bad = {"w": params["w"].astype(jnp.int32), "b": params["b"]}
   before = jax.tree.map(np.asarray, state)
   with pytest.raises(TypeError, match="dtype int32"):
@@ -221,8 +212,10 @@ def test_state_from_a_mesh_of_another_size(mesh):
 def test_nonfinite_gradients_are_skipped_not_raised(mesh):
   # Not an error: the step is skipped on every device (tests/test_nonfinite.py).
   tx = topka2a_jax.topka2a(0.1, min_size=0)
-  run, params, state = sharded_update(
-      mesh, tx, lambda p: jax.tree.map(lambda x: x * jnp.nan, per_device_grads(p)))
+  state, specs = made(tx, mesh)
+  run, params = hand_written(
+      mesh, tx, specs,
+      grads_fn=lambda p: jax.tree.map(lambda x: x * jnp.nan, per_device_grads(p)))
   updates, new_state = run(params, state)
   assert int(new_state.nonfinite_steps) == 1
   assert not any(np.asarray(u).any() for u in jax.tree.leaves(updates))
@@ -240,7 +233,7 @@ def test_state_passed_with_p_instead_of_state_specs_on_automatic_axes():
   # then sees every device's residuals on each device.
   mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
   tx = topka2a_jax.topka2a(0.1, min_size=0, mesh=mesh)
-  run, params = update_step(mesh, tx, P(), P("data"))
+  run, params = hand_written(mesh, tx, P(), P("data"))
   with pytest.raises(ValueError, match=r"residual for leaf \['b'\] has shape "
                      r"\(256,\), expected \(32,\) on each device.*state_specs"):
     run(params, tx.init(PARAMS))
@@ -249,7 +242,7 @@ def test_state_passed_with_p_instead_of_state_specs_on_automatic_axes():
 def test_state_passed_with_p_instead_of_state_specs_on_explicit_axes(mesh):
   # jax.make_mesh's explicit axes: JAX refuses the call before the update runs.
   tx = topka2a_jax.topka2a(0.1, min_size=0, mesh=mesh)
-  run, params = update_step(mesh, tx, P(), P("data"))
+  run, params = hand_written(mesh, tx, P(), P("data"))
   with pytest.raises(ValueError, match=r"in_specs passed to shard_map: P\(None,\) "
                      r"does not match the specs of the input: P\('data',\)"):
     run(params, tx.init(PARAMS))

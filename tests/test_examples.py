@@ -15,6 +15,8 @@ import pytest
 import train_digits
 from comparison import compare
 
+pytestmark = pytest.mark.slow  # examples and several processes
+
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
 

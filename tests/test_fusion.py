@@ -23,6 +23,7 @@ def test_model_shapes_have_the_published_sizes(model):
   assert sum(sizes_of(model)) == PARAMETER_COUNTS[model]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", sorted(MODELS))
 @pytest.mark.parametrize("network, num_devices", [("nvlink", 32), ("eth10", 8)])
 def test_search_is_within_two_percent_of_a_sweep(model, network, num_devices):

@@ -17,6 +17,8 @@ def run(command, **env):
   return done
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm, route, files", [
     ("topka2a", "shard_map", 25), ("dense", "shard_map", 25),
     ("topka2a", "train_step", 15)])

@@ -27,6 +27,7 @@ def sgd(mesh):
                                momentum=train_digits.MOMENTUM))
 
 
+@pytest.mark.slow
 def test_digits_through_nnx_jit_is_the_functional_run(mesh):
   task = train_digits.make_task()
   model = train_digits.CNN(nnx.Rngs(0))

@@ -1,15 +1,13 @@
 """A NaN or an infinity on one device skips the step on every device alike."""
 
 import chex
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax import lax
-from jax.sharding import NamedSharding
+import reference
+from cases import random_grads, residuals_of
 from jax.sharding import PartitionSpec as P
-from test_transform import model_leafwise, random_grads, residuals_of, run_steps
 
 import topka2a_jax
 
@@ -23,11 +21,12 @@ def poisoned(grads, value, device=3, leaf="b"):
 
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("algorithm", ["topka2a", "topka2a_sparse", "allgather"])
-def test_bad_step_changes_nothing_but_the_counter(mesh, algorithm, value):
+def test_bad_step_changes_nothing_but_the_counter(mesh, algorithm, value,
+                                                  exchange_steps):
   tx = optax.chain(topka2a_jax.topka2a(0.1, algorithm=algorithm, min_size=0,
                                        fusion=1))
   first, third = random_grads(71), random_grads(73)
-  history = run_steps(tx, mesh, [first, poisoned(random_grads(72), value), third])
+  history = exchange_steps(tx, mesh, [first, poisoned(random_grads(72), value), third])
   (_, before), (skipped, during), (last, after) = history
   assert all(not u.any() for u in skipped.values())  # zero updates everywhere
   for k, r in residuals_of(before).items():
@@ -35,47 +34,29 @@ def test_bad_step_changes_nothing_but_the_counter(mesh, algorithm, value):
   assert (int(during[0].count), int(during[0].nonfinite_steps)) == (1, 1)
   assert (int(after[0].count), int(after[0].nonfinite_steps)) == (2, 1)
   # The next step goes on as if the bad one had never come.
-  _, residuals = model_leafwise(algorithm, first, {}, 0.1)
-  want, residuals = model_leafwise(algorithm, third, residuals, 0.1)
+  _, residuals = reference.leafwise(algorithm, first, {}, 0.1)
+  want, residuals = reference.leafwise(algorithm, third, residuals, 0.1)
   for k in third:
     np.testing.assert_allclose(last[k][0], want[k], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(residuals_of(after)[k], residuals[k],
                                rtol=1e-5, atol=1e-5)
 
 
-def test_opting_out_lets_the_nan_through(mesh):
+def test_opting_out_lets_the_nan_through(mesh, exchange_steps):
   tx = optax.chain(topka2a_jax.topka2a(1.0, min_size=0, fusion=1,
                                        skip_nonfinite=False))
-  [(updates, state)] = run_steps(tx, mesh, [poisoned(random_grads(74), np.nan)])
+  [(updates, state)] = exchange_steps(tx, mesh, [poisoned(random_grads(74), np.nan)])
   assert np.isnan(updates["b"]).any()
   assert int(state[0].nonfinite_steps) == 0
 
 
-def train(mesh, tx, batches, params):
-  """Runs a least-squares step per batch; returns every step's params and state."""
-  state = topka2a_jax.init(tx, params, mesh)
-  specs = topka2a_jax.state_specs(state)
-
-  def step(params, state, x, scale):
-    def loss(p):
-      return jnp.mean((x @ p["w"] - 1.0) ** 2) * scale[0]
-    grads = jax.grad(loss)(lax.pcast(params, "data", to="varying"))
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  run = jax.jit(jax.shard_map(step, mesh=mesh,
-                              in_specs=(P(), specs, P("data"), P("data")),
-                              out_specs=(P(), specs)))
-  params = jax.device_put(params, NamedSharding(mesh, P()))
-  history = []
-  for x, scale in batches:
-    params, state = run(params, state,
-                        *jax.device_put((x, scale), NamedSharding(mesh, P("data"))))
-    history.append(jax.tree.map(np.asarray, (params, state)))
-  return history
+def scaled_least_squares(params, batch):
+  """Each device's loss is scaled by its own entry of ``scale`` (inf poisons it)."""
+  x, scale = batch
+  return jnp.mean((x @ params["w"] - 1.0) ** 2) * scale[0]
 
 
-def test_wrapper_skips_the_whole_chain_bitwise(mesh):
+def test_wrapper_skips_the_whole_chain_bitwise(mesh, train_steps):
   tx = topka2a_jax.skip_nonfinite(
       optax.chain(topka2a_jax.topka2a(0.05, min_size=0), optax.adam(1e-2)))
   rng = np.random.default_rng(75)
@@ -84,16 +65,18 @@ def test_wrapper_skips_the_whole_chain_bitwise(mesh):
   bad = good.copy()
   bad[5] = np.inf  # one device's loss, hence its gradient, is non-finite
   params = {"w": jnp.zeros((40, 30))}
-  with_bad = train(mesh, tx, [(xs[0], good), (xs[1], bad), (xs[2], good)], params)
-  without = train(mesh, tx, [(xs[0], good), (xs[2], good)], params)
+  with_bad = train_steps(tx, mesh, scaled_least_squares, params,
+                         [(xs[0], good), (xs[1], bad), (xs[2], good)])
+  without = train_steps(tx, mesh, scaled_least_squares, params,
+                        [(xs[0], good), (xs[2], good)])
   chex.assert_trees_all_equal(with_bad[1][0], with_bad[0][0])
   chex.assert_trees_all_equal(with_bad[2][0], without[1][0])
   inner_then, inner_now = with_bad[2][1].inner_state, without[1][1].inner_state
   chex.assert_trees_all_equal(inner_then, inner_now)
-  assert [int(s.nonfinite_steps) for _, s in with_bad] == [0, 1, 1]
+  assert [int(s.nonfinite_steps) for _, s, _ in with_bad] == [0, 1, 1]
 
 
-def test_nested_wrappers_pass_one_decision_down(mesh):
+def test_nested_wrappers_pass_one_decision_down(mesh, train_steps):
   # The inner wrapper receives the outer one's decision as an extra argument
   # and hands its own down under the same name, replacing it.
   chain = optax.chain(topka2a_jax.topka2a(0.05, min_size=0), optax.sgd(0.1))
@@ -102,10 +85,11 @@ def test_nested_wrappers_pass_one_decision_down(mesh):
   good = np.ones(8, np.float32)
   bad = good.copy()
   bad[2] = np.nan
-  steps = train(mesh, tx, [(x, good), (x, bad)], {"w": jnp.zeros((40, 30))})
-  assert [int(s.nonfinite_steps) for _, s in steps] == [0, 1]
+  steps = train_steps(tx, mesh, scaled_least_squares, {"w": jnp.zeros((40, 30))},
+                      [(x, good), (x, bad)])
+  assert [int(s.nonfinite_steps) for _, s, _ in steps] == [0, 1]
   # The outer wrapper keeps the inner state, counter included, as it was.
-  assert [int(s.inner_state.nonfinite_steps) for _, s in steps] == [0, 0]
+  assert [int(s.inner_state.nonfinite_steps) for _, s, _ in steps] == [0, 0]
   chex.assert_trees_all_equal(steps[1][0], steps[0][0])
 
 

@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_transform import run_steps
 
 import topka2a_jax
 
@@ -35,7 +35,7 @@ cases = st.fixed_dictionaries({
 })
 
 
-def step_twice(case):
+def step_twice(exchange_steps, case):
   """One step from zero residuals, compiled and run twice.
 
   Returns:
@@ -53,7 +53,7 @@ def step_twice(case):
       fusion=case["fusion"], min_size=0))
   runs = []
   for _ in range(2):
-    [(updates, state)] = run_steps(tx, mesh, [grads])
+    [(updates, state)] = exchange_steps(tx, mesh, [grads])
     residuals = {k: np.asarray(v, np.float64).reshape(devices, -1)
                  for k, v in state[0].residuals.items()
                  if not isinstance(v, optax.MaskedNode)}
@@ -61,10 +61,12 @@ def step_twice(case):
   return grads, runs
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(cases)
-def test_nothing_lost_replicas_identical_deterministic(case):
-  grads, [(updates, residuals), (again, residuals_again)] = step_twice(case)
+def test_nothing_lost_replicas_identical_deterministic(exchange_steps, case):
+  grads, [(updates, residuals), (again, residuals_again)] = step_twice(
+      exchange_steps, case)
   devices, tolerance = case["devices"], TOLERANCE[case["dtype"]]
   for k, g in grads.items():
     update = updates[k]

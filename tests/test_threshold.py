@@ -57,6 +57,7 @@ def test_captures_99_percent_of_exact_mass(kind, density, length, request):
   assert float(jnp.sum(jnp.abs(values))) >= 0.99 * float(jnp.sum(jnp.abs(exact)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fill", ["zeros", "ones and minus ones", "few values"])
 def test_ties_give_exactly_k_distinct_valid_indices(fill):
   rng = np.random.default_rng(1)
@@ -127,6 +128,7 @@ def test_small_or_dense_rows_are_exact():
     np.testing.assert_array_equal(got[1], want[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["allgather", "topka2a", "topka2a_sparse"])
 def test_collectives_with_threshold_selection_lose_nothing(mesh, algorithm):
   buffers = np.random.default_rng(2).standard_normal((8, 300_001)).astype(np.float32)

@@ -13,6 +13,8 @@ import jax
 import pytest
 import quickstart
 
+pytestmark = pytest.mark.slow  # trains the quickstart's MLP, 400 steps a run
+
 STEPS, LEARNING_RATE = 400, 3e-3
 
 

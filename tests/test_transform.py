@@ -7,73 +7,26 @@ import numpy as np
 import optax
 import pytest
 import reference
+from cases import SHAPES, random_grads, residuals_of
 from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import topka2a_jax
 
-SHAPES = {"a": (3, 50), "b": (130,), "c": (2, 2, 30)}
-
-
-def random_grads(seed, shapes=SHAPES, dtype=np.float32):
-  rng = np.random.default_rng(seed)
-  return {k: rng.normal(size=(8, *s)).astype(dtype) for k, s in shapes.items()}
-
 
 def params_like(grads):
   return jax.tree.map(lambda g: jnp.zeros(g.shape[1:], g.dtype), grads)
 
 
-def run_steps(tx, mesh, grads_per_step):
-  """Applies tx.update on every device for each step's stacked gradients.
-
-  Returns:
-    (updates, state) per step: updates with a leading device axis, and the
-    global state (per-device residuals as (8 * n,) arrays).
-  """
-  state = topka2a_jax.init(tx, params_like(grads_per_step[0]), mesh)
-  specs = topka2a_jax.state_specs(state)
-
-  def step(grads, state):
-    updates, state = tx.update(jax.tree.map(lambda g: g[0], grads), state)
-    return jax.tree.map(lambda u: u[None], updates), state
-
-  run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("data"), specs),
-                              out_specs=(P("data"), specs)))
-  history = []
-  for grads in grads_per_step:
-    grads = jax.device_put(grads, jax.NamedSharding(mesh, P("data")))
-    updates, state = run(grads, state)
-    history.append((jax.tree.map(np.asarray, updates), state))
-  return history
-
-
-def residuals_of(state):
-  """The per-device residuals of a chain's first state, as (8, n) arrays."""
-  return {k: np.asarray(v).reshape(8, -1)
-          for k, v in state[0].residuals.items()
-          if not isinstance(v, optax.MaskedNode)}
-
-
-def model_leafwise(algorithm, grads, residuals, density):
-  """The NumPy model with every leaf in a bucket of its own."""
-  means, unsent = {}, {}
-  for k, g in grads.items():
-    acc = g.reshape(8, -1).astype(np.float64) + residuals.get(k, 0.0)
-    mean, rest = reference.ALGORITHMS[algorithm](acc, density)
-    means[k], unsent[k] = mean.reshape(g.shape[1:]), rest
-  return means, unsent
-
-
 @pytest.mark.parametrize("algorithm", ["topka2a", "allgather", "topka2a_sparse"])
-def test_error_feedback_over_steps_matches_model(mesh, algorithm):
+def test_error_feedback_over_steps_matches_model(mesh, algorithm, exchange_steps):
   tx = optax.chain(topka2a_jax.topka2a(0.1, algorithm=algorithm, min_size=0,
                                        fusion=1))
   steps = [random_grads(seed) for seed in range(3)]
   residuals = {}
-  for grads, (updates, state) in zip(steps, run_steps(tx, mesh, steps)):
-    want, residuals = model_leafwise(algorithm, grads, residuals, 0.1)
+  for grads, (updates, state) in zip(steps, exchange_steps(tx, mesh, steps)):
+    want, residuals = reference.leafwise(algorithm, grads, residuals, 0.1)
     for k in grads:
       np.testing.assert_allclose(updates[k], np.broadcast_to(want[k], updates[k].shape),
                                  rtol=1e-5, atol=1e-5)
@@ -81,12 +34,12 @@ def test_error_feedback_over_steps_matches_model(mesh, algorithm):
                                  rtol=1e-5, atol=1e-5)
 
 
-def test_fused_bucket_is_the_leaves_in_reverse_order(mesh):
+def test_fused_bucket_is_the_leaves_in_reverse_order(mesh, exchange_steps):
   # One bucket holding c, b, a (flattened, last leaf first) goes through
   # TopKA2A as one buffer: its selection differs from the leaf-wise one.
   tx = topka2a_jax.topka2a(0.05, min_size=0, fusion=10**6)
   grads = random_grads(11)
-  [(updates, state)] = run_steps(optax.chain(tx), mesh, [grads])
+  [(updates, state)] = exchange_steps(optax.chain(tx), mesh, [grads])
   buffer = np.concatenate([grads[k].reshape(8, -1) for k in ("c", "b", "a")], 1)
   mean, unsent = reference.topka2a(buffer, 0.05)
   sizes = [grads[k][0].size for k in ("c", "b", "a")]
@@ -99,20 +52,20 @@ def test_fused_bucket_is_the_leaves_in_reverse_order(mesh):
 
 @pytest.mark.parametrize("algorithm", ["topka2a", "allgather", "dense", "auto",
                                        "topka2a_sparse"])
-def test_density_one_equals_pmean(mesh, algorithm):
+def test_density_one_equals_pmean(mesh, algorithm, exchange_steps):
   tx = optax.chain(topka2a_jax.topka2a(1.0, algorithm=algorithm, min_size=100,
                                        fusion=200))
   grads = random_grads(21)
-  [(updates, _)] = run_steps(tx, mesh, [grads])
+  [(updates, _)] = exchange_steps(tx, mesh, [grads])
   for k, g in grads.items():
     np.testing.assert_allclose(updates[k], np.broadcast_to(g.mean(0), g.shape),
                                rtol=1e-5, atol=1e-6)
 
 
-def test_dense_algorithm_is_pmean_at_any_density(mesh):
+def test_dense_algorithm_is_pmean_at_any_density(mesh, exchange_steps):
   tx = optax.chain(topka2a_jax.topka2a(0.01, algorithm="dense"))
   grads = random_grads(22)
-  [(updates, state)] = run_steps(tx, mesh, [grads])
+  [(updates, state)] = exchange_steps(tx, mesh, [grads])
   pmean = jax.jit(jax.shard_map(lambda g: lax.pmean(g, "data"), mesh=mesh,
                                 in_specs=P("data"), out_specs=P("data")))
   for k, g in grads.items():
@@ -121,9 +74,9 @@ def test_dense_algorithm_is_pmean_at_any_density(mesh):
   assert residuals_of(state) == {}
 
 
-def test_replicas_are_bitwise_identical(mesh):
+def test_replicas_are_bitwise_identical(mesh, exchange_steps):
   tx = optax.chain(topka2a_jax.topka2a(0.05, min_size=0))
-  [(updates, _)] = run_steps(tx, mesh, [random_grads(23)])
+  [(updates, _)] = exchange_steps(tx, mesh, [random_grads(23)])
   for u in updates.values():
     for device in range(1, 8):
       np.testing.assert_array_equal(u[device], u[0])
@@ -133,12 +86,12 @@ def test_replicas_are_bitwise_identical(mesh):
     ("topka2a", None), ("allgather", None), ("auto", None),
     ("topka2a_sparse", None), ("topka2a_sparse", jnp.bfloat16),
     ("topka2a", jnp.bfloat16)])
-def test_nothing_is_lost_across_steps(mesh, algorithm, value_dtype):
+def test_nothing_is_lost_across_steps(mesh, algorithm, value_dtype, exchange_steps):
   tx = optax.chain(topka2a_jax.topka2a(0.02, algorithm=algorithm, min_size=0,
                                        value_dtype=value_dtype))
   steps = [random_grads(seed) for seed in (31, 32, 33)]
   old = {k: np.zeros((8, g[0].size)) for k, g in steps[0].items()}
-  for grads, (updates, state) in zip(steps, run_steps(tx, mesh, steps)):
+  for grads, (updates, state) in zip(steps, exchange_steps(tx, mesh, steps)):
     new = residuals_of(state)
     for k, g in grads.items():
       had = g.reshape(8, -1).sum(0) + old[k].sum(0)
@@ -147,32 +100,32 @@ def test_nothing_is_lost_across_steps(mesh, algorithm, value_dtype):
     old = new
 
 
-def test_small_leaves_go_dense_without_residual(mesh):
+def test_small_leaves_go_dense_without_residual(mesh, exchange_steps):
   shapes = {"bias": (10,), "kernel": (40, 40)}
   tx = optax.chain(topka2a_jax.topka2a(0.01))  # default min_size=1024
   grads = random_grads(41, shapes)
-  [(updates, state)] = run_steps(tx, mesh, [grads])
+  [(updates, state)] = exchange_steps(tx, mesh, [grads])
   np.testing.assert_allclose(updates["bias"][0], grads["bias"].mean(0), rtol=1e-6)
   assert isinstance(state[0].residuals["bias"], optax.MaskedNode)
   assert state[0].residuals["kernel"].shape == (8 * 40, 40)  # a block per device
 
 
-def test_without_error_feedback_nothing_is_kept(mesh):
+def test_without_error_feedback_nothing_is_kept(mesh, exchange_steps):
   tx = optax.chain(topka2a_jax.topka2a(0.1, min_size=0, fusion=1,
                                        error_feedback=False))
   steps = [random_grads(seed) for seed in (51, 52)]
-  for grads, (updates, state) in zip(steps, run_steps(tx, mesh, steps)):
-    want, _ = model_leafwise("topka2a", grads, {}, 0.1)
+  for grads, (updates, state) in zip(steps, exchange_steps(tx, mesh, steps)):
+    want, _ = reference.leafwise("topka2a", grads, {}, 0.1)
     for k in grads:
       np.testing.assert_allclose(updates[k][0], want[k], rtol=1e-5, atol=1e-6)
     assert jax.tree.leaves(state[0].residuals) == []
 
 
-def test_keeps_each_leafs_dtype_and_shape(mesh):
+def test_keeps_each_leafs_dtype_and_shape(mesh, exchange_steps):
   grads = random_grads(61)
   grads["b"] = grads["b"].astype(jnp.bfloat16)
   tx = optax.chain(topka2a_jax.topka2a(0.1, min_size=0, fusion=10**6))
-  [(updates, state)] = run_steps(tx, mesh, [grads])
+  [(updates, state)] = exchange_steps(tx, mesh, [grads])
   assert updates["b"].dtype == jnp.bfloat16 and updates["a"].dtype == np.float32
   assert {k: u.shape[1:] for k, u in updates.items()} == SHAPES
   # Residuals stay float32, so nothing is rounded away.
@@ -182,7 +135,7 @@ def test_keeps_each_leafs_dtype_and_shape(mesh):
   np.testing.assert_allclose(kept, had, rtol=2e-2, atol=2e-2)
 
 
-def test_flax_model_parameters(mesh):
+def test_flax_model_parameters(mesh, exchange_steps):
   class Model(nnx.Module):
 
     def __init__(self, rngs):
@@ -196,20 +149,10 @@ def test_flax_model_parameters(mesh):
   rng = np.random.default_rng(7)
   stacked = treedef.unflatten(
       [rng.normal(size=(8, *x.shape)).astype(np.float32) for x in leaves])
-  tx = optax.chain(topka2a_jax.topka2a(1.0, min_size=100),
-                   optax.sgd(1.0))
-  state = topka2a_jax.init(tx, params, mesh)
-  specs = topka2a_jax.state_specs(state)
-
-  def step(grads, state):
-    updates, state = tx.update(jax.tree.map(lambda g: g[0], grads), state)
-    return jax.tree.map(lambda u: u[None], updates), state
-
-  updates, _ = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("data"), specs),
-                                     out_specs=(P("data"), specs)))(
-      jax.device_put(stacked, jax.NamedSharding(mesh, P("data"))), state)
+  tx = optax.chain(topka2a_jax.topka2a(1.0, min_size=100), optax.sgd(1.0))
+  [(updates, _)] = exchange_steps(tx, mesh, [stacked])
   for got, g in zip(jax.tree.leaves(updates), jax.tree.leaves(stacked)):
-    np.testing.assert_allclose(np.asarray(got)[0], -g.mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[0], -g.mean(0), rtol=1e-5, atol=1e-6)
 
 
 def test_state_specs_mark_residuals_per_device(mesh):
@@ -224,37 +167,24 @@ def test_state_specs_mark_residuals_per_device(mesh):
   assert topka2a_jax.state_specs(jax.eval_shape(lambda: state)) == specs
 
 
-def test_one_device_mesh_trains():
+def test_one_device_mesh_trains(train_steps):
   mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
-  tx = optax.chain(topka2a_jax.topka2a(0.1, min_size=0), optax.sgd(0.1))
-  params = {"w": jnp.ones((40,))}
-  state = topka2a_jax.init(tx, params, mesh)
-  specs = topka2a_jax.state_specs(state)
-
-  def step(params, state):
-    local = lax.pcast(params, "data", to="varying")
-    grads = jax.grad(lambda p: jnp.sum(p["w"] ** 2))(local)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs),
-                              out_specs=(P(), specs)))
-  params = jax.device_put(params, jax.NamedSharding(mesh, P()))
-  for _ in range(50):
-    params, state = run(params, state)
+  tx = optax.chain(topka2a_jax.topka2a(0.1, min_size=0, mesh=mesh), optax.sgd(0.1))
+  history = train_steps(tx, mesh, lambda p, x: jnp.sum(p["w"] ** 2 * x),
+                        {"w": jnp.ones((40,))}, [jnp.ones((1, 40))] * 50)
   # Every weight decays, the unsent ones through the residual.
-  assert float(jnp.max(jnp.abs(params["w"]))) < 0.5
+  assert np.abs(history[-1][0]["w"]).max() < 0.5
 
 
 @pytest.mark.parametrize("algorithm", ["topka2a", "topka2a_sparse", "allgather"])
-def test_threshold_selection_loses_nothing(mesh, algorithm):
+def test_threshold_selection_loses_nothing(mesh, algorithm, exchange_steps):
   # 160,000 elements: 20,000 per shard, enough for threshold selection.
   shapes = {"w": (400, 400)}
   tx = optax.chain(topka2a_jax.topka2a(0.01, algorithm=algorithm,
                                        selection="threshold"))
   steps = [random_grads(seed, shapes) for seed in (71, 72)]
   old = np.zeros((8, 160_000))
-  for grads, (updates, state) in zip(steps, run_steps(tx, mesh, steps)):
+  for grads, (updates, state) in zip(steps, exchange_steps(tx, mesh, steps)):
     new = residuals_of(state)["w"]
     had = grads["w"].reshape(8, -1).sum(0) + old.sum(0)
     np.testing.assert_allclose(8 * updates["w"][0].reshape(-1) + new.sum(0), had,

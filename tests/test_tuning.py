@@ -2,13 +2,9 @@
 
 import math
 
-import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from jax import lax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import topka2a_jax
 from topka2a_jax.tuning import tune_fusion
@@ -32,26 +28,19 @@ def test_bad_ranges():
 
 def test_times_real_steps(mesh):
   params = {f"w{i}": jnp.ones((64, 64)) for i in range(4)}
-  batch = jax.device_put(jnp.ones((64, 64)), NamedSharding(mesh, P("data")))
-  placed = jax.device_put(params, NamedSharding(mesh, P()))
+  batch = jnp.ones((64, 64))
   built = []
+
+  def loss(params, x):
+    return sum(jnp.sum(jnp.tanh(x @ w)) for w in params.values())
 
   def make_step(threshold):
     built.append(threshold)
-    tx = optax.chain(topka2a_jax.topka2a(0.05, fusion=threshold, min_size=0),
-                     optax.sgd(0.1))
-    state = topka2a_jax.init(tx, params, mesh)
-    specs = topka2a_jax.state_specs(state)
-
-    def step(params, state, x):
-      loss = lambda p: sum(jnp.sum(jnp.tanh(x @ w)) for w in p.values())
-      grads = jax.grad(loss)(lax.pcast(params, "data", to="varying"))
-      updates, state = tx.update(grads, state, params)
-      return optax.apply_updates(params, updates), state
-
-    run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data")),
-                                out_specs=(P(), specs)))
-    return lambda: run(placed, state, batch)
+    tx = optax.chain(topka2a_jax.topka2a(0.05, fusion=threshold, min_size=0,
+                                         mesh=mesh), optax.sgd(0.1))
+    step = topka2a_jax.train_step(loss, tx, mesh, donate=False)
+    state = tx.init(params)
+    return lambda: step(params, state, batch)
 
   best, timings = tune_fusion(make_step, 4096, 4 * 4096, points=4, repeats=2)
   assert best in timings and set(timings) == set(built)

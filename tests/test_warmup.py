@@ -3,13 +3,14 @@
 import numpy as np
 import optax
 import pytest
-from test_transform import model_leafwise, random_grads, residuals_of, run_steps
+import reference
+from cases import random_grads, residuals_of
 
 import topka2a_jax
 
 
-def run_counting_traces(tx, mesh, grads_per_step):
-  """test_transform.run_steps, also returning how often the update traced."""
+def run_counting_traces(exchange_steps, tx, mesh, grads_per_step):
+  """The exchange_steps fixture, also returning how often the update traced."""
   traces = []
 
   def update(*args, **kwargs):
@@ -17,15 +18,15 @@ def run_counting_traces(tx, mesh, grads_per_step):
     return tx.update(*args, **kwargs)
 
   counted = optax.GradientTransformationExtraArgs(tx.init, update)
-  return run_steps(counted, mesh, grads_per_step), len(traces)
+  return exchange_steps(counted, mesh, grads_per_step), len(traces)
 
 
 @pytest.mark.parametrize("algorithm", ["topka2a", "topka2a_sparse", "allgather"])
-def test_warmup_is_dense_then_sparse_from_zero_residuals(mesh, algorithm):
+def test_warmup_is_dense_then_sparse_from_zero_residuals(mesh, algorithm, exchange_steps):
   tx = optax.chain(topka2a_jax.topka2a(0.1, algorithm=algorithm, min_size=0,
                                        fusion=1, warmup_steps=2))
   steps = [random_grads(seed) for seed in (61, 62, 63, 64)]
-  history, traces = run_counting_traces(tx, mesh, steps)
+  history, traces = run_counting_traces(exchange_steps, tx, mesh, steps)
   assert traces == 1  # one compiled step switches at run time
   for grads, (updates, state) in zip(steps[:2], history[:2]):
     for k, g in grads.items():
@@ -34,7 +35,7 @@ def test_warmup_is_dense_then_sparse_from_zero_residuals(mesh, algorithm):
     assert all(not r.any() for r in residuals_of(state).values())
   residuals = {}  # sparsification starts from zero residuals
   for grads, (updates, state) in zip(steps[2:], history[2:]):
-    want, residuals = model_leafwise(algorithm, grads, residuals, 0.1)
+    want, residuals = reference.leafwise(algorithm, grads, residuals, 0.1)
     for k in grads:
       np.testing.assert_allclose(updates[k][5], want[k], rtol=1e-5, atol=1e-5)
       np.testing.assert_allclose(residuals_of(state)[k], residuals[k],
@@ -42,11 +43,11 @@ def test_warmup_is_dense_then_sparse_from_zero_residuals(mesh, algorithm):
   assert [int(s[0].count) for _, s in history] == [1, 2, 3, 4]
 
 
-def test_warmup_zero_is_sparse_from_the_first_step(mesh):
+def test_warmup_zero_is_sparse_from_the_first_step(mesh, exchange_steps):
   tx = optax.chain(topka2a_jax.topka2a(0.1, min_size=0, fusion=1))
   grads = random_grads(65)
-  [(updates, _)], _ = run_counting_traces(tx, mesh, [grads])
-  want, _ = model_leafwise("topka2a", grads, {}, 0.1)
+  [(updates, _)], _ = run_counting_traces(exchange_steps, tx, mesh, [grads])
+  want, _ = reference.leafwise("topka2a", grads, {}, 0.1)
   np.testing.assert_allclose(updates["a"][0], want["a"], rtol=1e-5, atol=1e-5)
 
 
