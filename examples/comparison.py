@@ -175,15 +175,24 @@ def plot(results: list[Result], path: str, score: str, title: str) -> None:
   import matplotlib.pyplot as plt
 
   fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+  late = []  # scores after the first quarter of training: the range that matters
   for r in results:
-    left.plot(r.eval_steps, np.mean(r.scores, 0), label=r.name)
+    scores = np.mean(r.scores, 0)
+    left.plot(r.eval_steps, scores, label=r.name)
+    late.extend(scores[len(scores) // 4:])
     losses = np.mean(r.losses, 0)
     window = max(1, len(losses) // 50)
     smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
     right.plot(np.arange(window, len(losses) + 1), smooth, label=r.name)
-  left.set(xlabel="step", ylabel=score, title=score)
+  low, high = min(late), max(late)
+  margin = 0.05 * (high - low) or 0.01
+  left.set_ylim(low - margin, high + margin)
+  smoothing = f" (moving mean over {window} steps)" if window > 1 else ""
+  first = results[0].eval_steps[len(results[0].eval_steps) // 4]
+  left.set(xlabel="step", ylabel=score,
+           title=f"{score} (axis fitted to steps {first} on)")
   right.set(xlabel="step", ylabel="training loss", yscale="log",
-            title=f"training loss (moving mean over {window} steps)")
+            title=f"training loss{smoothing}")
   left.legend(fontsize=8)
   fig.suptitle(title)
   fig.tight_layout()
