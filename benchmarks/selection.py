@@ -1,12 +1,15 @@
-"""Selection cost: exact top-k against threshold selection and one pass.
+"""Selection cost: exact top-k, the threshold search, approx_max_k, and "auto".
 
 For each size and density, selects the top ``ceil(k / P)`` of each of P
 shards of a float32 buffer (what TopKA2A does on P devices; P = 8 unless
-``--shards`` says otherwise) with exact top-k (``lax.top_k``) and with
-threshold selection, and times one ``jnp.sum(jnp.abs(x))`` pass over the
-same buffer, all in one run: compare the ratios, not the absolute times, on
-a shared machine. Also reports the magnitude mass threshold selection
-captures, as a share of exact top-k's.
+``--shards`` says otherwise) with every selection of
+``topka2a_jax.collectives.SELECTIONS`` (exact ``lax.top_k``, the threshold
+search, ``lax.approx_max_k`` and ``"auto"``, the default's choice for this
+backend), and times one ``jnp.sum(jnp.abs(x))`` pass over the same buffer,
+all in one run: compare the ratios, not the absolute times, on a shared
+machine. Also reports the magnitude mass each keeps, as a share of exact
+top-k's, which of them "auto" runs here, and how its time compares with
+the fastest of the three.
 
 Run:
   python benchmarks/selection.py [--sizes 1e6 25e6 1e8] [--densities 0.001 0.01 0.05]
@@ -21,8 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from topka2a_jax.selection import top_magnitudes
-from topka2a_jax.threshold import threshold_magnitudes
+from topka2a_jax.collectives import SELECTIONS, auto_choice, get_selection
 from topka2a_jax.tuning import time_call
 
 
@@ -37,8 +39,11 @@ def main():
   parser.add_argument("--json", help="also write the rows to this file")
   args = parser.parse_args()
 
-  print(f"{'elements':>12s} {'density':>7s} {'pass ms':>8s} {'exact ms':>9s} "
-        f"{'threshold ms':>12s} {'thr/pass':>8s} {'exact/thr':>9s} {'mass':>7s}")
+  names = [name for name in SELECTIONS if name != "auto"]
+  print(f"{'elements':>12s} {'density':>7s} {'pass ms':>8s} "
+        + " ".join(f"{name + ' ms':>12s}" for name in names)
+        + f" {'auto':>9s} {'auto/best':>9s} "
+        + " ".join(f"{name[:6] + ' mass':>11s}" for name in names[1:]))
   rows = []
   one_pass = jax.jit(lambda x: jnp.sum(jnp.abs(x)))
   for size in map(int, args.sizes):
@@ -46,18 +51,29 @@ def main():
     x = jax.random.normal(jax.random.key(0), (args.shards, length), jnp.float32)
     for density in args.densities:
       per_shard = -(-int(np.ceil(density * size)) // args.shards)
-      exact = jax.jit(lambda x, k=per_shard: top_magnitudes(x, k))
-      threshold = jax.jit(lambda x, k=per_shard: threshold_magnitudes(x, k))
-      pass_s = time_call(functools.partial(one_pass, x), args.repeats)
-      exact_s = time_call(functools.partial(exact, x), max(1, args.repeats // 2))
-      threshold_s = time_call(functools.partial(threshold, x), args.repeats)
-      mass = float(jnp.sum(jnp.abs(threshold(x)[0])) / jnp.sum(jnp.abs(exact(x)[0])))
-      row = {"elements": size, "density": density, "pass_s": pass_s,
-             "exact_s": exact_s, "threshold_s": threshold_s, "mass": mass}
+      row = {"elements": size, "density": density,
+             "pass_s": time_call(functools.partial(one_pass, x), args.repeats)}
+      picked = {}
+      for name in names:
+        select = jax.jit(functools.partial(get_selection(name), k=per_shard))
+        repeats = max(1, args.repeats // 2) if name in ("exact", "approx") else args.repeats
+        row[f"{name}_s"] = time_call(functools.partial(select, x), repeats)
+        picked[name] = select(x)[0]
+      exact_mass = jnp.sum(jnp.abs(picked["exact"]))
+      for name in names[1:]:
+        row[f"{name}_mass"] = float(jnp.sum(jnp.abs(picked[name])) / exact_mass)
+      best = min(row[f"{name}_s"] for name in names)
+      row["auto"] = auto_choice()
+      row["auto_vs_best"] = row[f"{row['auto']}_s"] / best
       rows.append(row)
-      print(f"{size:12,d} {density:7.3f} {1e3 * pass_s:8.2f} {1e3 * exact_s:9.1f} "
-            f"{1e3 * threshold_s:12.1f} {threshold_s / pass_s:7.1f}x "
-            f"{exact_s / threshold_s:8.1f}x {mass:7.4f}", flush=True)
+      print(f"{size:12,d} {density:7.3f} {1e3 * row['pass_s']:8.2f} "
+            + " ".join(f"{1e3 * row[name + '_s']:12.1f}" for name in names)
+            + f" {row['auto']:>9s} {row['auto_vs_best']:8.2f}x "
+            + " ".join(f"{row[name + '_mass']:11.4f}" for name in names[1:]),
+            flush=True)
+  within = sum(row["auto_vs_best"] <= 1.1 for row in rows)
+  print(f"\nauto ({jax.default_backend()}) within 10% of the fastest in "
+        f"{within} of {len(rows)} rows")
   if args.json:
     with open(args.json, "w") as f:
       json.dump(rows, f, indent=2)

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from comparison import BASE_RUNS, Task, compare, plot, print_table, write_json
+from comparison import BASE_RUNS, PAPER, Task, compare, plot, print_table, write_json
 from flax import nnx
 
 import topka2a_jax
@@ -131,7 +131,8 @@ def optimizer(steps: int, learning_rate: float,
 
 RUNS = {
     **BASE_RUNS,
-    "topka2a 1%, 100 dense warm-up steps": {"density": 0.01, "warmup_steps": 100},
+    "topka2a 1%, 100 dense warm-up steps": {"density": 0.01, "warmup_steps": 100,
+                                            **PAPER},
 }
 QUICK_RUNS = ("dense (pmean)", "topka2a 1%", "topka2a 1%, no error feedback")
 

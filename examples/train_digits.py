@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from comparison import BASE_RUNS, Task, compare, plot, print_table, write_json
+from comparison import BASE_RUNS, PAPER, Task, compare, plot, print_table, write_json
 from flax import nnx
 from sklearn.datasets import load_digits
 
@@ -115,10 +115,12 @@ def optimizer(weight_decay: float, decay_first: bool = False,
 RUNS = {
     **BASE_RUNS,
     "topka2a 1%, weight decay before exchange": {"density": 0.01,
-                                                 "decay_first": True},
+                                                 "decay_first": True, **PAPER},
     "topka2a_sparse 1%, threshold selection": {
         "density": 0.01, "algorithm": "topka2a_sparse", "selection": "threshold"},
-    "topka2a 1%, 50 dense warm-up steps": {"density": 0.01, "warmup_steps": 50},
+    "topka2a 1%, 50 dense warm-up steps": {"density": 0.01, "warmup_steps": 50,
+                                           **PAPER},
+    "defaults 1%": {"density": 0.01},
 }
 
 

@@ -59,3 +59,20 @@ def test_bad_arguments_exit_with_a_message(capsys):
     plan.main(["--params", "10", "--devices", "8", "--density", "0.1",
                "--network", "wifi"])
   assert "unknown network 'wifi'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("network, want", [("nvlink", {"dense"}),
+                                           ("eth10", {"topka2a_sparse"})])
+def test_resnet50_on_8_gpus_goes_dense_on_nvlink_and_sparse_on_ethernet(
+    capsys, network, want):
+  # The backward pass comes from ResNet-50's FLOPs on an H100, not from the
+  # exchange; buckets of the large leaves take what the model says.
+  out = run(capsys, "--model", "resnet50", "--devices", "8", "--density", "0.01",
+            "--network", network)
+  assert "backward pass: 1.327 ms (twice the forward's 8.2 GFLOP per sample" in out
+  rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()
+          and len(line.split()) >= 7]
+  large = {row[-3] for row in rows if int(row[-4].replace(",", "")) >= 1_000_000}
+  assert large == want
+  assert ("compression does not pay here" in out) == (network == "nvlink")
+

@@ -75,7 +75,8 @@ def minibatches(batch, count, size=64):
 def test_twenty_steps_bitwise_as_the_hand_written_step(mesh):
   params, data = mlp_problem()
   batches = (minibatches(data, 8) * 3)[:20]  # 20 steps, 64 samples each
-  tx = optax.chain(topka2a_jax.topka2a(0.01, mesh=mesh), optax.adam(1e-2))
+  tx = optax.chain(topka2a_jax.topka2a(0.01, algorithm="topka2a", mesh=mesh),
+                   optax.adam(1e-2))
   theirs = hand_written(tx, mesh, params, batches)
   ours = library_step(tx, mesh, params, batches)
   assert len(ours) == 20
@@ -132,7 +133,8 @@ def test_micro_batches_exchange_the_mean_of_their_gradients(mesh):
 
 def test_micro_batches_exchange_once_per_step(mesh):
   params, data = mlp_problem()
-  tx = optax.chain(topka2a_jax.topka2a(0.05, mesh=mesh, fusion=1), optax.sgd(0.1))
+  tx = optax.chain(topka2a_jax.topka2a(0.05, algorithm="topka2a", mesh=mesh, fusion=1),
+                   optax.sgd(0.1))
   counts = []
   for micro in (1, 4):
     lowered = topka2a_jax.train_step(mlp_loss, tx, mesh, micro_batches=micro).lower(

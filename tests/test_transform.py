@@ -37,7 +37,8 @@ def test_error_feedback_over_steps_matches_model(mesh, algorithm, exchange_steps
 def test_fused_bucket_is_the_leaves_in_reverse_order(mesh, exchange_steps):
   # One bucket holding c, b, a (flattened, last leaf first) goes through
   # TopKA2A as one buffer: its selection differs from the leaf-wise one.
-  tx = topka2a_jax.topka2a(0.05, min_size=0, fusion=10**6)
+  tx = topka2a_jax.topka2a(0.05, algorithm="topka2a", selection="exact", min_size=0,
+                           fusion=10**6)
   grads = random_grads(11)
   [(updates, state)] = exchange_steps(optax.chain(tx), mesh, [grads])
   buffer = np.concatenate([grads[k].reshape(8, -1) for k in ("c", "b", "a")], 1)
@@ -111,8 +112,8 @@ def test_small_leaves_go_dense_without_residual(mesh, exchange_steps):
 
 
 def test_without_error_feedback_nothing_is_kept(mesh, exchange_steps):
-  tx = optax.chain(topka2a_jax.topka2a(0.1, min_size=0, fusion=1,
-                                       error_feedback=False))
+  tx = optax.chain(topka2a_jax.topka2a(0.1, algorithm="topka2a", min_size=0,
+                                       fusion=1, error_feedback=False))
   steps = [random_grads(seed) for seed in (51, 52)]
   for grads, (updates, state) in zip(steps, exchange_steps(tx, mesh, steps)):
     want, _ = reference.leafwise("topka2a", grads, {}, 0.1)

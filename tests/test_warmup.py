@@ -44,7 +44,7 @@ def test_warmup_is_dense_then_sparse_from_zero_residuals(mesh, algorithm, exchan
 
 
 def test_warmup_zero_is_sparse_from_the_first_step(mesh, exchange_steps):
-  tx = optax.chain(topka2a_jax.topka2a(0.1, min_size=0, fusion=1))
+  tx = optax.chain(topka2a_jax.topka2a(0.1, algorithm="topka2a", min_size=0, fusion=1))
   grads = random_grads(65)
   [(updates, _)], _ = run_counting_traces(exchange_steps, tx, mesh, [grads])
   want, _ = reference.leafwise("topka2a", grads, {}, 0.1)

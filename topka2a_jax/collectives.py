@@ -58,7 +58,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from topka2a_jax.axis import bound_axis_size
-from topka2a_jax.selection import ShardLayout, sparse_count, top_magnitudes
+from topka2a_jax.selection import (
+    ShardLayout,
+    approx_magnitudes,
+    sparse_count,
+    top_magnitudes,
+)
 from topka2a_jax.threshold import threshold_magnitudes
 from topka2a_jax.wire import WireFormat
 
@@ -79,9 +84,38 @@ class Exchange(NamedTuple):
 
 Selection = Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]
 
+
+def auto_choice() -> str:
+  """The selection ``"auto"`` runs on this backend; see :func:`auto_magnitudes`."""
+  return "approx" if jax.default_backend() == "tpu" else "threshold"
+
+
+def auto_magnitudes(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """The selection for this backend and row size: ``selection="auto"``.
+
+  * TPU: ``approx_max_k``, which the TPU runs as an approximate top-k.
+  * Other backends: the threshold search (:mod:`topka2a_jax.threshold`). On
+    a CPU, ``benchmarks/selection.py`` measures it 5 to 40 times faster than
+    the exact sort on rows of millions of entries, where ``approx_max_k``
+    runs as the sort. On GPUs it is the choice until ``benchmarks/gpu.py``
+    measures otherwise. Rows too short for it to gain, and selections of
+    more than a quarter of a row, sort exactly (it falls back by itself).
+
+  Args:
+    rows: ``(R, n)`` floating array.
+    k: entries per row.
+
+  Returns:
+    ``(values, indices)`` as every selection returns them.
+  """
+  return SELECTIONS[auto_choice()](rows, k)
+
+
 SELECTIONS: dict[str, Selection] = {
+    "auto": auto_magnitudes,
     "exact": top_magnitudes,
     "threshold": threshold_magnitudes,
+    "approx": approx_magnitudes,
 }
 """How the sparse collectives pick entries: ``(rows, k) -> (values, indices)``."""
 

@@ -20,6 +20,8 @@ import dataclasses
 import math
 from collections.abc import Callable
 
+import jax
+
 from topka2a_jax import algorithms
 from topka2a_jax.algorithms import Cost
 
@@ -75,11 +77,33 @@ decisions that matter, measure and pass ``Network(latency=..., bandwidth=...)``.
 """
 
 
+AUTO_NETWORK = "auto"
+"""``network=AUTO_NETWORK``: the link the data axis most likely crosses."""
+
+
+def detected_network() -> Network:
+  """The preset for where the data axis runs, as this process sees it.
+
+  Several processes (hosts) exchange over a network between them: ``eth10``.
+  One process with accelerators holds one node's devices, joined by a fast
+  link: ``nvlink``. One process on CPUs (emulated devices): ``eth10``.
+  Measure the link and pass a :class:`Network` for decisions that matter.
+
+  Example:
+    >>> detected_network().name  # one process on this CPU
+    'eth10'
+  """
+  if jax.process_count() == 1 and jax.default_backend() != "cpu":
+    return NETWORKS["nvlink"]
+  return NETWORKS["eth10"]
+
+
 def get_network(network: str | Network) -> Network:
-  """Resolves a preset name, or passes a :class:`Network` through.
+  """Resolves a preset name or ``"auto"``, or passes a :class:`Network` through.
 
   Args:
-    network: a key of :data:`NETWORKS` or a :class:`Network`.
+    network: a key of :data:`NETWORKS`, ``"auto"`` (:func:`detected_network`)
+      or a :class:`Network`.
 
   Returns:
     The network.
@@ -89,11 +113,13 @@ def get_network(network: str | Network) -> Network:
   """
   if isinstance(network, Network):
     return network
+  if network == AUTO_NETWORK:
+    return detected_network()
   if network not in NETWORKS:
     raise ValueError(
-        f"unknown network {network!r}; choose one of {', '.join(NETWORKS)} or "
-        "pass topka2a_jax.Network(latency=seconds, bandwidth=bytes_per_second)"
-    )
+        f"unknown network {network!r}; choose {AUTO_NETWORK!r} or one of "
+        f"{', '.join(NETWORKS)}, or pass topka2a_jax.Network(latency=seconds, "
+        "bandwidth=bytes_per_second)")
   return NETWORKS[network]
 
 

@@ -42,6 +42,7 @@ import optax
 from topka2a_jax import buckets
 from topka2a_jax.algorithms import DENSE, REGISTRY
 from topka2a_jax.axis import bound_axis_size, varying_axes
+from topka2a_jax.cost import get_network
 from topka2a_jax.fusion import step_model
 from topka2a_jax.nonfinite import nonfinite_on_any_device
 from topka2a_jax.options import Options
@@ -55,7 +56,8 @@ def residual_dtype(dtype: jnp.dtype) -> jnp.dtype:
 def plan(options: Options, sizes: Sequence[int],
          num_devices: int) -> list[buckets.Bucket]:
   """The buckets for leaves of ``sizes``, as the planner or ``fusion`` sets them."""
-  model = step_model(sizes, num_devices, options.density, network=options.network,
+  model = step_model(sizes, num_devices, options.density,
+                     network=get_network(options.network),
                      min_size=options.min_size,
                      backward_seconds=options.backward_seconds,
                      value_bytes=options.value_bytes)

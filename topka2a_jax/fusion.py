@@ -52,6 +52,9 @@ Pass a measured figure for other hardware: ``benchmarks/network.py`` fits it
 on a host (the README's network tables give its fits).
 """
 
+NO_BACKWARD = "not given: no overlap with the backward pass assumed"
+"""How a plan made without a backward pass's duration says so."""
+
 MODEL_GRID = 512  # thresholds considered between the smallest leaf and the model
 MODEL_COARSE = 2  # every MODEL_COARSE-th of them is evaluated first
 
@@ -85,6 +88,7 @@ class FusionPlan:
     density: the density planned for.
     network: the network planned for.
     backward_seconds: the backward pass time assumed.
+    backward_source: where that figure comes from.
     step_seconds: predicted end of the last exchange, from the start of
       backward.
     dense_seconds: the same with every bucket dense (its own best threshold).
@@ -101,6 +105,7 @@ class FusionPlan:
   step_seconds: float
   dense_seconds: float
   allgather_seconds: float
+  backward_source: str = "given"
 
   def __str__(self) -> str:
     header = (f"fusion plan: {len(self.names)} leaves, "
@@ -118,7 +123,10 @@ class FusionPlan:
           f"{i:6d} {len(planned.bucket.leaves):6d} {span:{width}s} "
           f"{planned.bucket.size:12,d} {planned.bucket.algorithm:>14s} "
           f"{1e3 * planned.seconds:9.3f} {1e3 * planned.finish:10.3f}")
-    lines.append(f"backward pass (assumed): {1e3 * self.backward_seconds:.3f} ms")
+    lines.append(f"backward pass: {1e3 * self.backward_seconds:.3f} ms "
+                 f"({self.backward_source})")
+    if all(p.bucket.algorithm == DENSE.name for p in self.buckets):
+      lines.append("compression does not pay here: every bucket goes dense")
     lines.append(
         f"predicted step end: {1e3 * self.step_seconds:.3f} ms; all dense: "
         f"{1e3 * self.dense_seconds:.3f} ms "
@@ -267,9 +275,10 @@ def step_model(
 ) -> StepModel:
   """Validates the inputs and builds a :class:`StepModel`.
 
-  ``backward_seconds=None`` assumes the backward pass takes as long as one
-  dense exchange of the whole model on ``network``: a communication-bound
-  step, the case this library is for. Pass a measured figure otherwise.
+  ``backward_seconds=None`` assumes no overlap: every bucket is ready when
+  the step's exchanges begin (:data:`NO_BACKWARD`). Pass the backward
+  pass's duration (:mod:`topka2a_jax.compute` estimates it) for plans that
+  overlap it.
 
   Raises:
     ValueError: empty ``sizes`` or an unknown network.
@@ -278,9 +287,7 @@ def step_model(
     raise ValueError(f"need at least one leaf, all non-empty; got sizes {sizes}")
   net = get_network(network)
   if backward_seconds is None:
-    ring = DENSE.counts(sum(sizes), num_devices, density)._replace(
-        value_bytes=value_bytes)  # the whole gradient, at the wire's value width
-    backward_seconds = algorithms.Cost(*DENSE.traffic(ring)).seconds(net)
+    backward_seconds = 0.0
   return StepModel(tuple(sizes), num_devices, density, net, min_size,
                    backward_seconds, selection_seconds_per_element, value_bytes,
                    index_bytes, selection_seconds_per_entry)
@@ -303,6 +310,7 @@ def plan_fusion(
     names: Sequence[str] | None = None,
     algorithm: str = "auto",
     threshold: int | str = "auto",
+    backward_source: str | None = None,
     **model_options,
 ) -> FusionPlan:
   """Plans the buckets of a model's gradient from its leaf sizes alone.
@@ -317,6 +325,7 @@ def plan_fusion(
     algorithm: ``"auto"`` (cheapest per bucket), or one algorithm for every
       bucket of leaves with at least ``min_size`` elements.
     threshold: bucket size in elements, or ``"auto"`` to search for it.
+    backward_source: where ``backward_seconds`` comes from, for the printout.
     **model_options: ``network`` (preset name or :class:`topka2a_jax.Network`,
       default ``"eth10"``), ``min_size``, ``backward_seconds``,
       ``selection_seconds_per_element``, ``selection_seconds_per_entry``,
@@ -333,7 +342,7 @@ def plan_fusion(
   Example:
     >>> [b.bucket.algorithm for b in plan_fusion(
     ...     [4096, 64, 1_000_000], 32, 0.01, network="eth10").buckets]
-    ['dense', 'topka2a_sparse']
+    ['topka2a_sparse', 'dense']
   """
   check_plan_options(algorithm, threshold)
   if not (isinstance(sizes, Sequence) and all(isinstance(s, int) for s in sizes)):
@@ -356,6 +365,9 @@ def plan_fusion(
       density=density,
       network=model.network,
       backward_seconds=model.backward_seconds,
+      backward_source=backward_source or (
+          "given" if model_options.get("backward_seconds") is not None
+          else NO_BACKWARD),
       step_seconds=planned[-1].finish,
       dense_seconds=end(DENSE.name)[1][-1].finish,
       allgather_seconds=end(algorithms.ALLGATHER.name)[1][-1].finish,

@@ -45,7 +45,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from topka2a_jax import placement
+from topka2a_jax import compute, placement
 from topka2a_jax.axis import is_varying
 from topka2a_jax.step import (
     accumulated_gradients,
@@ -55,7 +55,7 @@ from topka2a_jax.step import (
     shardings,
     split_batch,
 )
-from topka2a_jax.transform import PARAM_SPECS, flatten
+from topka2a_jax.transform import BACKWARD_SECONDS, PARAM_SPECS, flatten
 
 
 def _agreed(leaf: jax.Array, axis_name: Hashable) -> jax.Array:
@@ -104,12 +104,13 @@ class NnxTrainStep:
     self._loss_fn, self._mesh, self._axis_name = loss_fn, mesh, axis_name
     self._has_aux, self._micro_batches = has_aux, micro_batches
     self._checked: set[Any] = set()
-    self._jitted = jax.jit(self._run, static_argnames=("graphdef", "tx", "wrt", "specs"),
-                           donate_argnums=(0, 1, 2) if donate else ())
+    self._backward: dict[Any, float] = {}
+    self._jitted = jax.jit(
+        self._run, static_argnames=("graphdef", "tx", "wrt", "specs", "backward"),
+        donate_argnums=(0, 1, 2) if donate else ())
 
-  def _body(self, params, rest, opt_state, keys, batch, *, graphdef, tx, wrt, specs):
-    axis = self._axis_name
-    keys = _device_keys(keys, axis)
+  def _value_and_grad(self, graphdef, wrt, keys):
+    """``(params, rest, batch, key) -> ((loss, aux, rest), grads)`` of the model."""
 
     def value_and_grad(params, rest, micro, _):
       def loss(params):
@@ -121,23 +122,30 @@ class NnxTrainStep:
       (value, (aux, new_rest)), grads = jax.value_and_grad(loss, has_aux=True)(params)
       return (value, aux, new_rest), grads
 
+    return value_and_grad
+
+  def _body(self, params, rest, opt_state, keys, batch, *, graphdef, tx, wrt, specs,
+            backward):
+    axis = self._axis_name
+    value_and_grad = self._value_and_grad(graphdef, wrt, _device_keys(keys, axis))
     local = lax.pcast(params, axis, to="varying")
     loss, grads, aux, rest = accumulated_gradients(
         value_and_grad, local, rest, batch, None, self._micro_batches)
     updates, opt_state = optax.with_extra_args_support(tx).update(
-        grads, opt_state, params, **{PARAM_SPECS: specs})
+        grads, opt_state, params, **{PARAM_SPECS: specs, BACKWARD_SECONDS: backward})
     out = (optax.apply_updates(params, updates),
            jax.tree.map(lambda leaf: _agreed(leaf, axis), rest), opt_state,
            lax.pmean(loss, axis))
     return out + (reduce_metrics(aux, axis),) if self._has_aux else out
 
-  def _run(self, params, rest, opt_state, keys, batch, *, graphdef, tx, wrt, specs):
+  def _run(self, params, rest, opt_state, keys, batch, *, graphdef, tx, wrt, specs,
+           backward):
     spec_tree = flatten(params)[2].unflatten(specs)
     state = placement.state_specs(opt_state, self._axis_name)
     out_specs = (P(), P(), state, P()) + ((P(),) if self._has_aux else ())
     body = jax.shard_map(
         functools.partial(self._body, graphdef=graphdef, tx=tx, wrt=wrt,
-                          specs=spec_tree),
+                          specs=spec_tree, backward=backward),
         mesh=self._mesh, in_specs=(P(), P(), state, P(), P(self._axis_name)),
         out_specs=out_specs, axis_names={self._axis_name})
     return body(params, rest, opt_state, keys,
@@ -166,8 +174,31 @@ class NnxTrainStep:
       inputs = jax.device_put(inputs, (
           param_shardings, replicated, state_shardings, replicated,
           NamedSharding(self._mesh, P(self._axis_name))))
+    backward = self._backward_seconds(graphdef, wrt, params, rest, keys, batch)
     return inputs, {"graphdef": graphdef, "tx": optimizer.tx, "wrt": wrt,
-                    "specs": specs}
+                    "specs": specs, "backward": backward}
+
+  def _backward_seconds(self, graphdef, wrt, params, rest, keys, batch) -> float:
+    """The backward pass's estimate (:func:`topka2a_jax.compute.backward_seconds`)."""
+    parts = self._mesh.shape[self._axis_name] * self._micro_batches
+    shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+    micro = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((x.shape[0] // parts, *x.shape[1:]), x.dtype),
+        batch)
+    args = jax.tree.map(shape, (params, rest, micro))
+    cache_key = (graphdef, jax.tree.structure(args), tuple(
+        (leaf.shape, str(leaf.dtype)) for leaf in jax.tree.leaves(args)))
+    if cache_key not in self._backward:
+      value_and_grad = self._value_and_grad(graphdef, wrt, keys)
+
+      def loss_and_grads(params, rest, micro):
+        (loss, _, _), grads = value_and_grad(params, rest, micro, None)
+        return loss, grads
+
+      seconds, _ = compute.backward_seconds(
+          loss_and_grads, *args, device=compute.device_of(self._mesh.devices.flat[0]))
+      self._backward[cache_key] = seconds * self._micro_batches
+    return self._backward[cache_key]
 
   def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> Any:
     """One step; ``model`` and ``optimizer`` are updated in place.

@@ -7,7 +7,7 @@ reads the normalised values from :class:`Options`.
 Example:
   >>> options = Options.create(0.01)
   >>> options.density, options.algorithm
-  (0.01, 'topka2a')
+  (0.01, 'auto')
 """
 
 from __future__ import annotations
@@ -23,11 +23,17 @@ from jax.sharding import Mesh
 
 from topka2a_jax import algorithms
 from topka2a_jax.collectives import get_selection
-from topka2a_jax.cost import Network, get_network
+from topka2a_jax.cost import AUTO_NETWORK, Network, get_network
 from topka2a_jax.fusion import check_plan_options
 
-DEFAULT_ALGORITHM = algorithms.TOPKA2A.name
-"""The exchange ``topka2a(density)`` runs with no ``algorithm=``."""
+DEFAULT_ALGORITHM = algorithms.AUTO
+"""``topka2a(density)`` with no ``algorithm=``: each bucket its cheapest exchange
+under the cost model on the link (TopKA2A-sparse for large buckets on a
+slow network, dense on a fast one)."""
+
+DEFAULT_SELECTION = "auto"
+"""``topka2a(density)`` with no ``selection=``: the fastest for the backend
+(:func:`topka2a_jax.collectives.auto_magnitudes`)."""
 
 DEFAULT_MIN_SIZE = 1024
 """Leaves with fewer elements go dense.
@@ -108,10 +114,11 @@ class Options:
     error_feedback: whether unsent entries are kept for the next step.
     min_size: smaller leaves go dense and keep no residual.
     fusion: bucket size threshold in elements, or ``"auto"``.
-    network: the link the planner models.
+    network: the link the planner models, or ``"auto"`` (resolved when the
+      update is traced, :func:`topka2a_jax.cost.detected_network`).
     backward_seconds: the backward pass's duration, or None for the default.
     value_dtype: dtype of sparse values on the wire; None sends them as they are.
-    selection: ``"exact"`` or ``"threshold"``.
+    selection: a key of :data:`topka2a_jax.collectives.SELECTIONS`.
     warmup_steps: applied steps exchanged densely first.
     skip_nonfinite: whether a non-finite gradient skips the step everywhere.
     mesh: the mesh ``init`` lays the state out for, or None.
@@ -123,10 +130,10 @@ class Options:
   error_feedback: bool = True
   min_size: int = DEFAULT_MIN_SIZE
   fusion: int | str = "auto"
-  network: Network = dataclasses.field(default_factory=lambda: get_network("eth10"))
+  network: Network | str = AUTO_NETWORK
   backward_seconds: float | None = None
   value_dtype: jnp.dtype | None = None
-  selection: str = "exact"
+  selection: str = DEFAULT_SELECTION
   warmup_steps: int = 0
   skip_nonfinite: bool = True
   mesh: Mesh | None = None
@@ -152,12 +159,12 @@ class Options:
     for name, minimum in (("min_size", 0), ("warmup_steps", 0)):
       if name in normalised:
         normalised[name] = _count(name, normalised[name], minimum)
-    if "network" in normalised:
+    if normalised.get("network", AUTO_NETWORK) != AUTO_NETWORK:
       normalised["network"] = get_network(normalised["network"])
     normalised["backward_seconds"] = _backward_seconds(
         normalised.get("backward_seconds"))
     normalised["value_dtype"] = _value_dtype(normalised.get("value_dtype"))
-    get_selection(normalised.get("selection", "exact"))  # raises for a bad name
+    get_selection(normalised.get("selection", DEFAULT_SELECTION))  # raises if unknown
     normalised["mesh"] = _mesh(normalised.get("mesh"), axis_name)
     return cls(_density(density), **normalised)
 

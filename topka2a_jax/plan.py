@@ -26,6 +26,7 @@ from topka2a_jax.algorithms import (
   TOPKA2A,
   TOPKA2A_SPARSE,
 )
+from topka2a_jax.compute import DEVICES
 from topka2a_jax.cost import NETWORKS, Network, breakeven_density
 from topka2a_jax.fusion import plan_fusion
 from topka2a_jax.options import DEFAULT_ALGORITHM
@@ -99,6 +100,13 @@ def gpt2_small(vocab: int = 50257, layers: int = 12, hidden: int = 768) -> Shape
 MODELS = {"resnet50": resnet50, "bert-base": bert_base, "gpt2": gpt2_small}
 """Known models by the name ``--model`` takes."""
 
+FORWARD_FLOPS = {
+    "resnet50": (8.2e9, "4.1 G multiply-adds per 224 x 224 image"),
+    "bert-base": (2 * 110e6 * 128, "2 FLOP per parameter per token, 128 tokens"),
+    "gpt2": (2 * 124e6 * 1024, "2 FLOP per parameter per token, 1024 tokens"),
+}
+"""Forward FLOPs per sample of each known model, and how they are counted."""
+
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -122,7 +130,12 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--threshold", default="auto",
                       help="bucket size in elements, or auto (default)")
   parser.add_argument("--backward-ms", type=float,
-                      help="backward pass time; default: one dense exchange")
+                      help="backward pass time; default: from --model's FLOPs on "
+                           "--device, else none (no overlap)")
+  parser.add_argument("--device", default="h100", choices=sorted(DEVICES),
+                      help="the devices' rate, for the backward pass (default h100)")
+  parser.add_argument("--batch-per-device", type=int, default=32,
+                      help="samples per device per step (default 32)")
   return parser
 
 
@@ -150,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = plan_fusion(
         sizes, args.devices, args.density, names=names, network=network,
         algorithm=args.algorithm, threshold=threshold,
-        backward_seconds=None if args.backward_ms is None else args.backward_ms / 1e3)
+        **_backward(args))
   except ValueError as error:
     _parser().error(str(error))
   print(plan)
@@ -164,6 +177,22 @@ def main(argv: list[str] | None = None) -> int:
             f"density {_density(dense)} and beats {ALLGATHER.title} above density "
             f"{_density(topka)}")
   return 0
+
+
+def _backward(args: argparse.Namespace) -> dict:
+  """The backward pass's duration and where it comes from, for plan_fusion."""
+  if args.backward_ms is not None:
+    return {"backward_seconds": args.backward_ms / 1e3,
+            "backward_source": "given with --backward-ms"}
+  if not args.model:
+    return {}
+  flops, counted = FORWARD_FLOPS[args.model]
+  device = DEVICES[args.device]
+  return {"backward_seconds": device.seconds(2 * flops * args.batch_per_device),
+          "backward_source": f"twice the forward's {flops / 1e9:.3g} GFLOP per sample "
+                             f"({counted}) x {args.batch_per_device} samples at "
+                             f"{device.flops_per_second / 1e12:.3g} TFLOP/s "
+                             f"({device.source})"}
 
 
 def _density(value: float | None) -> str:

@@ -36,8 +36,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from topka2a_jax import layout, placement
-from topka2a_jax.transform import PARAM_SPECS, flatten
+from topka2a_jax import compute, layout, placement
+from topka2a_jax.transform import BACKWARD_SECONDS, PARAM_SPECS, flatten
 
 LossFn = Callable[..., Any]
 
@@ -210,7 +210,8 @@ class TrainStep:
     self._has_aux, self._micro_batches = has_aux, micro_batches
     self._param_specs = param_specs
     self._checked: set[Any] = set()
-    self._jitted = jax.jit(self._run, static_argnames=("specs",),
+    self._backward: dict[Any, float] = {}
+    self._jitted = jax.jit(self._run, static_argnames=("specs", "backward"),
                            donate_argnums=(0, 1) if donate else ())
 
   def _value_and_grad(self, params, carry, batch, key):
@@ -222,23 +223,24 @@ class TrainStep:
       aux = None
     return (loss, aux, carry), grads
 
-  def _body(self, params, opt_state, batch, key, specs):
+  def _body(self, params, opt_state, batch, key, specs, backward):
     axis = self._axis_name
     local = lax.pcast(params, axis, to="varying")
     loss, grads, aux, _ = accumulated_gradients(
         self._value_and_grad, local, None, batch, device_key(key, axis),
         self._micro_batches)
-    updates, opt_state = self._tx.update(grads, opt_state, params,
-                                         **{PARAM_SPECS: specs})
+    updates, opt_state = self._tx.update(
+        grads, opt_state, params, **{PARAM_SPECS: specs, BACKWARD_SECONDS: backward})
     out = (optax.apply_updates(params, updates), opt_state, lax.pmean(loss, axis))
     return out + (reduce_metrics(aux, axis),) if self._has_aux else out
 
-  def _run(self, params, opt_state, batch, key, specs):
+  def _run(self, params, opt_state, batch, key, specs, backward):
     spec_tree = flatten(params)[2].unflatten(specs)
     state_in = placement.state_specs(opt_state, self._axis_name)
     out_specs = (P(), state_in, P()) + ((P(),) if self._has_aux else ())
     body = jax.shard_map(
-        functools.partial(self._body, specs=spec_tree), mesh=self._mesh,
+        functools.partial(self._body, specs=spec_tree, backward=backward),
+        mesh=self._mesh,
         in_specs=(P(), state_in, P(self._axis_name), P()), out_specs=out_specs,
         axis_names={self._axis_name})
     return body(params, opt_state, split_batch(batch, self._mesh, self._axis_name), key)
@@ -264,17 +266,45 @@ class TrainStep:
                        NamedSharding(self._mesh, P())))
     return params, opt_state, batch, key, specs
 
+  def backward_seconds(self, params: Any, batch: Any,
+                       key: jax.Array | None = None) -> float:
+    """The backward pass's estimated duration on one device, for the planner.
+
+    XLA's cost analysis of one device's gradient over its micro-batches,
+    against its device's rate (:func:`topka2a_jax.compute.backward_seconds`);
+    computed once per shape of the inputs.
+    """
+    shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+    parts = self._mesh.shape[self._axis_name] * self._micro_batches
+    micro = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((x.shape[0] // parts, *x.shape[1:]), x.dtype),
+        batch)
+    args = (jax.tree.map(shape, params), micro) + (() if key is None else (shape(key),))
+    cache_key = (jax.tree.structure(args), tuple(
+        (leaf.shape, str(leaf.dtype)) for leaf in jax.tree.leaves(args)))
+    if cache_key not in self._backward:
+      def loss_and_grads(params, batch, *key):
+        (loss, _, _), grads = self._value_and_grad(params, None, batch, *key or (None,))
+        return loss, grads
+
+      seconds, _ = compute.backward_seconds(
+          loss_and_grads, *args, device=compute.device_of(self._mesh.devices.flat[0]))
+      self._backward[cache_key] = seconds * self._micro_batches
+    return self._backward[cache_key]
+
   def __call__(self, params: Any, opt_state: Any, batch: Any,
                key: jax.Array | None = None) -> tuple[Any, ...]:
     """One step: ``(params, opt_state, loss)``, plus the metrics with ``has_aux``."""
+    backward = self.backward_seconds(params, batch, key)
     *args, specs = self._prepare(params, opt_state, batch, key)
-    return self._jitted(*args, specs=specs)
+    return self._jitted(*args, specs=specs, backward=backward)
 
   def lower(self, params: Any, opt_state: Any, batch: Any,
             key: jax.Array | None = None) -> jax.stages.Lowered:
     """The lowered step, e.g. for :func:`topka2a_jax.comm_report`."""
+    backward = self.backward_seconds(params, batch, key)
     *args, specs = self._prepare(params, opt_state, batch, key)
-    return self._jitted.lower(*args, specs=specs)
+    return self._jitted.lower(*args, specs=specs, backward=backward)
 
 
 def train_step(

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import math
 import sys
 from collections.abc import Hashable, Iterator, Sequence
@@ -52,18 +53,32 @@ from jax.sharding import PartitionSpec as P
 
 from topka2a_jax import exchange, layout
 from topka2a_jax.axis import (
-    bound_axis_size,
-    is_varying,
-    tracks_varying_axes,
+  bound_axis_size,
+  is_varying,
+  tracks_varying_axes,
 )
+from topka2a_jax.cost import AUTO_NETWORK
 from topka2a_jax.nonfinite import NONFINITE
-from topka2a_jax.options import DEFAULT_ALGORITHM, DEFAULT_MIN_SIZE, Options
+from topka2a_jax.options import (
+  DEFAULT_ALGORITHM,
+  DEFAULT_MIN_SIZE,
+  DEFAULT_SELECTION,
+  Options,
+)
 
 PARAM_SPECS = "topka2a_param_specs"
 """Extra argument of the update: the parameters' ``PartitionSpec`` pytree.
 
 :func:`topka2a_jax.train_step` passes it where the partitioner lays the
 parameters out over other mesh axes and their types do not say how."""
+
+
+BACKWARD_SECONDS = "topka2a_backward_seconds"
+"""Extra argument of the update: the backward pass's estimated duration.
+
+:func:`topka2a_jax.train_step` passes it, from XLA's cost analysis of the
+compiled gradient (:mod:`topka2a_jax.compute`); an explicit
+``backward_seconds=`` option wins over it."""
 
 
 class TopKA2AState(NamedTuple):
@@ -113,10 +128,10 @@ def topka2a(
     error_feedback: bool = True,
     min_size: int = DEFAULT_MIN_SIZE,
     fusion: int | str = "auto",
-    network: Any = "eth10",
+    network: Any = AUTO_NETWORK,
     backward_seconds: float | None = None,
     value_dtype: Any = None,
-    selection: str = "exact",
+    selection: str = DEFAULT_SELECTION,
     warmup_steps: int = 0,
     skip_nonfinite: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
@@ -139,12 +154,13 @@ def topka2a(
       for the mesh: residuals per device, each holding its own parameter
       shard's, everything else replicated. Without it, ``init`` reads the
       mesh from the parameters' shardings.
-    algorithm: the exchange: a name in
-      :data:`topka2a_jax.algorithms.REGISTRY` (TopKA2A by default; its
-      sparse-second-phase variant, O(k) volume; TopkA, whose volume grows
-      with the number of devices; dense ``lax.pmean``, which ignores
-      ``density``), or ``"auto"``: each bucket takes the cheapest under the
-      cost model on ``network``.
+    algorithm: ``"auto"`` (the default): each bucket takes the cheapest
+      exchange under the cost model on ``network``, dense where compression
+      does not pay (small buckets, fast links). Or one name in
+      :data:`topka2a_jax.algorithms.REGISTRY` for every large bucket: the
+      paper's TopKA2A; its sparse-second-phase variant, O(k) volume; TopkA,
+      whose volume grows with the number of devices; dense ``lax.pmean``,
+      which ignores ``density``.
     error_feedback: keep what was not sent and add it to the next step's
       gradient. Without it the unsent mass is dropped and accuracy suffers.
     min_size: leaves with fewer elements on a device go dense.
@@ -152,19 +168,26 @@ def topka2a(
       many elements (a larger leaf gets a bucket of its own); ``"auto"``
       finds the threshold at trace time by binary search on the cost model's
       predicted step time (:mod:`topka2a_jax.fusion`).
-    network: the link the cost model plans for: a preset name
+    network: the link the cost model plans for: ``"auto"`` (the default:
+      ``eth10`` between processes, ``nvlink`` among one process's
+      accelerators; :func:`topka2a_jax.cost.detected_network`), a preset name
       (:data:`topka2a_jax.NETWORKS`) or a measured :class:`topka2a_jax.Network`.
       Used by ``fusion="auto"`` and ``algorithm="auto"``.
     backward_seconds: the backward pass's duration, which bucket exchanges
-      overlap; by default as long as one dense exchange of the gradient.
+      overlap. By default :func:`topka2a_jax.train_step` estimates it from
+      XLA's cost analysis of the compiled gradient against the device's rate
+      (:mod:`topka2a_jax.compute`); in a hand-written step, no overlap is
+      assumed.
     value_dtype: dtype of the sparse values on the wire, e.g.
       ``jnp.bfloat16``; accumulation stays in float32 and the rounding stays
       in the residual. None sends float32. Indices always travel in the
       narrowest unsigned type that fits (uint16 for shards of up to 65,536).
-    selection: ``"exact"`` top-k (a sort), or ``"threshold"``: a magnitude
-      threshold found in a few passes, several times faster on large buckets
-      and typically within 1% of exact top-k's magnitude mass (less close
-      at densities near 0.05; :mod:`topka2a_jax.threshold`).
+    selection: ``"auto"`` (the default: the fastest for the backend,
+      :func:`topka2a_jax.collectives.auto_magnitudes`), ``"exact"`` top-k (a
+      sort), ``"threshold"`` (a magnitude threshold found in a few passes,
+      many times faster on large buckets and typically within 1% of exact
+      top-k's magnitude mass, less close at densities near 0.05;
+      :mod:`topka2a_jax.threshold`) or ``"approx"`` (``lax.approx_max_k``).
     warmup_steps: exchange densely (``lax.pmean``) for this many applied
       steps, then sparsely. The switch happens at run time inside the one
       compiled step; the residuals are zero when sparsification begins.
@@ -350,6 +373,9 @@ def update_state(options: Options, updates: optax.Updates, state: TopKA2AState,
     TypeError: non-floating gradients or a state of another transform.
   """
   bound_axis_size(options.axis_name)
+  if options.backward_seconds is None and BACKWARD_SECONDS in extra_args:
+    options = dataclasses.replace(options,
+                                  backward_seconds=extra_args[BACKWARD_SECONDS])
   paths, grads, treedef, full = flatten(updates)
   _check_floating(grads, paths, "gradient")
   residuals = _matching_residuals(options, treedef, state, grads, paths,
