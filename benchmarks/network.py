@@ -22,6 +22,10 @@ Run:
   python benchmarks/network.py [--rate 1gbit] [--delay-ms 0] [--processes 4]
       [--sizes 1000000 8000000 25000000] [--densities 0.01 0.05 0.1]
       [--repeats 5] [--selection threshold] [--json out.json]
+
+Beside the exchanges, it times the defaults' whole update (``topka2a(density)``
+with no other option: the planner's algorithm, the backend's selection) on
+the same buffer, and prints it against dense.
 """
 
 from __future__ import annotations
@@ -90,6 +94,36 @@ class ShapedNamespace:
     return ["ip", "netns", "exec", self.name, *argv]
 
 
+DEFAULTS = "defaults"
+"""The row of ``topka2a(density)`` with no other option, its exchange timed."""
+
+
+def defaults_seconds(mesh, buffer, density: float, repeats: int) -> float:
+  """Median time of the defaults' update of one ``buffer``-sized gradient."""
+  import time
+
+  import jax
+  import numpy as np
+  from jax.experimental import multihost_utils
+  from jax.sharding import PartitionSpec as P
+
+  import topka2a_jax
+
+  tx = topka2a_jax.topka2a(density, mesh=mesh)
+  state = tx.init([jax.ShapeDtypeStruct((buffer.shape[0] // mesh.size,), buffer.dtype)])
+  specs = topka2a_jax.state_specs(state)
+  run = jax.jit(jax.shard_map(lambda b, s: tx.update([b], s)[0][0], mesh=mesh,
+                              in_specs=(P("data"), specs), out_specs=P()))
+  run(buffer, state).block_until_ready()
+  seconds = []
+  for _ in range(repeats):
+    multihost_utils.sync_global_devices("defaults")
+    start = time.perf_counter()
+    run(buffer, state).block_until_ready()
+    seconds.append(time.perf_counter() - start)
+  return float(np.median(seconds))
+
+
 def worker(sizes: list[int], densities: list[float], repeats: int,
            selection: str, out: str) -> None:
   """Inside the namespace, on every process: time the exchanges."""
@@ -128,6 +162,12 @@ def worker(sizes: list[int], densities: list[float], repeats: int,
         if jax.process_index() == 0:
           print(f"{algorithm:15s} {size:>11,} {density:5g} "
                 f"{rows[-1]['seconds']:.4f} s", flush=True)
+    for density in densities:
+      rows.append({"size": size, "algorithm": DEFAULTS, "density": density,
+                   "seconds": defaults_seconds(mesh, buffer, density, repeats)})
+      if jax.process_index() == 0:
+        print(f"{DEFAULTS:15s} {size:>11,} {density:5g} "
+              f"{rows[-1]['seconds']:.4f} s", flush=True)
   if jax.process_index() == 0:
     Path(out).write_text(json.dumps(rows))
 
@@ -177,6 +217,8 @@ def fit(rows: list[dict], processes: int) -> tuple[float, float, float, float]:
 
 def report(rows: list[dict], processes: int, rate: str) -> list[dict]:
   """Prints the table; returns the rows with ratios and predictions."""
+  defaults = [r for r in rows if r["algorithm"] == DEFAULTS]
+  rows = [r for r in rows if r["algorithm"] != DEFAULTS]
   alpha, bandwidth, per_element, per_entry = fit(rows, processes)
 
   def predicted(row: dict) -> float:
@@ -217,7 +259,13 @@ def report(rows: list[dict], processes: int, rate: str) -> list[dict]:
       verdict = f"{'as' if faster == expected else 'NOT as'} the model says"
     print(f"  {r['size']:11,} at {r['density']:g}: {faster} faster by "
           f"{margin:.0%} ({verdict})")
-  return rows
+  print("\nThe defaults, topka2a(density) with no other option:")
+  for r in defaults:
+    base = dense[r["size"]]
+    r["ratio"] = r["seconds"] / base["seconds"]
+    print(f"  {r['size']:11,} at {r['density']:g}: {r['seconds']:.4f} s, "
+          f"{r['ratio']:.3f}x dense")
+  return rows + defaults
 
 
 def main() -> int:

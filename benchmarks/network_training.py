@@ -1,0 +1,220 @@
+"""End-to-end training on a real, bandwidth-limited link: dense against sparse.
+
+Starts P processes (one CPU device each, gloo over TCP) inside the shaped
+network namespace of ``benchmarks/network.py`` (loopback at 1 Gbit/s by
+default) and trains the same model from the same initialisation and batches
+once per configuration: dense ``lax.pmean``, the defaults
+(``topka2a(density)``), TopKA2A as the paper runs it (exact selection),
+TopKA2A-sparse and TopkA (the threshold search). Every step is forward,
+backward, exchange and Adam, through :func:`topka2a_jax.train_step`.
+
+The model is a byte-level transformer on the examples' data (the Python
+standard library's source, ``examples/train_charlm.py``), made wide (width
+384, 4 layers: 7.3M parameters) and fed few tokens per step (2 x 64 bytes per
+process): its dense exchange then takes several times its compute on this
+link, as the paper's models' exchanges did on theirs. (The examples' digits
+CNN, 73k parameters, is bound by its compute.)
+
+Reports seconds per step (median), the training time to reach a fixed
+validation loss (evaluations excluded), and the final validation loss.
+
+Run:
+  python benchmarks/network_training.py [--rate 1gbit] [--processes 4]
+      [--steps 300] [--density 0.01] [--target 2.6] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import network  # benchmarks/network.py: the shaped namespace
+
+ROOT = Path(__file__).resolve().parent.parent
+WIDTH, LAYERS, HEADS, CONTEXT, BATCH_PER_DEVICE = 384, 4, 6, 64, 2
+RUNS = {
+    "dense": {"algorithm": "dense"},
+    "defaults": {},
+    "topka2a (paper)": {"algorithm": "topka2a", "selection": "exact"},
+    "topka2a_sparse": {"algorithm": "topka2a_sparse", "selection": "threshold"},
+    "allgather (TopkA)": {"algorithm": "allgather", "selection": "threshold"},
+}
+"""Configurations: name -> options of ``topka2a`` besides the density."""
+
+
+def init(key):
+  """The transformer's parameters: embeddings, LAYERS blocks, head."""
+  import jax
+  import jax.numpy as jnp
+
+  keys = iter(jax.random.split(key, 4 + 4 * LAYERS))
+  normal = lambda shape, scale: scale * jax.random.normal(next(keys), shape)
+  params = {"embed": normal((256, WIDTH), 0.02), "position": normal((CONTEXT, WIDTH), 0.02),
+            "head": normal((WIDTH, 256), WIDTH ** -0.5)}
+  for layer in range(LAYERS):
+    params[f"block{layer}"] = {
+        "qkv": normal((WIDTH, 3 * WIDTH), WIDTH ** -0.5),
+        "proj": normal((WIDTH, WIDTH), WIDTH ** -0.5 / LAYERS),
+        "up": normal((WIDTH, 4 * WIDTH), WIDTH ** -0.5),
+        "down": normal((4 * WIDTH, WIDTH), (4 * WIDTH) ** -0.5 / LAYERS),
+        "norm1": jnp.ones(WIDTH), "norm2": jnp.ones(WIDTH)}
+  return params
+
+
+def loss(params, windows):
+  """Mean next-byte cross-entropy of ``windows`` (B, CONTEXT + 1), nats per byte."""
+  import jax
+  import jax.numpy as jnp
+
+  def norm(x, scale):
+    return scale * (x - x.mean(-1, keepdims=True)) / jnp.sqrt(x.var(-1, keepdims=True) + 1e-5)
+
+  tokens, targets = windows[:, :-1], windows[:, 1:]
+  batch, length = tokens.shape
+  x = params["embed"][tokens] + params["position"][:length]
+  causal = jnp.tril(jnp.ones((length, length), bool))
+  for layer in range(LAYERS):
+    p = params[f"block{layer}"]
+    q, k, v = jnp.split(norm(x, p["norm1"]) @ p["qkv"], 3, axis=-1)
+    heads = lambda t: t.reshape(batch, length, HEADS, WIDTH // HEADS)
+    attended = jax.nn.dot_product_attention(heads(q), heads(k), heads(v),
+                                            mask=causal[None, None])
+    x = x + attended.reshape(batch, length, WIDTH) @ p["proj"]
+    x = x + jax.nn.gelu(norm(x, p["norm2"]) @ p["up"]) @ p["down"]
+  logits = x @ params["head"]
+  return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None],
+                                       axis=-1))
+
+
+def worker(args: argparse.Namespace) -> None:
+  """Inside the namespace, on every process: train every configuration."""
+  import topka2a_jax.distributed
+
+  topka2a_jax.distributed.initialize()
+  import jax
+  import numpy as np
+  import optax
+  from jax.experimental import multihost_utils
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import topka2a_jax
+
+  sys.path.insert(0, str(ROOT / "examples"))
+  from train_charlm import load_text
+
+  train, valid = load_text()
+  mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: d.id)), ("data",))
+  rng = np.random.default_rng(0)
+  size = BATCH_PER_DEVICE * mesh.size
+  starts = rng.integers(0, len(train) - CONTEXT - 1, (args.steps, size))
+  batches = [np.stack([train[s:s + CONTEXT + 1] for s in row]) for row in starts]
+  valid_windows = np.lib.stride_tricks.sliding_window_view(valid, CONTEXT + 1)[::CONTEXT][:64]
+  validation = jax.jit(loss)
+  rows = []
+  for name, options in RUNS.items():
+    warmup = min(30, args.steps // 4)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 2e-3, warmup,
+                                                  max(args.steps, warmup + 1))
+    tx = optax.chain(topka2a_jax.topka2a(args.density, mesh=mesh, **options),
+                     optax.adam(schedule))
+    params = jax.tree.map(lambda v: jax.make_array_from_callback(
+        v.shape, NamedSharding(mesh, P()), lambda index, v=v: np.asarray(v)[index]),
+        init(jax.random.key(0)))
+    state, step = tx.init(params), topka2a_jax.train_step(loss, tx, mesh)
+    params, state, _ = step(params, state, batches[0])  # compiles
+    jax.block_until_ready(params)
+    params = jax.tree.map(lambda v: jax.make_array_from_callback(
+        v.shape, NamedSharding(mesh, P()), lambda index, v=v: np.asarray(v)[index]),
+        init(jax.random.key(0)))
+    state = tx.init(params)
+    seconds, evals = [], []
+    for i, batch in enumerate(batches, 1):
+      multihost_utils.sync_global_devices(f"{name} {i}")
+      start = time.perf_counter()
+      params, state, _ = step(params, state, batch)
+      jax.block_until_ready(params)
+      seconds.append(time.perf_counter() - start)
+      if i % args.eval_every == 0 or i == args.steps:
+        evals.append((i, float(validation(params, valid_windows))))
+    rows.append({"run": name, "seconds": seconds, "evals": evals})
+    if jax.process_index() == 0:
+      print(f"{name:20s} {np.median(seconds):.3f} s/step, valid loss "
+            f"{evals[-1][1]:.4f}", flush=True)
+  if jax.process_index() == 0:
+    Path(args.worker).write_text(json.dumps(rows))
+
+
+def report(rows: list[dict], target: float) -> list[dict]:
+  """Prints the table; returns the rows with their summary figures."""
+  import numpy as np
+
+  dense = rows[0]
+  print(f"\n{'run':20s} {'s/step':>7s} {'vs dense':>8s} {'steps to':>8s} "
+        f"{'time to':>8s} {'vs dense':>8s} {'final':>7s}")
+  print(f"{'':20s} {'':>7s} {'':>8s} {target:>8.2f} {target:>8.2f} {'':>8s} "
+        f"{'loss':>7s}")
+  for row in rows:
+    seconds = np.asarray(row["seconds"])
+    reached = next((i for i, value in row["evals"] if value <= target), None)
+    row.update(step_s=float(np.median(seconds)), final=row["evals"][-1][1],
+               steps_to_target=reached,
+               time_to_target=None if reached is None else float(seconds[:reached].sum()))
+  for row in rows:
+    ratio = (row["time_to_target"] / dense["time_to_target"]
+             if row["time_to_target"] and dense["time_to_target"] else None)
+    row["time_ratio"] = ratio
+    print(f"{row['run']:20s} {row['step_s']:7.3f} {row['step_s'] / dense['step_s']:7.3f}x "
+          f"{row['steps_to_target'] or '-':>8} "
+          f"{row['time_to_target'] or float('nan'):8.1f} "
+          f"{'-' if ratio is None else f'{ratio:.3f}x':>8s} {row['final']:7.4f}")
+  return rows
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--rate", default="1gbit")
+  parser.add_argument("--processes", type=int, default=4)
+  parser.add_argument("--steps", type=int, default=300)
+  parser.add_argument("--eval-every", type=int, default=10)
+  parser.add_argument("--density", type=float, default=0.01)
+  parser.add_argument("--target", type=float, default=2.6,
+                      help="validation loss (nats per byte) whose time to reach is shown")
+  parser.add_argument("--json", help="also write the rows here")
+  parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.worker:
+    worker(args)
+    return 0
+  out = Path(tempfile.mkdtemp()) / "rows.json"
+  print(f"{args.processes} processes on loopback at {args.rate}; transformer of "
+        f"{WIDTH} x {LAYERS} layers, {BATCH_PER_DEVICE} x {CONTEXT} bytes per "
+        f"process and step; density {args.density}; {args.steps} steps per run")
+  try:
+    with network.ShapedNamespace(args.rate, 0.0) as namespace:
+      launch = namespace.command(
+          sys.executable, "-m", "topka2a_jax.launch", "-n", str(args.processes),
+          __file__, "--worker", str(out), "--steps", str(args.steps),
+          "--eval-every", str(args.eval_every), "--density", str(args.density))
+      status = subprocess.run(launch, cwd=ROOT, check=False).returncode
+  except network.NetworkUnavailable as error:
+    print(f"cannot make a shaped network namespace here: {error}", file=sys.stderr)
+    return 2
+  if status:
+    print(f"the training processes failed (status {status})", file=sys.stderr)
+    return status
+  rows = report(json.loads(out.read_text()), args.target)
+  if args.json:
+    Path(args.json).write_text(json.dumps(
+        {"rate": args.rate, "processes": args.processes, "density": args.density,
+         "target": args.target, "rows": rows}, indent=1))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
