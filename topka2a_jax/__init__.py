@@ -27,7 +27,8 @@ Read it top-down:
   (hosts), and the local launcher that starts them.
 * :mod:`topka2a_jax.fusion`: planning buckets with the cost model; the
   online variant that times real steps is :mod:`topka2a_jax.tuning`.
-* :mod:`topka2a_jax.cost`: the α-β cost of each exchange.
+* :mod:`topka2a_jax.cost`: the α-β cost of each exchange;
+  :mod:`topka2a_jax.compute`: how long the backward pass takes.
 * :mod:`topka2a_jax.report`: the collectives a compiled program really runs.
 * :mod:`topka2a_jax.algorithms`: every exchange, its collective and its cost
   terms, in one registry.
