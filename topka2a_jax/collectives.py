@@ -93,13 +93,15 @@ def auto_choice() -> str:
 def auto_magnitudes(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   """The selection for this backend and row size: ``selection="auto"``.
 
-  * TPU: ``approx_max_k``, which the TPU runs as an approximate top-k.
+  * TPU: ``approx_max_k``, the one backend its documentation says it is
+    optimised for (unmeasured here: the repo has no TPU runs).
   * Other backends: the threshold search (:mod:`topka2a_jax.threshold`). On
-    a CPU, ``benchmarks/selection.py`` measures it 5 to 40 times faster than
-    the exact sort on rows of millions of entries, where ``approx_max_k``
-    runs as the sort. On GPUs it is the choice until ``benchmarks/gpu.py``
-    measures otherwise. Rows too short for it to gain, and selections of
-    more than a quarter of a row, sort exactly (it falls back by itself).
+    a CPU, ``benchmarks/selection.py`` measures it 2 to 34 times faster than
+    the exact sort on rows of 1M to 100M entries (19 to 34 from 25M up),
+    and ``approx_max_k`` no faster than the sort. On GPUs it is the choice
+    until ``benchmarks/gpu.py`` measures otherwise. Rows too short for it
+    to gain, and selections of more than a quarter of a row, sort
+    exactly (it falls back by itself).
 
   Args:
     rows: ``(R, n)`` floating array.
@@ -202,7 +204,8 @@ def allgather(
     axis_name: the mesh axis to average over.
     density: fraction of entries to send, in (0, 1].
     value_dtype: dtype of the values on the wire; None sends them as they are.
-    selection: ``"exact"`` or ``"threshold"``, a key of :data:`SELECTIONS`.
+    selection: a key of :data:`SELECTIONS` (``"auto"``, ``"exact"``,
+      ``"threshold"`` or ``"approx"``).
 
   Returns:
     The :class:`Exchange`.
@@ -290,7 +293,8 @@ def topka2a(
     axis_name: the mesh axis to average over.
     density: fraction of entries to send, in (0, 1].
     value_dtype: dtype of the values on the wire; None sends them as they are.
-    selection: ``"exact"`` or ``"threshold"``, a key of :data:`SELECTIONS`.
+    selection: a key of :data:`SELECTIONS` (``"auto"``, ``"exact"``,
+      ``"threshold"`` or ``"approx"``).
 
   Returns:
     The :class:`Exchange`.
@@ -332,7 +336,8 @@ def topka2a_sparse(
     axis_name: the mesh axis to average over.
     density: fraction of entries to send, in (0, 1], in each phase.
     value_dtype: dtype of the values on the wire; None sends them as they are.
-    selection: ``"exact"`` or ``"threshold"``, a key of :data:`SELECTIONS`.
+    selection: a key of :data:`SELECTIONS` (``"auto"``, ``"exact"``,
+      ``"threshold"`` or ``"approx"``).
 
   Returns:
     The :class:`Exchange`.

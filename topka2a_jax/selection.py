@@ -92,7 +92,8 @@ def approx_magnitudes(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   """Selects ``k`` large-magnitude entries of every row with ``lax.approx_max_k``.
 
   On TPUs an approximate top-k that keeps about 95% of the exact top-k's
-  entries; XLA's CPU and GPU backends run it as the exact sort.
+  entries; other backends run XLA's fallback, which on a CPU takes as long
+  as the exact sort and returns the same entries.
 
   Args:
     rows: array of shape ``(..., n)``.

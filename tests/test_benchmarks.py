@@ -1,0 +1,62 @@
+"""The benchmarks' own arithmetic, and the GPU script as a smoke run on CPU."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
+
+
+def load(name):
+  """A benchmark script as a module (``benchmarks/`` is not a package)."""
+  sys.path.insert(0, str(BENCHMARKS))
+  try:
+    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+  finally:
+    sys.path.remove(str(BENCHMARKS))
+  return module
+
+
+def test_time_to_target_sums_the_steps_before_the_first_evaluation_below_it():
+  network_training = load("network_training")
+  rows = [
+      # Reaches 2.0 at its step-4 evaluation: 4 steps of 1 s.
+      {"run": "dense", "seconds": [1.0] * 6, "evals": [(2, 3.0), (4, 2.0), (6, 1.5)]},
+      # Reaches it at step 2 (0.5 + 0.25 s), then goes above it again.
+      {"run": "sparse", "seconds": [0.5, 0.25, 0.25, 0.25, 0.25, 0.25],
+       "evals": [(2, 1.9), (4, 2.5), (6, 2.2)]},
+      # Never reaches it.
+      {"run": "never", "seconds": [0.1] * 6, "evals": [(2, 3.0), (4, 2.9), (6, 2.8)]},
+  ]
+  dense, sparse, never = network_training.report(rows, target=2.0)
+  assert (dense["steps_to_target"], dense["time_to_target"]) == (4, 4.0)
+  assert (sparse["steps_to_target"], sparse["time_to_target"]) == (2, 0.75)
+  assert sparse["time_ratio"] == pytest.approx(0.75 / 4.0)
+  assert sparse["step_s"] == 0.25 and sparse["final"] == 2.2
+  assert never["steps_to_target"] is None and never["time_ratio"] is None
+
+
+@pytest.mark.slow
+def test_gpu_script_runs_small_on_cpu(tmp_path):
+  out = tmp_path / "gpu.json"
+  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  result = subprocess.run(
+      [sys.executable, str(BENCHMARKS / "gpu.py"), "--small", "--repeats", "1",
+       "--json", str(out)], env=env, capture_output=True, text=True, timeout=600,
+      check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  written = json.loads(out.read_text())
+  assert written["platform"] == "cpu"
+  assert [row["density"] for row in written["selection"]] == [0.001, 0.01, 0.05] * 2
+  assert {row["auto"] for row in written["selection"]} == {"threshold"}
+  assert [row["run"] for row in written["steps"]] == [
+      "dense (nothing to send)", "defaults", "topka2a, exact", "topka2a, threshold",
+      "topka2a, approx"]
+  assert all(row["seconds"] > 0 for row in written["steps"])
