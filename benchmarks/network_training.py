@@ -20,7 +20,8 @@ validation loss (evaluations excluded), and the final validation loss.
 
 Run:
   python benchmarks/network_training.py [--rate 1gbit] [--processes 4]
-      [--steps 300] [--density 0.01] [--target 2.6] [--json out.json]
+      [--steps 300] [--density 0.01] [--target 2.6] [--runs RUN ...]
+      [--json out.json]
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ def worker(args: argparse.Namespace) -> None:
   valid_windows = np.lib.stride_tricks.sliding_window_view(valid, CONTEXT + 1)[::CONTEXT][:64]
   validation = jax.jit(loss)
   rows = []
-  for name, options in RUNS.items():
+  for name in args.runs:
+    options = RUNS[name]
     warmup = min(30, args.steps // 4)
     schedule = optax.warmup_cosine_decay_schedule(0.0, 2e-3, warmup,
                                                   max(args.steps, warmup + 1))
@@ -185,6 +187,9 @@ def main() -> int:
   parser.add_argument("--density", type=float, default=0.01)
   parser.add_argument("--target", type=float, default=2.6,
                       help="validation loss (nats per byte) whose time to reach is shown")
+  parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS),
+                      metavar="RUN", help="subset of the runs (the first is the "
+                      "baseline of the ratios)")
   parser.add_argument("--json", help="also write the rows here")
   parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
   args = parser.parse_args()
@@ -200,7 +205,8 @@ def main() -> int:
       launch = namespace.command(
           sys.executable, "-m", "topka2a_jax.launch", "-n", str(args.processes),
           __file__, "--worker", str(out), "--steps", str(args.steps),
-          "--eval-every", str(args.eval_every), "--density", str(args.density))
+          "--eval-every", str(args.eval_every), "--density", str(args.density),
+          "--runs", *args.runs)
       status = subprocess.run(launch, cwd=ROOT, check=False).returncode
   except network.NetworkUnavailable as error:
     print(f"cannot make a shaped network namespace here: {error}", file=sys.stderr)
