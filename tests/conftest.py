@@ -27,6 +27,22 @@ import topka2a_jax
 NUM_DEVICES = 8
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+  """The quick subset (``-m "not slow"``) runs each test once, with its first parameters.
+
+  Every later parameter set of a test is marked slow, so the full suite runs
+  them all; the docstring examples (``test_docs.py``, one case per module)
+  all stay quick.
+  """
+  seen = set()
+  for item in items:
+    test = item.nodeid.split("[")[0]
+    if test in seen and not item.nodeid.startswith("tests/test_docs.py"):
+      item.add_marker(pytest.mark.slow)
+    seen.add(test)
+
+
 @pytest.fixture(scope="session")
 def mesh():
   """All 8 devices on one data-parallel axis, "data"."""

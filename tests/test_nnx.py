@@ -130,6 +130,7 @@ class Sharded(nnx.Module):
     return self.down(jnp.tanh(self.up(x)))
 
 
+@pytest.mark.slow
 def test_annotated_model_on_a_2d_mesh_inside_nnx_jit(mesh):
   # Inside nnx.jit the arrays cannot say how they are split; the annotations
   # can, so the run is the functional step's on the same parameters (which

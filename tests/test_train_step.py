@@ -55,30 +55,19 @@ def hand_written(tx, mesh, params, batches, loss_fn=mlp_loss):
   return history
 
 
-def library_step(tx, mesh, params, batches, **options):
-  """topka2a_jax.train_step from tx.init: every step's (params, state, loss)."""
-  step = topka2a_jax.train_step(options.pop("loss_fn", mlp_loss), tx, mesh, **options)
-  state = tx.init(params)
-  history = []
-  for batch in batches:
-    params, state, loss = step(params, state, batch)
-    history.append(jax.tree.map(np.asarray, (params, state, loss)))
-  return history
-
-
 def minibatches(batch, count, size=64):
   x, y = batch
   return [(x[i * size:(i + 1) * size], y[i * size:(i + 1) * size])
           for i in range(count)]
 
 
-def test_twenty_steps_bitwise_as_the_hand_written_step(mesh):
+def test_twenty_steps_bitwise_as_the_hand_written_step(mesh, train_steps):
   params, data = mlp_problem()
   batches = (minibatches(data, 8) * 3)[:20]  # 20 steps, 64 samples each
   tx = optax.chain(topka2a_jax.topka2a(0.01, algorithm="topka2a", mesh=mesh),
                    optax.adam(1e-2))
   theirs = hand_written(tx, mesh, params, batches)
-  ours = library_step(tx, mesh, params, batches)
+  ours = train_steps(tx, mesh, mlp_loss, params, batches, donate=True)
   assert len(ours) == 20
   for mine, reference in zip(ours, theirs):
     chex.assert_trees_all_equal(mine, reference)
@@ -285,6 +274,7 @@ def test_2d_sparse_loses_nothing_and_keeps_shard_sized_residuals(
     assert shard_bytes == params[k].nbytes // (1 if k == "c" else 2)
 
 
+@pytest.mark.slow
 def test_2d_exchange_adds_no_collective_over_model(auto_mesh, sharded_problem):
   params, batches = sharded_problem
 

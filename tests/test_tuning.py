@@ -26,6 +26,7 @@ def test_bad_ranges():
     tune_fusion(lambda t: (lambda: None), 1, 10, points=1)
 
 
+@pytest.mark.slow
 def test_times_real_steps(mesh):
   params = {f"w{i}": jnp.ones((64, 64)) for i in range(4)}
   batch = jnp.ones((64, 64))

@@ -49,7 +49,7 @@ from topka2a_jax import compute, placement
 from topka2a_jax.axis import is_varying
 from topka2a_jax.step import (
     accumulated_gradients,
-    check_batch,
+    check_inputs,
     reduce_metrics,
     resolve_param_specs,
     shardings,
@@ -156,12 +156,8 @@ class NnxTrainStep:
     wrt = optimizer.wrt
     graphdef, params, keys, rest = nnx.split(model, wrt, nnx.RngKey, ...)
     opt_state = nnx.as_pure(optimizer.opt_state)
-    structure = jax.tree.structure(opt_state)
-    if structure not in self._checked:
-      placement.check_chain(opt_state, require_exchange=True)
-      self._checked.add(structure)
-    check_batch(batch, self._mesh.shape[self._axis_name], self._micro_batches,
-                self._axis_name)
+    check_inputs(self._checked, opt_state, batch, self._mesh, self._axis_name,
+                 self._micro_batches)
     read = resolve_param_specs(params, self._mesh, self._axis_name,
                                _annotated_specs(params))
     specs = tuple(P() if s is None else s for s in read)

@@ -74,6 +74,29 @@ def check_batch(batch: Any, num_devices: int, micro_batches: int,
           "remainder of the batch.")
 
 
+def check_inputs(checked: set[Any], opt_state: Any, batch: Any, mesh: Mesh,
+                 axis_name: Hashable, micro_batches: int) -> None:
+  """What a step checks before it traces: the chain order and the batch's split.
+
+  The chain is checked once per state structure (``checked`` remembers them).
+
+  Raises:
+    ValueError: from :func:`topka2a_jax.placement.check_chain` or
+      :func:`check_batch`, naming the problem and the fix.
+
+  Example:
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> check_inputs(set(), (), {"x": jnp.zeros((4, 3))}, mesh, "data", 2)
+    Traceback (most recent call last):
+    ValueError: the optimizer holds no topka2a exchange, so nothing would average the gradients across devices. Chain one first: optax.chain(topka2a_jax.topka2a(density), ...) (algorithm='dense' for a dense baseline).
+  """
+  structure = jax.tree.structure(opt_state)
+  if structure not in checked:
+    placement.check_chain(opt_state, require_exchange=True)
+    checked.add(structure)
+  check_batch(batch, mesh.shape[axis_name], micro_batches, axis_name)
+
+
 def device_key(key: jax.Array | None, axis_name: Hashable) -> jax.Array | None:
   """This device's random key: ``fold_in(key, index along the data axis)``."""
   if key is None:
@@ -247,12 +270,8 @@ class TrainStep:
 
   def _prepare(self, params, opt_state, batch, key):
     """Checks the inputs; places concrete ones on the mesh; the specs to trace with."""
-    structure = jax.tree.structure(opt_state)
-    if structure not in self._checked:
-      placement.check_chain(opt_state, require_exchange=True)
-      self._checked.add(structure)
-    check_batch(batch, self._mesh.shape[self._axis_name], self._micro_batches,
-                self._axis_name)
+    check_inputs(self._checked, opt_state, batch, self._mesh, self._axis_name,
+                 self._micro_batches)
     specs = resolve_param_specs(params, self._mesh, self._axis_name,
                                 self._param_specs)
     specs = tuple(P() if s is None else s for s in specs)  # unknown: whole
