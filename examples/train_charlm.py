@@ -14,7 +14,7 @@ time; writes a PNG of validation and training loss against step, and JSON.
 Run:
   python examples/train_charlm.py [--steps 600] [--seeds 0] [--quick]
 
-``--quick`` is a one-minute smoke run (few steps, three runs). On a machine
+``--quick`` is a two-minute smoke run (few steps, three runs). On a machine
 with accelerators, drop the XLA_FLAGS line.
 """
 
