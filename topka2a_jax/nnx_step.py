@@ -50,6 +50,7 @@ from topka2a_jax.axis import is_varying
 from topka2a_jax.step import (
     accumulated_gradients,
     check_inputs,
+    check_step_options,
     reduce_metrics,
     resolve_param_specs,
     shardings,
@@ -273,12 +274,6 @@ def nnx_train_step(
     >>> model.layers[1].mean.shape  # batch statistics, averaged over devices
     (32,)
   """
-  if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or (
-      micro_batches < 1):
-    raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
-  if axis_name not in mesh.axis_names:
-    raise ValueError(f"mesh has no axis {axis_name!r}; its axes are "
-                     f"{mesh.axis_names}. Pass the data-parallel axis with "
-                     "axis_name=...")
+  check_step_options(mesh, axis_name, micro_batches)
   return NnxTrainStep(loss_fn, mesh, axis_name=axis_name, has_aux=has_aux,
                       micro_batches=micro_batches, donate=donate)

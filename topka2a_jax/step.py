@@ -74,6 +74,23 @@ def check_batch(batch: Any, num_devices: int, micro_batches: int,
           "remainder of the batch.")
 
 
+def check_step_options(mesh: Mesh, axis_name: Hashable, micro_batches: int) -> None:
+  """Raises unless ``axis_name`` is a mesh axis and ``micro_batches`` an int >= 1.
+
+  Example:
+    >>> check_step_options(jax.make_mesh((8,), ("data",)), "batch", 1)
+    Traceback (most recent call last):
+    ValueError: mesh has no axis 'batch'; its axes are ('data',). Pass the data-parallel axis with axis_name=...
+  """
+  if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or (
+      micro_batches < 1):
+    raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
+  if axis_name not in mesh.axis_names:
+    raise ValueError(f"mesh has no axis {axis_name!r}; its axes are "
+                     f"{mesh.axis_names}. Pass the data-parallel axis with "
+                     "axis_name=...")
+
+
 def check_inputs(checked: set[Any], opt_state: Any, batch: Any, mesh: Mesh,
                  axis_name: Hashable, micro_batches: int) -> None:
   """What a step checks before it traces: the chain order and the batch's split.
@@ -399,13 +416,7 @@ def train_step(
     >>> int(metrics["kept"]) <= 64 * 32  # a count over the global batch
     True
   """
-  if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or (
-      micro_batches < 1):
-    raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
-  if axis_name not in mesh.axis_names:
-    raise ValueError(f"mesh has no axis {axis_name!r}; its axes are "
-                     f"{mesh.axis_names}. Pass the data-parallel axis with "
-                     "axis_name=...")
+  check_step_options(mesh, axis_name, micro_batches)
   return TrainStep(loss_fn, tx, mesh, axis_name=axis_name, has_aux=has_aux,
                    micro_batches=micro_batches, param_specs=param_specs,
                    donate=donate)
