@@ -177,12 +177,13 @@ def test_one_device_mesh_trains(train_steps):
   assert np.abs(history[-1][0]["w"]).max() < 0.5
 
 
+@pytest.mark.parametrize("selection", ["threshold", "approx", "auto"])
 @pytest.mark.parametrize("algorithm", ["topka2a", "topka2a_sparse", "allgather"])
-def test_threshold_selection_loses_nothing(mesh, algorithm, exchange_steps):
+def test_every_selection_loses_nothing(mesh, algorithm, selection, exchange_steps):
   # 160,000 elements: 20,000 per shard, enough for threshold selection.
   shapes = {"w": (400, 400)}
   tx = optax.chain(topka2a_jax.topka2a(0.01, algorithm=algorithm,
-                                       selection="threshold"))
+                                       selection=selection))
   steps = [random_grads(seed, shapes) for seed in (71, 72)]
   old = np.zeros((8, 160_000))
   for grads, (updates, state) in zip(steps, exchange_steps(tx, mesh, steps)):

@@ -35,8 +35,8 @@ Example:
   True
 
 References:
-  Peng, Li, Shi, Li. TopKA2A: top-k sparsification whose sparse exchange is
-  an AlltoAll to shard owners. In Proceedings of the 53rd International
+  Peng, Li, Shi, Li. The TopKA2A algorithm (shard-wise top-k, an AlltoAll
+  to the shards' owners). In Proceedings of the 53rd International
   Conference on Parallel Processing (ICPP 2024). doi:10.1145/3673038.3673140.
 
   Shi et al. gTop-k S-SGD: global top-k sparsification, whose aggregated

@@ -93,8 +93,6 @@ def backward_seconds(value_and_grad: Callable[..., Any], *args: Any,
     (True, True)
   """
   analysis = jax.jit(value_and_grad).lower(*args).cost_analysis() or {}
-  if isinstance(analysis, list):  # older JAX: one dict per computation
-    analysis = analysis[0] if analysis else {}
   flops = float(analysis.get("flops", 0.0))
   source = (f"XLA cost analysis: {flops:.3g} FLOP forward and backward, two "
             f"thirds of it at {device.flops_per_second:.3g} FLOP/s ({device.source})")
