@@ -4,8 +4,9 @@ Starts P processes (one CPU device each, gloo over TCP) inside the shaped
 network namespace of ``benchmarks/network.py`` (loopback at 1 Gbit/s by
 default) and trains the same model from the same initialisation and batches
 once per configuration: dense ``lax.pmean``, the defaults
-(``topka2a(density)``), TopKA2A as the paper runs it (exact selection),
-TopKA2A-sparse and TopkA (the threshold search). Every step is forward,
+(``topka2a(density)``), the defaults after 50 dense steps (``warmup_steps``),
+TopKA2A as the paper runs it (exact selection), TopKA2A-sparse and TopkA
+(the threshold search). Every step is forward,
 backward, exchange and Adam, through :func:`topka2a_jax.train_step`.
 
 The model is a byte-level transformer on the examples' data (the Python
@@ -41,6 +42,7 @@ WIDTH, LAYERS, HEADS, CONTEXT, BATCH_PER_DEVICE = 384, 4, 6, 64, 2
 RUNS = {
     "dense": {"algorithm": "dense"},
     "defaults": {},
+    "defaults, 50 dense steps": {"warmup_steps": 50},
     "topka2a (paper)": {"algorithm": "topka2a", "selection": "exact"},
     "topka2a_sparse": {"algorithm": "topka2a_sparse", "selection": "threshold"},
     "allgather (TopkA)": {"algorithm": "allgather", "selection": "threshold"},

@@ -95,7 +95,7 @@ def make_task() -> Task:
               lambda model: float(accuracy(model)), eval_every=10)
 
 
-def optimizer(weight_decay: float, decay_first: bool = False,
+def optimizer(weight_decay: float, decay_first: bool = False, sharded: bool = False,
               **options) -> optax.GradientTransformation:
   """Momentum SGD with weight decay around the sparse exchange.
 
@@ -104,10 +104,14 @@ def optimizer(weight_decay: float, decay_first: bool = False,
   device, so it needs no exchange and is applied in full at every step.
   ``decay_first=True`` adds it to the gradient before the exchange instead,
   where it competes for the ``density`` slots and waits in the residual.
+  ``sharded=True`` runs decay and momentum on each device's shard only
+  (:func:`topka2a_jax.sharded_optimizer`).
   """
-  exchange = topka2a_jax.topka2a(**options)
   decay = optax.add_decayed_weights(weight_decay)
   sgd = optax.sgd(LEARNING_RATE, momentum=MOMENTUM)
+  if sharded:
+    return topka2a_jax.sharded_optimizer(optax.chain(decay, sgd), **options)
+  exchange = topka2a_jax.topka2a(**options)
   return optax.chain(decay, exchange, sgd) if decay_first else optax.chain(
       exchange, decay, sgd)
 
@@ -121,6 +125,9 @@ RUNS = {
     "topka2a 1%, 50 dense warm-up steps": {"density": 0.01, "warmup_steps": 50,
                                            **PAPER},
     "defaults 1%": {"density": 0.01},
+    "topka2a 1%, a bucket per leaf": {"density": 0.01, "fusion": 1, **PAPER},
+    "topka2a 1%, a bucket per leaf, optimizer sharded": {"density": 0.01,
+                                                         "sharded": True, **PAPER},
 }
 
 

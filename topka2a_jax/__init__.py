@@ -14,6 +14,8 @@ Read it top-down:
 * :mod:`topka2a_jax.transform`: the optax transform users chain first, with
   its options (:mod:`topka2a_jax.options`) and the per-device exchange
   (:mod:`topka2a_jax.exchange`).
+* :mod:`topka2a_jax.sharded_optimizer`: the optimizer run on the shards
+  TopKA2A's first phase leaves each device, its state divided among them.
 * :mod:`topka2a_jax.layout`: parameter specs and the residuals' layout.
 * :mod:`topka2a_jax.buckets`: fusing gradient leaves into flat buffers.
 * :mod:`topka2a_jax.collectives`: the dense, TopkA and TopKA2A exchanges.
@@ -59,6 +61,7 @@ from topka2a_jax.fusion import FusionPlan, plan_fusion
 from topka2a_jax.nonfinite import SkipNonFiniteState, skip_nonfinite
 from topka2a_jax.placement import init, state_specs
 from topka2a_jax.report import CommReport, comm_report
+from topka2a_jax.sharded_optimizer import ShardedOptimizerState, sharded_optimizer
 from topka2a_jax.step import TrainStep, train_step
 from topka2a_jax.transform import TopKA2AState, topka2a
 from topka2a_jax.tuning import time_call, tune_fusion
@@ -70,6 +73,7 @@ __all__ = [
   "FusionPlan",
   "Network",
   "NnxTrainStep",
+  "ShardedOptimizerState",
   "SkipNonFiniteState",
   "TopKA2AState",
   "TrainStep",
@@ -83,6 +87,7 @@ __all__ = [
   "plan_fusion",
   "restore",
   "save",
+  "sharded_optimizer",
   "skip_nonfinite",
   "state_specs",
   "time_call",

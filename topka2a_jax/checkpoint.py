@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
@@ -38,20 +39,32 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from topka2a_jax.sharded_optimizer import ShardedOptimizerState
 from topka2a_jax.transform import TopKA2AState
 
 LAYOUT_FILE = "topka2a_layout.json"
 """Written beside Orbax's files: devices, axis, pytree structure and shapes."""
 
 
-def _per_device(state: Any) -> list[bool]:
-  """For every leaf of ``state``, whether it is a per-device residual."""
-  is_exchange = lambda node: isinstance(node, TopKA2AState)
-  marked = jax.tree.map(
-      lambda node: node._replace(residuals=jax.tree.map(lambda _: True, node.residuals),
-                                 count=False, nonfinite_steps=False)
-      if is_exchange(node) else False, state, is_leaf=is_exchange)
-  return jax.tree.leaves(marked)
+RESIDUAL, SHARD = "residual", "shard"
+"""How a per-device leaf is laid out: a residual (:func:`resize_residual`), or
+a shard of :func:`topka2a_jax.sharded_optimizer`'s state (:func:`reshard`)."""
+
+
+def _per_device(state: Any) -> list[str | bool]:
+  """For every leaf of ``state``: RESIDUAL, SHARD, or False (replicated)."""
+  def mark(node: Any) -> Any:
+    if isinstance(node, TopKA2AState):
+      return node._replace(residuals=jax.tree.map(lambda _: RESIDUAL, node.residuals),
+                           count=False, nonfinite_steps=False)
+    if isinstance(node, ShardedOptimizerState):
+      return ShardedOptimizerState(mark(node.exchange),
+                                   jax.tree.map(lambda _: SHARD, node.inner))
+    return False
+
+  kinds = (TopKA2AState, ShardedOptimizerState)
+  return jax.tree.leaves(jax.tree.map(mark, state,
+                                      is_leaf=lambda node: isinstance(node, kinds)))
 
 
 def _layout(state: Any, mesh: Mesh, axis_name: Hashable) -> dict[str, Any]:
@@ -66,6 +79,36 @@ def _layout(state: Any, mesh: Mesh, axis_name: Hashable) -> dict[str, Any]:
           for (path, leaf), per_device in zip(with_paths, _per_device(state))
       ],
   }
+
+
+def reshard(leaf: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """One leaf of :func:`topka2a_jax.sharded_optimizer`'s state, laid out anew.
+
+  A leaf holds one block per device along dimension 0. A parameter's shard
+  is entries ``[i m, (i + 1) m)`` of the flattened parameter, so the blocks in
+  order are the parameter's entries, then padding: the first entries carry
+  over and the rest is zeros. A block of one value (a step count, or a
+  scalar parameter's shard) carries device 0's to every device; on the others
+  it stands for padding, whose state no real entry reads.
+
+  Args:
+    leaf: the saved global array, ``(old devices, ...)``.
+    shape: its shape on the new mesh, ``(new devices, ...)``.
+
+  Returns:
+    The global array of ``shape``.
+
+  Example:
+    >>> reshard(jnp.arange(8.0).reshape(4, 1, 2), (2, 1, 3))[:, 0]  # 7 entries
+    Array([[0., 1., 2.],
+           [3., 4., 5.]], dtype=float32)
+  """
+  if leaf.ndim == 1:
+    return jnp.broadcast_to(leaf[0], shape)
+  flat = leaf.reshape(-1)
+  size = math.prod(shape)
+  kept = min(flat.size, size)
+  return jnp.zeros(size, leaf.dtype).at[:kept].set(flat[:kept]).reshape(shape)
 
 
 def _saved_shape(shape: list[int], old: int, new: int) -> list[int]:
@@ -205,11 +248,12 @@ def restore(directory: str | Path, like: Any, mesh: Mesh,
   _check_same_configuration(saved, wanted, directory)
 
   targets = []
-  for leaf, described in zip(jax.tree.leaves(like), wanted["leaves"]):
+  for leaf, described, was in zip(jax.tree.leaves(like), wanted["leaves"],
+                                  saved["leaves"]):
     if described["per_device"] and old != new:
       # Read whole on every device, then resized to the new layout.
-      targets.append(jax.ShapeDtypeStruct(tuple(_saved_shape(list(leaf.shape), old, new)),
-                                          leaf.dtype, sharding=NamedSharding(mesh, P())))
+      targets.append(jax.ShapeDtypeStruct(tuple(was["shape"]), leaf.dtype,
+                                          sharding=NamedSharding(mesh, P())))
     else:
       targets.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
                                           sharding=leaf.sharding))
@@ -220,12 +264,23 @@ def restore(directory: str | Path, like: Any, mesh: Mesh,
     return loaded
   shardings = [leaf.sharding for leaf in jax.tree.leaves(like)]
   resized = [
-      jax.jit(resize_residual, static_argnums=(1, 2), out_shardings=sharding)(
-          leaf, old, new) if described["per_device"] else leaf
+      _resized(leaf, described, old, new, sharding)
       for leaf, described, sharding in zip(jax.tree.leaves(loaded),
                                            wanted["leaves"], shardings)
   ]
   return treedef.unflatten(resized)
+
+
+def _resized(leaf: jax.Array, described: dict[str, Any], old: int, new: int,
+             sharding: Any) -> jax.Array:
+  """A loaded leaf on ``new`` devices, as its kind of layout asks."""
+  if described["per_device"] == RESIDUAL:
+    return jax.jit(resize_residual, static_argnums=(1, 2), out_shardings=sharding)(
+        leaf, old, new)
+  if described["per_device"] == SHARD:
+    return jax.jit(reshard, static_argnums=1, out_shardings=sharding)(
+        leaf, tuple(described["shape"]))
+  return leaf
 
 
 def _check_same_configuration(saved: dict[str, Any], wanted: dict[str, Any],
@@ -240,8 +295,10 @@ def _check_same_configuration(saved: dict[str, Any], wanted: dict[str, Any],
   old, new = saved["devices"], wanted["devices"]
   for was, want in zip(saved["leaves"], wanted["leaves"]):
     shape = list(want["shape"])
-    if want["per_device"]:
+    if want["per_device"] == RESIDUAL:
       shape = _saved_shape(shape, old, new)
+    elif want["per_device"] == SHARD:  # (devices, 1, ..., 1, entries per device)
+      shape = [old, *shape[1:-1], was["shape"][-1]] if len(shape) > 1 else [old]
     if was["dtype"] != want["dtype"] or was["shape"] != shape:
       raise ValueError(
           f"leaf {want['path']} was saved as {was['dtype']}{was['shape']} on "

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from topka2a_jax import layout
 from topka2a_jax.algorithms import DENSE
+from topka2a_jax.sharded_optimizer import ShardedOptimizerState
 from topka2a_jax.transform import TopKA2AState, laid_out_for
 
 
@@ -136,7 +137,8 @@ def state_specs(opt_state: optax.OptState, axis_name: Hashable = "data",
   """The ``PartitionSpec`` of every optimizer-state leaf, for shard_map.
 
   Residuals of :func:`topka2a_jax.topka2a` (wherever it sits in a chain) are
-  per device (:func:`topka2a_jax.layout.residual_spec`). With
+  per device (:func:`topka2a_jax.layout.residual_spec`), and so is the inner
+  state of :func:`topka2a_jax.sharded_optimizer`. With
   ``param_specs``, every part of the state shaped like the parameters (Adam's
   moments, momentum) is sharded like them. Everything else is replicated,
   ``P()``.
@@ -180,13 +182,17 @@ def state_specs(opt_state: optax.OptState, axis_name: Hashable = "data",
     if _is_topka2a_state(node):
       return TopKA2AState(_residual_specs(node.residuals, axis_name, param_specs),
                           count=P(), nonfinite_steps=P())
+    if isinstance(node, ShardedOptimizerState):
+      return ShardedOptimizerState(spec_for(node.exchange),
+                                   jax.tree.map(lambda _: P(axis_name), node.inner))
     if shaped_like_params(node):
       return param_specs
     return P()
 
   return jax.tree.map(
       spec_for, opt_state,
-      is_leaf=lambda node: _is_topka2a_state(node) or shaped_like_params(node))
+      is_leaf=lambda node: (_is_topka2a_state(node) or shaped_like_params(node)
+                            or isinstance(node, ShardedOptimizerState)))
 
 
 def _check_param_specs(param_specs: Any, axis_name: Hashable) -> None:

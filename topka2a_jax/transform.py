@@ -268,7 +268,7 @@ def _check_floating(leaves: Sequence[Any], paths: Sequence[str], what: str) -> N
           "differentiated pytree, or skip them with optax.masked(...).")
 
 
-def _layout_mesh(options: Options, leaves: Sequence[Any]) -> Mesh | None:
+def layout_mesh(options: Options, leaves: Sequence[Any]) -> Mesh | None:
   """The mesh to lay a fresh state out for, if the call is outside shard_map."""
   for mesh in (options.mesh, _LAYOUT_MESH.get()):
     if mesh is not None:
@@ -294,7 +294,7 @@ def init_state(options: Options, params: optax.Params) -> TopKA2AState:
 
   Inside a shard_map over the data axis, every device makes its own
   residuals; outside, the state comes out as global arrays laid out for the
-  mesh (:func:`_layout_mesh`).
+  mesh (:func:`layout_mesh`).
 
   Raises:
     TypeError: a non-floating parameter.
@@ -310,7 +310,7 @@ def init_state(options: Options, params: optax.Params) -> TopKA2AState:
         if options.keeps_residual(leaf.size) else optax.MaskedNode()
         for leaf in leaves]
     return TopKA2AState(treedef.unflatten(residuals), zero, zero)
-  mesh = _layout_mesh(options, leaves)
+  mesh = layout_mesh(options, leaves)
   if mesh is not None and options.axis_name not in mesh.axis_names:
     raise ValueError(
         f"mesh has no axis {options.axis_name!r}; its axes are "
@@ -378,9 +378,9 @@ def update_state(options: Options, updates: optax.Updates, state: TopKA2AState,
                                   backward_seconds=extra_args[BACKWARD_SECONDS])
   paths, grads, treedef, full = flatten(updates)
   _check_floating(grads, paths, "gradient")
-  residuals = _matching_residuals(options, treedef, state, grads, paths,
+  residuals = matching_residuals(options, treedef, state, grads, paths,
                                   extra_args.get(PARAM_SPECS))
-  _check_per_device(grads, paths, options.axis_name)
+  check_per_device(grads, paths, options.axis_name)
   if not any(g.size for g in grads):
     return updates, state
   bad = extra_args.get(NONFINITE)  # decided already by skip_nonfinite(...)
@@ -434,7 +434,7 @@ def _step_on_shards(options: Options, others: dict[Hashable, int],
   return run(list(grads), list(residuals), state.count, state.nonfinite_steps, bad)
 
 
-def _matching_residuals(options: Options, treedef: Any, state: TopKA2AState,
+def matching_residuals(options: Options, treedef: Any, state: TopKA2AState,
                         grads: Sequence[jax.Array], paths: Sequence[str],
                         given_specs: Any) -> list[Any]:
   """The state's residuals, one per gradient leaf, checked against the grads."""
@@ -485,7 +485,7 @@ def _local_sizes(grads: Sequence[jax.Array], given: Sequence[P | None],
           for grad, spec in zip(grads, specs)]
 
 
-def _check_per_device(grads: Sequence[jax.Array], paths: Sequence[str],
+def check_per_device(grads: Sequence[jax.Array], paths: Sequence[str],
                       axis_name: Hashable) -> None:
   """Rejects gradients that JAX already summed across the axis."""
   if not grads or not tracks_varying_axes(axis_name):

@@ -1,0 +1,388 @@
+"""The optimizer after TopKA2A's owner phase: its state sharded over the data axis.
+
+TopKA2A's first phase is a sparse reduce-scatter: device ``i`` ends with the
+sum of every device's selection for shard ``i`` of a buffer. The plain chain
+``optax.chain(topka2a(...), inner)`` then all-gathers the mean gradient and
+runs ``inner`` (Adam, momentum, ...) on the whole of it on every device.
+:func:`sharded_optimizer` runs ``inner`` on the owned shard only and
+all-gathers the resulting updates instead: the same bytes on the wire, and
+the optimizer's state and work divided by the number of devices (ZeRO stages
+1 and 2, with sparse gradients).
+
+Per device and leaf of ``n`` entries, the shard is entries ``[i m, (i + 1) m)``
+of the flattened leaf, zero-padded to ``P m`` with ``m = ceil(n / P)``. The
+inner transform sees it shaped ``(1, ..., 1, m)``, with as many dimensions
+as the leaf (a scalar's shard is ``()``), so masks that test ``ndim`` (no
+weight decay on biases and scales) decide as they would on the whole leaf.
+Every leaf that keeps a residual is its own TopKA2A bucket (so its owned
+shard is its own slice); the others go through one dense reduce-scatter.
+
+Only element-wise inner transforms give the same updates as the plain chain;
+those that reduce over a leaf or over all of them (global-norm clipping,
+trust ratios, factored moments) are refused at construction.
+
+Example:
+  >>> mesh = jax.make_mesh((8,), ("data",))
+  >>> tx = sharded_optimizer(optax.adam(1e-3), 0.01, mesh=mesh)
+  >>> opt_state = tx.init({"w": jnp.zeros((1000, 16))})
+  >>> opt_state.inner[0].mu["w"].shape  # one (1, 2000) shard per device
+  (8, 1, 2000)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from topka2a_jax import collectives, exchange
+from topka2a_jax.algorithms import AUTO, DENSE, REGISTRY
+from topka2a_jax.axis import bound_axis_size, is_varying, tracks_varying_axes
+from topka2a_jax.cost import get_network
+from topka2a_jax.nonfinite import NONFINITE, nonfinite_on_any_device
+from topka2a_jax.options import Options
+from topka2a_jax.transform import (
+    TopKA2AState,
+    check_per_device,
+    flatten,
+    init_state,
+    layout_mesh,
+    matching_residuals,
+)
+
+ALGORITHMS = (AUTO, "topka2a", DENSE.name)
+"""The exchanges whose first phase leaves each owner its summed shard."""
+
+NOT_ELEMENT_WISE = (
+    "clip_by_global_norm", "scale_by_trust_ratio", "lamb", "lars",
+    "adaptive_grad_clip", "scale_by_factored_rms", "adafactor", "scale_by_novograd",
+    "novograd", "centralize", "normalize_by_update_norm", "scale_by_sm3", "sm3",
+    "scale_by_param_block_norm", "scale_by_param_block_rms", "scale_by_lbfgs",
+    "lbfgs", "scale_by_polyak", "polyak_sgd", "per_example_global_norm_clip",
+)
+"""optax transforms whose update of an entry reads other entries."""
+
+
+class ShardedOptimizerState(NamedTuple):
+  """State of :func:`sharded_optimizer`.
+
+  Attributes:
+    exchange: the exchange's :class:`topka2a_jax.TopKA2AState` (residuals
+      per device, counts replicated).
+    inner: the inner transform's state for this device's shards, every leaf
+      per device: as global arrays, shape ``(P, *shard_shape)`` split along
+      dimension 0 by the data axis.
+  """
+
+  exchange: TopKA2AState
+  inner: optax.OptState
+
+
+def _closure_names(fn: Any, seen: set[int]) -> set[str]:
+  """Qualified names of ``fn`` and every function its closure holds, recursively."""
+  if id(fn) in seen:
+    return set()
+  seen.add(id(fn))
+  names = set()
+  if isinstance(fn, (optax.GradientTransformation, tuple, list)):
+    for item in fn:
+      names |= _closure_names(item, seen)
+    return names
+  qualname = getattr(fn, "__qualname__", None)
+  if isinstance(qualname, str) and callable(fn):
+    names.add(qualname.split(".")[0])
+  for cell in getattr(fn, "__closure__", None) or ():
+    try:
+      names |= _closure_names(cell.cell_contents, seen)
+    except ValueError:  # an empty cell
+      continue
+  return names
+
+
+def check_element_wise(inner: optax.GradientTransformation) -> None:
+  """Refuses an inner transform that reads more than one entry per update.
+
+  Raises:
+    ValueError: naming the transform and what to do instead.
+  """
+  found = sorted(_closure_names(inner.update, set()) & set(NOT_ELEMENT_WISE))
+  if found:
+    raise ValueError(
+        f"sharded_optimizer runs the inner transform on each device's shard of "
+        f"every parameter, but {', '.join(found)} reduces over whole "
+        "parameters or over all of them, which a shard does not hold. Use "
+        "optax.chain(topka2a_jax.topka2a(...), inner) for it, or an "
+        "element-wise transform (sgd, momentum, adam, adamw, lion).")
+
+
+def sharded_optimizer(
+    inner: optax.GradientTransformation,
+    density: float,
+    *,
+    axis_name: Hashable = "data",
+    mesh: Mesh | None = None,
+    algorithm: str = AUTO,
+    **options: Any,
+) -> optax.GradientTransformationExtraArgs:
+  """``optax.chain(topka2a(density), inner)`` with ``inner``'s state sharded.
+
+  Each device runs ``inner`` on the shard of every parameter it owns in
+  TopKA2A's first phase and all-gathers the updates: the plain chain's
+  bytes on the wire, ``1/P`` of its optimizer state and work per device.
+
+  Args:
+    inner: an element-wise optax transform (sgd, momentum, adam, adamw with
+      masks, lion, schedules); it gets the mean gradient's shards and, where
+      it asks, the parameters' shards.
+    density: fraction of every sparse leaf each device sends, in (0, 1].
+    axis_name: the data-parallel mesh axis.
+    mesh: the mesh ``init`` lays the state out for (else read from the
+      parameters' shardings).
+    algorithm: ``"auto"`` (each leaf the cheaper of the two under the cost
+      model), ``"topka2a"`` or ``"dense"`` (a reduce-scatter). The other
+      exchanges do not leave owners a summed shard.
+    **options: the other options of :func:`topka2a_jax.topka2a`
+      (``min_size``, ``network``, ``value_dtype``, ``selection``,
+      ``warmup_steps``, ``skip_nonfinite``, ``error_feedback``). A skipped
+      step leaves ``inner``'s state as it was.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with state
+    :class:`ShardedOptimizerState`; its updates are ``inner``'s, whole and
+    identical on every device.
+
+  Raises:
+    ValueError: an algorithm without an owner phase, an inner transform that
+      is not element-wise, or a bad option (as :func:`topka2a_jax.topka2a`).
+
+  Example:
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> tx = sharded_optimizer(optax.sgd(0.1, momentum=0.9), 0.1, mesh=mesh)
+    >>> params = {"w": jnp.ones((64, 4))}
+    >>> step = topka2a_jax.train_step(lambda p, x: jnp.sum(x @ p["w"]), tx, mesh)
+    >>> params, opt_state, loss = step(params, tx.init(params), jnp.ones((8, 64)))
+    >>> opt_state.inner[0].trace["w"].shape  # 256 entries: 32 on each device
+    (8, 1, 32)
+  """
+  if algorithm not in ALGORITHMS:
+    raise ValueError(
+        f"sharded_optimizer runs the optimizer where TopKA2A's first phase "
+        f"leaves each device its summed shard; algorithm={algorithm!r} has no "
+        f"such phase. Choose one of {', '.join(map(repr, ALGORITHMS))}.")
+  if "fusion" in options:
+    raise ValueError("sharded_optimizer makes every sparse leaf its own bucket; "
+                     "it takes no fusion= option.")
+  check_element_wise(inner)
+  opts = Options.create(density, axis_name=axis_name, mesh=mesh,
+                        algorithm=algorithm, fusion=1, **options)
+
+  def init_fn(params: optax.Params) -> ShardedOptimizerState:
+    return ShardedOptimizerState(init_state(opts, params),
+                                 _init_inner(opts, inner, params))
+
+  def update_fn(updates: optax.Updates, state: ShardedOptimizerState,
+                params: optax.Params | None = None, **extra_args: Any):
+    return _update(opts, inner, updates, state, params, extra_args)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def shard_length(size: int, num_devices: int) -> int:
+  """Entries of a ``size``-entry leaf each of ``num_devices`` owns: ``ceil(size / P)``."""
+  return -(-size // num_devices)
+
+
+def _present(flat_shard: jax.Array, ndim: int) -> jax.Array:
+  """A 1-D shard shaped with ``ndim`` dimensions for the inner transform."""
+  return flat_shard.reshape(() if ndim == 0 else (1,) * (ndim - 1) + (-1,))
+
+
+def _own_shard(leaf: jax.Array, num_devices: int, axis_name: Hashable) -> jax.Array:
+  """This device's shard of a whole ``leaf``, shaped for the inner transform."""
+  m = shard_length(leaf.size, num_devices)
+  flat = jnp.pad(jnp.ravel(leaf), (0, num_devices * m - leaf.size))
+  return _present(lax.dynamic_slice_in_dim(flat, lax.axis_index(axis_name) * m, m),
+                  leaf.ndim)
+
+
+def _local_inner_init(opts: Options, inner: optax.GradientTransformation,
+                      leaves: Sequence[jax.Array], treedef: Any) -> Any:
+  """Inside shard_map: ``inner``'s state for this device's shards, per device."""
+  num_devices = bound_axis_size(opts.axis_name)
+  shards = treedef.unflatten([_own_shard(leaf, num_devices, opts.axis_name)
+                              for leaf in leaves])
+  state = inner.init(shards)
+  return jax.tree.map(lambda x: _varying(x, opts.axis_name)[None], state)
+
+
+def _varying(x: jax.Array, axis_name: Hashable) -> jax.Array:
+  """``x`` typed as differing along the axis (per-device state)."""
+  if is_varying(x, axis_name) or not tracks_varying_axes(axis_name):
+    return x
+  return lax.pcast(x, axis_name, to="varying")
+
+
+def _init_inner(opts: Options, inner: optax.GradientTransformation,
+                params: optax.Params) -> Any:
+  """``inner``'s state: per device inside shard_map, else global arrays on the mesh."""
+  _, leaves, treedef, _ = flatten(params)
+  try:
+    lax.axis_size(opts.axis_name)
+    return _local_inner_init(opts, inner, leaves, treedef)
+  except NameError:
+    pass
+  mesh = layout_mesh(opts, leaves)  # init_state has refused a missing one
+  others = [name for name, size in mesh.shape.items()
+            if name != opts.axis_name and size > 1]
+  if others:
+    raise ValueError(
+        f"sharded_optimizer shards the optimizer over {opts.axis_name!r} only; "
+        f"this mesh also has axes {others}. Use a mesh with the data axis alone, "
+        "or optax.chain(topka2a_jax.topka2a(...), inner).")
+  shapes = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
+  make = jax.jit(jax.shard_map(
+      lambda *leaves: _local_inner_init(opts, inner, leaves, treedef), mesh=mesh,
+      in_specs=P(), out_specs=P(opts.axis_name)))
+  values = [jnp.zeros(s.shape, s.dtype) if isinstance(leaf, jax.ShapeDtypeStruct)
+            else leaf for s, leaf in zip(shapes, leaves)]
+  return make(*jax.device_put(values, NamedSharding(mesh, P())))
+
+
+def _sparse(opts: Options, size: int, num_devices: int) -> bool:
+  """Whether a leaf of ``size`` entries goes through TopKA2A's owner phase."""
+  if not opts.keeps_residual(size) or opts.algorithm == DENSE.name:
+    return False
+  if opts.algorithm != AUTO:
+    return True
+  network = get_network(opts.network)
+  cost = lambda name: REGISTRY[name].cost(size, num_devices, opts.density,
+                                          opts.value_bytes).seconds(network)
+  return cost("topka2a") < cost(DENSE.name)
+
+
+def _reduce_scatter(accs: Sequence[jax.Array], axis_name: Hashable,
+                    num_devices: int) -> list[jax.Array]:
+  """The mean of every device's ``accs`` over the axis, this device's shard of each."""
+  dtype = jnp.result_type(*accs)
+  widths = [shard_length(a.size, num_devices) for a in accs]
+  rows = jnp.concatenate(
+      [jnp.pad(jnp.ravel(a).astype(dtype), (0, num_devices * m - a.size)).reshape(
+          num_devices, m) for a, m in zip(accs, widths)], axis=1)
+  summed = lax.psum_scatter(rows, axis_name, scatter_dimension=0, tiled=True)[0]
+  return [part / num_devices for part in jnp.split(summed, _offsets(widths))]
+
+
+def _offsets(widths: Sequence[int]) -> list[int]:
+  return [sum(widths[:i + 1]) for i in range(len(widths) - 1)]
+
+
+def _gather(shards: Sequence[jax.Array], shapes: Sequence[tuple[int, ...]],
+            axis_name: Hashable, num_devices: int) -> list[jax.Array]:
+  """Whole leaves from every device's shards: one all-gather per dtype."""
+  whole: list[Any] = [None] * len(shards)
+  by_dtype: dict[Any, list[int]] = {}
+  for i, shard in enumerate(shards):
+    by_dtype.setdefault(shard.dtype, []).append(i)
+  for members in by_dtype.values():
+    widths = [shards[i].size for i in members]
+    gathered = lax.all_gather(jnp.concatenate([jnp.ravel(shards[i]) for i in members]),
+                              axis_name, tiled=True, to="invarying")
+    rows = gathered.reshape(num_devices, sum(widths))
+    for i, part in zip(members, jnp.split(rows, _offsets(widths), axis=1)):
+      whole[i] = part.reshape(-1)[: math.prod(shapes[i])].reshape(shapes[i])
+  return whole
+
+
+def owner_phase(opts: Options, grads: Sequence[jax.Array], residuals: Sequence[Any],
+                sparse: bool) -> tuple[list[jax.Array], list[Any]]:
+  """This device's shard of the mean of ``grads + residuals``, and the new residuals.
+
+  Args:
+    opts: the options.
+    grads: this device's non-empty gradient leaves.
+    residuals: theirs, or ``optax.MaskedNode()``.
+    sparse: False reduces every leaf densely (warm-up): nothing stays behind.
+
+  Returns:
+    ``(flat mean shards, residuals)``, leaf by leaf.
+  """
+  num_devices = bound_axis_size(opts.axis_name)
+  shards: list[Any] = [None] * len(grads)
+  new: list[Any] = [optax.MaskedNode()] * len(grads)
+  accs = [jnp.ravel(g).astype(exchange.residual_dtype(g.dtype)) + jnp.ravel(r)
+          if opts.keeps_residual(g.size) else jnp.ravel(g)
+          for g, r in zip(grads, residuals)]
+  dense = []
+  for i, (grad, acc) in enumerate(zip(grads, accs)):
+    if sparse and _sparse(opts, grad.size, num_devices):
+      _, _, owned, unsent = collectives._to_owners(
+          acc, opts.axis_name, opts.density, opts.value_dtype,
+          collectives.get_selection(opts.selection))
+      shards[i] = owned / num_devices
+      new[i] = unsent.reshape(-1)[: grad.size].reshape(residuals[i].shape)
+    else:
+      dense.append(i)
+      if opts.keeps_residual(grad.size):
+        new[i] = jnp.zeros_like(residuals[i])
+  if dense:
+    for i, shard in zip(dense, _reduce_scatter([accs[i] for i in dense],
+                                               opts.axis_name, num_devices)):
+      shards[i] = shard
+  return shards, new
+
+
+def _update(opts: Options, inner: optax.GradientTransformation, updates: Any,
+            state: ShardedOptimizerState, params: Any, extra_args: dict[str, Any]):
+  """The per-device update: owner phase, ``inner`` on the shards, all-gather."""
+  num_devices = bound_axis_size(opts.axis_name)
+  paths, grads, treedef, full = flatten(updates)
+  if not isinstance(state, ShardedOptimizerState):
+    raise TypeError(f"expected the ShardedOptimizerState made by this transform's "
+                    f"init, got {type(state).__name__}")
+  residuals = matching_residuals(opts, treedef, state.exchange, grads, paths, None)
+  check_per_device(grads, paths, opts.axis_name)
+  param_leaves = None if params is None else flatten(params)[1]
+  shapes = [g.shape for g in grads]
+  bad = extra_args.get(NONFINITE)
+  if bad is None and opts.skip_nonfinite:
+    bad = nonfinite_on_any_device(grads, opts.axis_name)
+  local_inner = jax.tree.map(lambda x: x[0], state.inner)
+
+  def applied(grads, residuals, count, inner_state):
+    if opts.warmup_steps:
+      shards, new = lax.cond(count < opts.warmup_steps,
+                             lambda g, r: owner_phase(opts, g, r, sparse=False),
+                             lambda g, r: owner_phase(opts, g, r, sparse=True),
+                             grads, residuals)
+    else:
+      shards, new = owner_phase(opts, grads, residuals, sparse=True)
+    mean = treedef.unflatten([_present(s.astype(g.dtype), g.ndim)
+                              for s, g in zip(shards, grads)])
+    own_params = None if param_leaves is None else treedef.unflatten(
+        [_own_shard(p, num_devices, opts.axis_name) for p in param_leaves])
+    out, inner_state = inner.update(mean, inner_state, own_params)
+    return treedef.flatten_up_to(out), new, count + 1, inner_state
+
+  def skipped(grads, residuals, count, inner_state):
+    zeros = [_varying(_present(jnp.zeros(shard_length(g.size, num_devices), g.dtype),
+                               g.ndim), opts.axis_name) for g in grads]
+    return zeros, residuals, count, inner_state
+
+  args = (grads, residuals, state.exchange.count, local_inner)
+  if bad is None:
+    out, new, count, inner_state = applied(*args)
+    nonfinite = state.exchange.nonfinite_steps
+  else:
+    out, new, count, inner_state = lax.cond(bad, skipped, applied, *args)
+    nonfinite = state.exchange.nonfinite_steps + bad.astype(jnp.int32)
+  whole = _gather(out, shapes, opts.axis_name, num_devices)
+  return full.unflatten(whole), ShardedOptimizerState(
+      TopKA2AState(treedef.unflatten(new), count, nonfinite),
+      jax.tree.map(lambda x: _varying(x, opts.axis_name)[None], inner_state))
