@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -246,3 +247,20 @@ def test_sends_the_bytes_of_the_plain_chain(mesh):
   assert scattered == 4 * (DEVICES - 1) * (shard_length(17, DEVICES) + 1)
   assert (sharded_report.bytes_of("all-gather") - plain_report.bytes_of("all-gather")
           == scattered)
+
+
+def test_a_non_finite_step_is_skipped_with_the_optimizer_state(mesh, exchange_steps):
+  """A NaN on one device: zero updates, Adam's moments and count untouched."""
+  tx = topka2a_jax.sharded_optimizer(optax.adam(0.1), 0.5, algorithm="topka2a",
+                                     min_size=0)
+  good = {"w": np.ones((DEVICES, 16), np.float32)}
+  bad = {"w": good["w"].copy()}
+  bad["w"][3, 5] = np.nan
+  (_, first), (skipped_updates, skipped), (_, after) = exchange_steps(
+      tx, mesh, [good, bad, good])
+  np.testing.assert_array_equal(skipped_updates["w"], 0)
+  chex.assert_trees_all_equal(skipped.inner, first.inner)
+  assert int(skipped.exchange.nonfinite_steps) == 1
+  assert int(skipped.exchange.count) == int(first.exchange.count) == 1
+  assert int(after.exchange.count) == 2
+  assert np.isfinite(np.asarray(after.inner[0].mu["w"])).all()
