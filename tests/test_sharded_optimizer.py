@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import topka2a_jax
@@ -128,11 +129,83 @@ def test_exchanges_without_an_owner_phase_are_refused():
     topka2a_jax.sharded_optimizer(optax.adam(1e-3), 0.01, algorithm="allgather")
 
 
-def test_a_model_axis_is_refused_with_the_alternative():
+MODEL_SPECS = {"w": P(None, "model"), "b": P("model"), "c": P()}
+
+
+def _model_loss(params, batch):
+  x, t = batch
+  return jnp.mean((jnp.tanh(x @ params["w"] + params["b"]) - t) ** 2) + params["c"]
+
+
+def _model_problem():
+  rng = np.random.default_rng(5)
+  params = {"w": rng.normal(size=(300, 64)).astype(np.float32) / 16,
+            "b": rng.normal(size=64).astype(np.float32) / 4, "c": np.float32(0.0)}
+  batches = [(rng.normal(size=(32, 300)).astype(np.float32),
+              rng.normal(size=(32, 64)).astype(np.float32)) for _ in range(5)]
+  return params, batches
+
+
+def test_a_4x2_mesh_matches_the_plain_chain_with_a_quarter_of_each_piece():
+  """Parameters split over "model": each device's Adam state is 1/4 of its piece."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  params, batches = _model_problem()
+  options = {"algorithm": "topka2a", "min_size": 100}
+  results = []
+  for tx in (optax.chain(topka2a_jax.topka2a(0.05, fusion=1, **options),
+                         optax.adam(1e-2)),
+             topka2a_jax.sharded_optimizer(optax.adam(1e-2), 0.05, **options)):
+    placed = {k: jax.device_put(v, NamedSharding(mesh, MODEL_SPECS[k]))
+              for k, v in params.items()}
+    state = tx.init(placed)  # the mesh and the splits from the shardings
+    step = topka2a_jax.train_step(_model_loss, tx, mesh, donate=False)
+    for batch in batches:
+      placed, state, _ = step(placed, state, batch)
+    results.append((placed, state))
+  (plain, _), (sharded, state) = results
+  for k in params:
+    np.testing.assert_allclose(sharded[k], plain[k], rtol=0, atol=1e-6, err_msg=k)
+    assert sharded[k].sharding.is_equivalent_to(
+        NamedSharding(mesh, MODEL_SPECS[k]), sharded[k].ndim)
+  assert np.abs(np.asarray(plain["w"]) - params["w"]).max() > 1e-2
+  mu = state.inner[0].mu["w"]  # w's piece: 300 x 32 entries, 2400 per device
+  assert mu.shape == (4, 1, 2 * 2400)
+  assert {s.data.shape for s in mu.addressable_shards} == {(1, 1, 2400)}
+
+
+def test_a_hand_written_2d_step_with_param_specs():
+  """Manual over both axes: init and state_specs lay the shards out per piece."""
   mesh = jax.make_mesh((4, 2), ("data", "model"))
-  tx = topka2a_jax.sharded_optimizer(optax.adam(1e-3), 0.01, mesh=mesh)
-  with pytest.raises(ValueError, match="also has axes \\['model'\\]"):
-    tx.init({"w": jnp.zeros((8, 8))})
+  params, batches = _model_problem()
+  options = {"algorithm": "topka2a", "min_size": 100}
+  results = []
+  for tx in (optax.chain(topka2a_jax.topka2a(0.05, fusion=1, **options),
+                         optax.adam(1e-2)),
+             topka2a_jax.sharded_optimizer(optax.adam(1e-2), 0.05, **options)):
+    state = topka2a_jax.init(tx, params, mesh, param_specs=MODEL_SPECS)
+    specs = topka2a_jax.state_specs(state, param_specs=MODEL_SPECS)
+
+    def step(params, state, x, t, tx=tx):
+      grads = jax.grad(_model_loss)(lax.pcast(params, "data", to="varying"), (x, t))
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+    run = jax.jit(jax.shard_map(
+        step, mesh=mesh, in_specs=(MODEL_SPECS, specs, P("data"), P("data", "model")),
+        out_specs=(MODEL_SPECS, specs)))
+    placed = {k: jax.device_put(v, NamedSharding(mesh, MODEL_SPECS[k]))
+              for k, v in params.items()}
+    for x, t in batches:
+      placed, state = run(placed, state, jax.device_put(x, NamedSharding(mesh, P("data"))),
+                          jax.device_put(t, NamedSharding(mesh, P("data", "model"))))
+    results.append((placed, state, specs))
+  (plain, _, _), (sharded, state, specs) = results
+  for k in params:
+    np.testing.assert_allclose(sharded[k], plain[k], rtol=0, atol=1e-6, err_msg=k)
+  assert specs.inner[0].mu["w"] == P("data", None, "model")
+  assert specs.inner[0].mu["c"] == P("data")
+  assert {s.data.shape for s in state.inner[0].nu["w"].addressable_shards} == {
+      (1, 1, 2400)}
 
 
 def test_a_hand_written_shard_map_step(mesh):
@@ -264,3 +337,35 @@ def test_a_non_finite_step_is_skipped_with_the_optimizer_state(mesh, exchange_st
   assert int(skipped.exchange.count) == int(first.exchange.count) == 1
   assert int(after.exchange.count) == 2
   assert np.isfinite(np.asarray(after.inner[0].mu["w"])).all()
+
+
+def test_a_2d_state_restored_on_fewer_data_devices_trains_on_alike(tmp_path):
+  """(4 data x 2 model) saved, restored on (2 x 2): each piece's shards re-laid."""
+  devices = jax.devices()
+  big = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  small = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2,
+                        devices=devices[:4])
+  params, batches = _model_problem()
+  tx = topka2a_jax.sharded_optimizer(optax.adam(1e-2), 1.0, algorithm="topka2a",
+                                     min_size=100)
+
+  def fresh(mesh):
+    placed = {k: jax.device_put(v, NamedSharding(mesh, MODEL_SPECS[k]))
+              for k, v in params.items()}
+    return {"params": placed, "opt_state": tx.init(placed)}
+
+  def train(state, mesh, batches):
+    step = topka2a_jax.train_step(_model_loss, tx, mesh, donate=False)
+    params, opt_state = state["params"], state["opt_state"]
+    for batch in batches:
+      params, opt_state, _ = step(params, opt_state, batch)
+    return {"params": params, "opt_state": opt_state}
+
+  saved = train(fresh(big), big, batches[:3])
+  topka2a_jax.save(tmp_path / "ckpt", saved, big)
+  restored = topka2a_jax.restore(tmp_path / "ckpt", fresh(small), small)
+  assert restored["opt_state"].inner[0].mu["w"].shape == (2, 1, 2 * 4800)
+  want = train(saved, big, batches[3:])["params"]
+  got = train(restored, small, batches[3:])["params"]
+  for k in params:
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)

@@ -81,7 +81,7 @@ def _layout(state: Any, mesh: Mesh, axis_name: Hashable) -> dict[str, Any]:
   }
 
 
-def reshard(leaf: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+def reshard(leaf: jax.Array, shape: tuple[int, ...], pieces: int = 1) -> jax.Array:
   """One leaf of :func:`topka2a_jax.sharded_optimizer`'s state, laid out anew.
 
   A leaf holds one block per device along dimension 0. A parameter's shard
@@ -89,11 +89,14 @@ def reshard(leaf: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   order are the parameter's entries, then padding: the first entries carry
   over and the rest is zeros. A block of one value (a step count, or a
   scalar parameter's shard) carries device 0's to every device; on the others
-  it stands for padding, whose state no real entry reads.
+  it stands for padding, whose state no real entry reads. Where the
+  parameter is split over other mesh axes into ``pieces``, each piece's shards
+  lie side by side along the last dimension and are laid out anew apiece.
 
   Args:
-    leaf: the saved global array, ``(old devices, ...)``.
-    shape: its shape on the new mesh, ``(new devices, ...)``.
+    leaf: the saved global array, ``(old devices, ..., pieces * old m)``.
+    shape: its shape on the new mesh, ``(new devices, ..., pieces * new m)``.
+    pieces: how many pieces of the parameter the last dimension holds.
 
   Returns:
     The global array of ``shape``.
@@ -105,10 +108,12 @@ def reshard(leaf: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   """
   if leaf.ndim == 1:
     return jnp.broadcast_to(leaf[0], shape)
-  flat = leaf.reshape(-1)
-  size = math.prod(shape)
-  kept = min(flat.size, size)
-  return jnp.zeros(size, leaf.dtype).at[:kept].set(flat[:kept]).reshape(shape)
+  old, new = leaf.shape[0], shape[0]
+  by_piece = leaf.reshape(old, pieces, -1).transpose(1, 0, 2).reshape(pieces, -1)
+  size = new * (shape[-1] // pieces)
+  kept = min(by_piece.shape[1], size)
+  laid = jnp.zeros((pieces, size), leaf.dtype).at[:, :kept].set(by_piece[:, :kept])
+  return laid.reshape(pieces, new, -1).transpose(1, 0, 2).reshape(shape)
 
 
 def _saved_shape(shape: list[int], old: int, new: int) -> list[int]:
@@ -278,8 +283,12 @@ def _resized(leaf: jax.Array, described: dict[str, Any], old: int, new: int,
     return jax.jit(resize_residual, static_argnums=(1, 2), out_shardings=sharding)(
         leaf, old, new)
   if described["per_device"] == SHARD:
-    return jax.jit(reshard, static_argnums=1, out_shardings=sharding)(
-        leaf, tuple(described["shape"]))
+    spec = tuple(sharding.spec) + (None,) * (leaf.ndim - len(sharding.spec))
+    last = () if leaf.ndim < 2 or spec[-1] is None else (
+        spec[-1] if isinstance(spec[-1], tuple) else (spec[-1],))
+    pieces = math.prod(sharding.mesh.shape[axis] for axis in last)
+    return jax.jit(reshard, static_argnums=(1, 2), out_shardings=sharding)(
+        leaf, tuple(described["shape"]), pieces)
   return leaf
 
 

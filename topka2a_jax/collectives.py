@@ -232,7 +232,7 @@ def allgather(
   return Exchange(total / num_devices, unsent)
 
 
-def _to_owners(
+def to_owners(
     buffer: jax.Array, axis_name: Hashable, density: float,
     value_dtype: jnp.dtype | None, select: Selection,
 ) -> tuple[ShardLayout, WireFormat, jax.Array, jax.Array]:
@@ -306,7 +306,7 @@ def topka2a(
     ...               mesh=mesh, in_specs=P("data"), out_specs=P()))(rows)
     Array([1., 1., 1., 1., 1., 1., 1., 1.], dtype=float32)
   """
-  layout, fmt, owned, unsent = _to_owners(buffer, axis_name, density, value_dtype,
+  layout, fmt, owned, unsent = to_owners(buffer, axis_name, density, value_dtype,
                                           get_selection(selection))
   shard_mean = owned / layout.num_shards
   if fmt.value_dtype != buffer.dtype:
@@ -350,7 +350,7 @@ def topka2a_sparse(
     Array([1., 1., 1., 1., 1., 1., 1., 1.], dtype=float32)
   """
   select = get_selection(selection)
-  layout, fmt, owned, unsent = _to_owners(buffer, axis_name, density, value_dtype,
+  layout, fmt, owned, unsent = to_owners(buffer, axis_name, density, value_dtype,
                                           select)
   values, indices = select(owned[None], layout.per_shard)
   values = fmt.rounded(values)

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from topka2a_jax import layout
 from topka2a_jax.algorithms import DENSE
-from topka2a_jax.sharded_optimizer import ShardedOptimizerState
+from topka2a_jax.sharded_optimizer import ShardedOptimizerState, inner_specs
 from topka2a_jax.transform import TopKA2AState, laid_out_for
 
 
@@ -183,8 +183,12 @@ def state_specs(opt_state: optax.OptState, axis_name: Hashable = "data",
       return TopKA2AState(_residual_specs(node.residuals, axis_name, param_specs),
                           count=P(), nonfinite_steps=P())
     if isinstance(node, ShardedOptimizerState):
-      return ShardedOptimizerState(spec_for(node.exchange),
-                                   jax.tree.map(lambda _: P(axis_name), node.inner))
+      if params_structure is None:
+        return ShardedOptimizerState(spec_for(node.exchange),
+                                     jax.tree.map(lambda _: P(axis_name), node.inner))
+      return ShardedOptimizerState(spec_for(node.exchange), inner_specs(
+          node.inner, params_structure,
+          jax.tree.leaves(param_specs, is_leaf=_is_spec), axis_name))
     if shaped_like_params(node):
       return param_specs
     return P()

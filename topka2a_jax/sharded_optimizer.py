@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
@@ -42,19 +43,27 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from topka2a_jax import collectives, exchange
+from topka2a_jax import collectives, exchange, layout
 from topka2a_jax.algorithms import AUTO, DENSE, REGISTRY
-from topka2a_jax.axis import bound_axis_size, is_varying, tracks_varying_axes
+from topka2a_jax.axis import (
+    bound_axis_size,
+    is_varying,
+    tracks_varying_axes,
+    varying_axes,
+)
 from topka2a_jax.cost import get_network
 from topka2a_jax.nonfinite import NONFINITE, nonfinite_on_any_device
 from topka2a_jax.options import Options
 from topka2a_jax.transform import (
+    PARAM_SPECS,
     TopKA2AState,
     check_per_device,
     flatten,
+    given_specs,
     init_state,
     layout_mesh,
     matching_residuals,
+    shard_specs,
 )
 
 ALGORITHMS = (AUTO, "topka2a", DENSE.name)
@@ -199,9 +208,14 @@ def shard_length(size: int, num_devices: int) -> int:
   return -(-size // num_devices)
 
 
+def _present_shape(entries: int, ndim: int) -> tuple[int, ...]:
+  """The shape the inner transform sees a shard of ``entries`` in: ``ndim`` dimensions."""
+  return () if ndim == 0 else (1,) * (ndim - 1) + (entries,)
+
+
 def _present(flat_shard: jax.Array, ndim: int) -> jax.Array:
   """A 1-D shard shaped with ``ndim`` dimensions for the inner transform."""
-  return flat_shard.reshape(() if ndim == 0 else (1,) * (ndim - 1) + (-1,))
+  return flat_shard.reshape(_present_shape(flat_shard.size, ndim))
 
 
 def _own_shard(leaf: jax.Array, num_devices: int, axis_name: Hashable) -> jax.Array:
@@ -239,20 +253,24 @@ def _init_inner(opts: Options, inner: optax.GradientTransformation,
   except NameError:
     pass
   mesh = layout_mesh(opts, leaves)  # init_state has refused a missing one
-  others = [name for name, size in mesh.shape.items()
-            if name != opts.axis_name and size > 1]
-  if others:
-    raise ValueError(
-        f"sharded_optimizer shards the optimizer over {opts.axis_name!r} only; "
-        f"this mesh also has axes {others}. Use a mesh with the data axis alone, "
-        "or optax.chain(topka2a_jax.topka2a(...), inner).")
-  shapes = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
+  others = {name: size for name, size in mesh.shape.items()
+            if name != opts.axis_name and size > 1}
+  specs = [layout.restrict_spec(layout.param_spec_of(leaf, mesh), leaf.shape, others)
+           for leaf in leaves]
+  num_devices = mesh.shape[opts.axis_name]
+  shards = [jax.ShapeDtypeStruct(_present_shape(shard_length(
+      math.prod(layout.local_shape(leaf.shape, spec, others)), num_devices),
+      leaf.ndim), leaf.dtype) for leaf, spec in zip(leaves, specs)]
+  local = jax.eval_shape(inner.init, treedef.unflatten(shards))
+  out_specs = inner_specs(
+      jax.tree.map(lambda x: jax.ShapeDtypeStruct((1, *x.shape), x.dtype), local),
+      treedef, specs, opts.axis_name)
   make = jax.jit(jax.shard_map(
       lambda *leaves: _local_inner_init(opts, inner, leaves, treedef), mesh=mesh,
-      in_specs=P(), out_specs=P(opts.axis_name)))
-  values = [jnp.zeros(s.shape, s.dtype) if isinstance(leaf, jax.ShapeDtypeStruct)
-            else leaf for s, leaf in zip(shapes, leaves)]
-  return make(*jax.device_put(values, NamedSharding(mesh, P())))
+      in_specs=tuple(specs), out_specs=out_specs))
+  values = [jnp.zeros(leaf.shape, leaf.dtype) if isinstance(leaf, jax.ShapeDtypeStruct)
+            else leaf for leaf in leaves]
+  return make(*jax.device_put(values, [NamedSharding(mesh, s) for s in specs]))
 
 
 def _sparse(opts: Options, size: int, num_devices: int) -> bool:
@@ -285,12 +303,12 @@ def _offsets(widths: Sequence[int]) -> list[int]:
 
 def _gather(shards: Sequence[jax.Array], shapes: Sequence[tuple[int, ...]],
             axis_name: Hashable, num_devices: int) -> list[jax.Array]:
-  """Whole leaves from every device's shards: one all-gather per dtype."""
+  """Whole leaves from every device's shards: one all-gather per kind of shard.
+
+  Shards of one dtype that vary over the same mesh axes travel together.
+  """
   whole: list[Any] = [None] * len(shards)
-  by_dtype: dict[Any, list[int]] = {}
-  for i, shard in enumerate(shards):
-    by_dtype.setdefault(shard.dtype, []).append(i)
-  for members in by_dtype.values():
+  for members in _groups(shards, lambda shard: shard.dtype):
     widths = [shards[i].size for i in members]
     gathered = lax.all_gather(jnp.concatenate([jnp.ravel(shards[i]) for i in members]),
                               axis_name, tiled=True, to="invarying")
@@ -298,6 +316,19 @@ def _gather(shards: Sequence[jax.Array], shapes: Sequence[tuple[int, ...]],
     for i, part in zip(members, jnp.split(rows, _offsets(widths), axis=1)):
       whole[i] = part.reshape(-1)[: math.prod(shapes[i])].reshape(shapes[i])
   return whole
+
+
+def _groups(arrays: Sequence[jax.Array], key: Any) -> list[list[int]]:
+  """Positions of ``arrays`` grouped by ``key`` and by the mesh axes they vary over.
+
+  A collective over a group never mixes a piece of a parameter split over
+  other axes with a parameter replicated over them, which would make the
+  latter's result differ along those axes (as :mod:`.exchange` buckets do).
+  """
+  groups: dict[Any, list[int]] = {}
+  for i, array in enumerate(arrays):
+    groups.setdefault((key(array), varying_axes(array)), []).append(i)
+  return list(groups.values())
 
 
 def owner_phase(opts: Options, grads: Sequence[jax.Array], residuals: Sequence[Any],
@@ -322,7 +353,7 @@ def owner_phase(opts: Options, grads: Sequence[jax.Array], residuals: Sequence[A
   dense = []
   for i, (grad, acc) in enumerate(zip(grads, accs)):
     if sparse and _sparse(opts, grad.size, num_devices):
-      _, _, owned, unsent = collectives._to_owners(
+      _, _, owned, unsent = collectives.to_owners(
           acc, opts.axis_name, opts.density, opts.value_dtype,
           collectives.get_selection(opts.selection))
       shards[i] = owned / num_devices
@@ -331,29 +362,57 @@ def owner_phase(opts: Options, grads: Sequence[jax.Array], residuals: Sequence[A
       dense.append(i)
       if opts.keeps_residual(grad.size):
         new[i] = jnp.zeros_like(residuals[i])
-  if dense:
-    for i, shard in zip(dense, _reduce_scatter([accs[i] for i in dense],
-                                               opts.axis_name, num_devices)):
+  for group in _groups([accs[i] for i in dense], lambda acc: None):
+    members = [dense[j] for j in group]
+    for i, shard in zip(members, _reduce_scatter([accs[i] for i in members],
+                                                 opts.axis_name, num_devices)):
       shards[i] = shard
   return shards, new
 
 
-def _update(opts: Options, inner: optax.GradientTransformation, updates: Any,
-            state: ShardedOptimizerState, params: Any, extra_args: dict[str, Any]):
-  """The per-device update: owner phase, ``inner`` on the shards, all-gather."""
+def inner_specs(inner_state: Any, treedef: Any, leaf_specs: Sequence[P],
+                first: Hashable | None) -> Any:
+  """The spec of every leaf of the inner state, one block per data index.
+
+  A part shaped like the parameters (Adam's moments) holds, for each
+  parameter, its shards as ``(devices, 1, ..., 1, entries)``; where the
+  parameter is split over other mesh axes, each of their devices holds the
+  shards of its own piece, side by side along the last dimension.
+
+  Args:
+    inner_state: the inner state (arrays or shapes), every leaf per device.
+    treedef: the parameters' structure.
+    leaf_specs: each parameter's spec over the other mesh axes.
+    first: the spec entry of dimension 0: the data axis, or None inside a
+      shard_map already manual over it.
+
+  Returns:
+    A pytree of ``PartitionSpec`` with the inner state's structure.
+  """
+  def param_spec(leaf: Any, spec: P) -> P:
+    axes = layout.spec_axes(spec)
+    if not axes or leaf.ndim < 2:
+      return P(first)
+    return P(first, *[None] * (leaf.ndim - 2), axes[0] if len(axes) == 1 else axes)
+
+  def shaped_like_params(node: Any) -> bool:
+    return jax.tree.structure(node) == treedef and treedef.num_leaves > 0
+
+  def spec_for(node: Any) -> Any:
+    if shaped_like_params(node):
+      return treedef.unflatten([param_spec(leaf, spec) for leaf, spec in
+                                zip(treedef.flatten_up_to(node), leaf_specs)])
+    return P(first)
+
+  return jax.tree.map(spec_for, inner_state, is_leaf=shaped_like_params)
+
+
+def _step(opts: Options, inner: optax.GradientTransformation, treedef: Any,
+          grads: list, residuals: list, param_leaves: list | None, count: jax.Array,
+          nonfinite: jax.Array, inner_state: Any, bad: jax.Array | None):
+  """One device's step on its pieces of the parameters (manual over every axis)."""
   num_devices = bound_axis_size(opts.axis_name)
-  paths, grads, treedef, full = flatten(updates)
-  if not isinstance(state, ShardedOptimizerState):
-    raise TypeError(f"expected the ShardedOptimizerState made by this transform's "
-                    f"init, got {type(state).__name__}")
-  residuals = matching_residuals(opts, treedef, state.exchange, grads, paths, None)
-  check_per_device(grads, paths, opts.axis_name)
-  param_leaves = None if params is None else flatten(params)[1]
   shapes = [g.shape for g in grads]
-  bad = extra_args.get(NONFINITE)
-  if bad is None and opts.skip_nonfinite:
-    bad = nonfinite_on_any_device(grads, opts.axis_name)
-  local_inner = jax.tree.map(lambda x: x[0], state.inner)
 
   def applied(grads, residuals, count, inner_state):
     if opts.warmup_steps:
@@ -371,18 +430,49 @@ def _update(opts: Options, inner: optax.GradientTransformation, updates: Any,
     return treedef.flatten_up_to(out), new, count + 1, inner_state
 
   def skipped(grads, residuals, count, inner_state):
-    zeros = [_varying(_present(jnp.zeros(shard_length(g.size, num_devices), g.dtype),
-                               g.ndim), opts.axis_name) for g in grads]
+    zeros = [_present(jnp.zeros(shard_length(g.size, num_devices), g.dtype), g.ndim)
+             for g in grads]
+    zeros = [lax.pcast(z, tuple(varying_axes(g)), to="varying") if varying_axes(g) else z
+             for z, g in zip(zeros, grads)]
     return zeros, residuals, count, inner_state
 
-  args = (grads, residuals, state.exchange.count, local_inner)
+  args = (grads, residuals, count, jax.tree.map(lambda x: x[0], inner_state))
   if bad is None:
     out, new, count, inner_state = applied(*args)
-    nonfinite = state.exchange.nonfinite_steps
   else:
     out, new, count, inner_state = lax.cond(bad, skipped, applied, *args)
-    nonfinite = state.exchange.nonfinite_steps + bad.astype(jnp.int32)
+    nonfinite = nonfinite + bad.astype(jnp.int32)
   whole = _gather(out, shapes, opts.axis_name, num_devices)
+  inner_state = jax.tree.map(lambda x: _varying(x, opts.axis_name)[None], inner_state)
+  return whole, new, count, nonfinite, inner_state
+
+
+def _update(opts: Options, inner: optax.GradientTransformation, updates: Any,
+            state: ShardedOptimizerState, params: Any, extra_args: dict[str, Any]):
+  """The per-device update, nested over the other mesh axes where they are automatic."""
+  bound_axis_size(opts.axis_name)
+  paths, grads, treedef, full = flatten(updates)
+  if not isinstance(state, ShardedOptimizerState):
+    raise TypeError(f"expected the ShardedOptimizerState made by this transform's "
+                    f"init, got {type(state).__name__}")
+  given = extra_args.get(PARAM_SPECS)
+  residuals = matching_residuals(opts, treedef, state.exchange, grads, paths, given)
+  check_per_device(grads, paths, opts.axis_name)
+  param_leaves = None if params is None else flatten(params)[1]
+  bad = extra_args.get(NONFINITE)
+  if bad is None and opts.skip_nonfinite:
+    bad = nonfinite_on_any_device(grads, opts.axis_name)
+  step = functools.partial(_step, opts, inner, treedef)
+  args = (grads, residuals, param_leaves, state.exchange.count,
+          state.exchange.nonfinite_steps, state.inner, bad)
+  others = layout.automatic_axes(jax.sharding.get_abstract_mesh(), opts.axis_name)
+  if others:  # each device on its piece of every parameter, as topka2a does
+    specs = shard_specs(grads, given_specs(treedef, given), others)
+    inner_in = inner_specs(state.inner, treedef, specs, None)
+    step = jax.shard_map(
+        step, mesh=jax.sharding.get_abstract_mesh(), axis_names=set(others),
+        in_specs=(specs, specs, specs, P(), P(), inner_in, P()),
+        out_specs=(specs, specs, P(), P(), inner_in))
+  whole, new, count, nonfinite, inner_state = step(*args)
   return full.unflatten(whole), ShardedOptimizerState(
-      TopKA2AState(treedef.unflatten(new), count, nonfinite),
-      jax.tree.map(lambda x: _varying(x, opts.axis_name)[None], inner_state))
+      TopKA2AState(treedef.unflatten(new), count, nonfinite), inner_state)

@@ -391,18 +391,18 @@ def update_state(options: Options, updates: optax.Updates, state: TopKA2AState,
   else:
     means, new, count, skipped = _step_on_shards(
         options, others, grads, residuals, state, bad,
-        _given_specs(treedef, extra_args.get(PARAM_SPECS)))
+        given_specs(treedef, extra_args.get(PARAM_SPECS)))
   return full.unflatten(means), TopKA2AState(treedef.unflatten(new), count, skipped)
 
 
-def _given_specs(treedef: Any, specs: Any) -> list[P | None]:
+def given_specs(treedef: Any, specs: Any) -> list[P | None]:
   """The parameters' specs passed as :data:`PARAM_SPECS`, one per leaf, or Nones."""
   if specs is None:
     return [None] * treedef.num_leaves
   return treedef.flatten_up_to(specs)
 
 
-def _shard_specs(grads: Sequence[jax.Array], given: Sequence[P | None],
+def shard_specs(grads: Sequence[jax.Array], given: Sequence[P | None],
                  others: dict[Hashable, int]) -> list[P]:
   """How each gradient leaf splits over ``others``: its type, the given spec, or whole."""
   mesh = jax.sharding.get_abstract_mesh()
@@ -423,7 +423,7 @@ def _step_on_shards(options: Options, others: dict[Hashable, int],
   every leaf (a residual is shaped like its leaf, so one spec splits both);
   the exchange adds no collective over those axes.
   """
-  specs = _shard_specs(grads, given, others)
+  specs = shard_specs(grads, given, others)
 
   def on_shards(grads, residuals, count, skipped, bad):
     return exchange.step(options, grads, residuals, count, skipped, bad)
@@ -436,7 +436,7 @@ def _step_on_shards(options: Options, others: dict[Hashable, int],
 
 def matching_residuals(options: Options, treedef: Any, state: TopKA2AState,
                         grads: Sequence[jax.Array], paths: Sequence[str],
-                        given_specs: Any) -> list[Any]:
+                        param_specs: Any) -> list[Any]:
   """The state's residuals, one per gradient leaf, checked against the grads."""
   if not isinstance(state, TopKA2AState):
     raise TypeError(
@@ -451,7 +451,7 @@ def matching_residuals(options: Options, treedef: Any, state: TopKA2AState,
         f"(topka2a built with mesh=...) or topka2a_jax.init(tx, params, mesh). "
         f"({error})") from None
   others = layout.automatic_axes(jax.sharding.get_abstract_mesh(), options.axis_name)
-  local_sizes = _local_sizes(grads, _given_specs(treedef, given_specs), others)
+  local_sizes = _local_sizes(grads, given_specs(treedef, param_specs), others)
   for grad, residual, path, size in zip(grads, residuals, paths, local_sizes):
     if options.keeps_residual(size):
       expected = grad.shape or (1,)
@@ -480,7 +480,7 @@ def _local_sizes(grads: Sequence[jax.Array], given: Sequence[P | None],
   """Elements of each leaf on one device, after the split over ``others``."""
   if not others:
     return [g.size for g in grads]
-  specs = _shard_specs(grads, given, others)
+  specs = shard_specs(grads, given, others)
   return [math.prod(layout.local_shape(grad.shape, spec, others))
           for grad, spec in zip(grads, specs)]
 
