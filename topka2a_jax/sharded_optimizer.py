@@ -16,6 +16,9 @@ as the leaf (a scalar's shard is ``()``), so masks that test ``ndim`` (no
 weight decay on biases and scales) decide as they would on the whole leaf.
 Every leaf that keeps a residual is its own TopKA2A bucket (so its owned
 shard is its own slice); the others go through one dense reduce-scatter.
+Where the parameters are split over other mesh axes (a ``("data", "model")``
+mesh), each device shards its own piece of them, as
+:func:`topka2a_jax.topka2a` keeps residuals for its piece (:func:`inner_specs`).
 
 Only element-wise inner transforms give the same updates as the plain chain;
 those that reduce over a leaf or over all of them (global-norm clipping,
