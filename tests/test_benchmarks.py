@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
@@ -40,7 +41,26 @@ def test_time_to_target_sums_the_steps_before_the_first_evaluation_below_it():
   assert (sparse["steps_to_target"], sparse["time_to_target"]) == (2, 0.75)
   assert sparse["time_ratio"] == pytest.approx(0.75 / 4.0)
   assert sparse["step_s"] == 0.25 and sparse["final"] == 2.2
+  assert sparse["highest"] == 2.5
   assert never["steps_to_target"] is None and never["time_ratio"] is None
+
+
+@pytest.mark.slow
+def test_training_benchmark_runs_locally_without_a_link(tmp_path):
+  out = tmp_path / "training.json"
+  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  result = subprocess.run(
+      [sys.executable, str(BENCHMARKS / "network_training.py"), "--local",
+       "--processes", "2", "--steps", "3", "--eval-every", "1", "--b1", "0.5",
+       "--runs", "dense", "defaults, 50 dense steps", "--json", str(out)],
+      env=env, capture_output=True, text=True, timeout=600, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  written = json.loads(out.read_text())
+  assert (written["rate"], written["b1"]) == (None, 0.5)
+  assert [row["run"] for row in written["rows"]] == ["dense", "defaults, 50 dense steps"]
+  dense, warm = written["rows"]
+  np.testing.assert_allclose(warm["evals"], dense["evals"], rtol=1e-5)  # dense in both
+  assert all(len(row["seconds"]) == 3 for row in written["rows"])
 
 
 @pytest.mark.slow
