@@ -44,11 +44,16 @@ def _batches(steps):
   return [jnp.asarray(rng.normal(size=(64, 300)), jnp.float32) for _ in range(steps)]
 
 
+def _plain_and_sharded(inner, **options):
+  """The plain chain with one bucket per leaf, and the sharded optimizer."""
+  options = {"algorithm": "topka2a", "min_size": 100, **options}
+  return (optax.chain(topka2a_jax.topka2a(0.05, fusion=1, **options), inner),
+          topka2a_jax.sharded_optimizer(inner, 0.05, **options))
+
+
 def _both(inner, train_steps, mesh, steps=20, **options):
   """Parameters after every step: plain chain, then sharded."""
-  options = {"algorithm": "topka2a", "min_size": 100, **options}
-  plain = optax.chain(topka2a_jax.topka2a(0.05, fusion=1, **options), inner)
-  sharded = topka2a_jax.sharded_optimizer(inner, 0.05, **options)
+  plain, sharded = _plain_and_sharded(inner, **options)
   batches = _batches(steps)
   return (train_steps(plain, mesh, _loss, _params(), batches),
           train_steps(sharded, mesh, _loss, _params(), batches))
@@ -146,17 +151,18 @@ def _model_problem():
   return params, batches
 
 
+def _placed_by_model_specs(mesh, params):
+  return {k: jax.device_put(v, NamedSharding(mesh, MODEL_SPECS[k]))
+          for k, v in params.items()}
+
+
 def test_a_4x2_mesh_matches_the_plain_chain_with_a_quarter_of_each_piece():
   """Parameters split over "model": each device's Adam state is 1/4 of its piece."""
   mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
   params, batches = _model_problem()
-  options = {"algorithm": "topka2a", "min_size": 100}
   results = []
-  for tx in (optax.chain(topka2a_jax.topka2a(0.05, fusion=1, **options),
-                         optax.adam(1e-2)),
-             topka2a_jax.sharded_optimizer(optax.adam(1e-2), 0.05, **options)):
-    placed = {k: jax.device_put(v, NamedSharding(mesh, MODEL_SPECS[k]))
-              for k, v in params.items()}
+  for tx in _plain_and_sharded(optax.adam(1e-2)):
+    placed = _placed_by_model_specs(mesh, params)
     state = tx.init(placed)  # the mesh and the splits from the shardings
     step = topka2a_jax.train_step(_model_loss, tx, mesh, donate=False)
     for batch in batches:
@@ -177,11 +183,8 @@ def test_a_hand_written_2d_step_with_param_specs():
   """Manual over both axes: init and state_specs lay the shards out per piece."""
   mesh = jax.make_mesh((4, 2), ("data", "model"))
   params, batches = _model_problem()
-  options = {"algorithm": "topka2a", "min_size": 100}
   results = []
-  for tx in (optax.chain(topka2a_jax.topka2a(0.05, fusion=1, **options),
-                         optax.adam(1e-2)),
-             topka2a_jax.sharded_optimizer(optax.adam(1e-2), 0.05, **options)):
+  for tx in _plain_and_sharded(optax.adam(1e-2)):
     state = topka2a_jax.init(tx, params, mesh, param_specs=MODEL_SPECS)
     specs = topka2a_jax.state_specs(state, param_specs=MODEL_SPECS)
 
@@ -193,8 +196,7 @@ def test_a_hand_written_2d_step_with_param_specs():
     run = jax.jit(jax.shard_map(
         step, mesh=mesh, in_specs=(MODEL_SPECS, specs, P("data"), P("data", "model")),
         out_specs=(MODEL_SPECS, specs)))
-    placed = {k: jax.device_put(v, NamedSharding(mesh, MODEL_SPECS[k]))
-              for k, v in params.items()}
+    placed = _placed_by_model_specs(mesh, params)
     for x, t in batches:
       placed, state = run(placed, state, jax.device_put(x, NamedSharding(mesh, P("data"))),
                           jax.device_put(t, NamedSharding(mesh, P("data", "model"))))
@@ -301,12 +303,8 @@ def test_through_nnx_optimizer_as_the_functional_step(mesh):
 
 def test_sends_the_bytes_of_the_plain_chain(mesh):
   """comm_report: the same all-to-all and all-gather bytes as topka2a + adam."""
-  options = {"algorithm": "topka2a", "min_size": 100}
-  inner = optax.adam(1e-2)
-  plain = optax.chain(topka2a_jax.topka2a(0.05, fusion=1, **options), inner)
-  sharded = topka2a_jax.sharded_optimizer(inner, 0.05, **options)
   reports = []
-  for tx in (plain, sharded):
+  for tx in _plain_and_sharded(optax.adam(1e-2)):
     params = jax.device_put(_params(), NamedSharding(mesh, P()))
     step = topka2a_jax.train_step(_loss, tx, mesh, donate=False)
     reports.append(topka2a_jax.comm_report(step.lower(params, tx.init(params),
@@ -350,8 +348,7 @@ def test_a_2d_state_restored_on_fewer_data_devices_trains_on_alike(tmp_path):
                                      min_size=100)
 
   def fresh(mesh):
-    placed = {k: jax.device_put(v, NamedSharding(mesh, MODEL_SPECS[k]))
-              for k, v in params.items()}
+    placed = _placed_by_model_specs(mesh, params)
     return {"params": placed, "opt_state": tx.init(placed)}
 
   def train(state, mesh, batches):

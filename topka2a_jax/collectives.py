@@ -14,6 +14,9 @@ send, which error feedback keeps for the next step.
   The volume no longer grows with P.
 * :func:`topka2a_sparse`: TopKA2A whose owners re-select the top of their
   summed shard, so the second phase is a sparse AllGather too: O(k) volume.
+* :func:`two_level`: for clusters, a dense reduce-scatter inside each node,
+  one of the above between nodes on one slice per device, and an all-gather
+  inside the node.
 
 The sparse ones take ``selection`` (``"exact"`` top-k, or ``"threshold"``,
 see :mod:`topka2a_jax.threshold`) and ``value_dtype`` (values on the wire,
@@ -365,6 +368,71 @@ def topka2a_sparse(
   mean = jnp.zeros((layout.length,), buffer.dtype).at[positions.ravel()].set(
       from_values.ravel() / layout.num_shards, mode="drop", unique_indices=True)
   return Exchange(mean, unsent.reshape(-1)[: layout.length])
+
+
+def two_level(
+    buffer: jax.Array, axis_name: tuple[Hashable, Hashable], density: float, *,
+    value_dtype: jnp.dtype | None = None, selection: str = "exact",
+    outer: Callable[..., Exchange] = topka2a,
+) -> Exchange:
+  """Dense inside a node, sparse between nodes: reduce-scatter, exchange, all-gather.
+
+  ``axis_name`` is ``(outer axis, inner axis)``, e.g. ``("node", "local")``:
+  the inner axis joins the devices of one node by a fast link, the outer
+  axis the nodes by a slow one. With ``L`` devices per node:
+
+  1. ``lax.psum_scatter`` over the inner axis: device ``j`` of a node gets
+     its node's sum of slice ``j`` of the buffer (``m = ceil(n / L)``
+     entries; the buffer is zero-padded to ``L m``).
+  2. ``outer`` (a sparse exchange of this module) over the outer axis on that
+     slice, with the devices that hold slice ``j`` in the other nodes.
+  3. ``lax.all_gather`` over the inner axis of the slices' means.
+
+  The slow link then carries one slice per device instead of the whole
+  buffer, and what the outer exchange does not send stays in this device's
+  unsent entries, in its own slice only: adding them to the next buffer
+  (error feedback) puts them back into slice ``j``'s node sum.
+
+  Args:
+    buffer: this device's 1-D floating buffer of ``n`` elements.
+    axis_name: ``(outer, inner)`` mesh axes.
+    density: fraction of each slice sent over the outer axis, in (0, 1].
+    value_dtype: dtype of the values on the outer wire; None sends them as
+      they are.
+    selection: a key of :data:`SELECTIONS`.
+    outer: the exchange over the outer axis: :func:`topka2a` (the default),
+      :func:`topka2a_sparse`, :func:`allgather` or :func:`dense`.
+
+  Returns:
+    The :class:`Exchange`: the mean over both axes, and this device's unsent
+    entries (zero outside its slice).
+
+  Example:
+    >>> mesh = jax.make_mesh((2, 4), ("node", "local"))
+    >>> rows = jax.device_put(jnp.arange(8 * 16.0).reshape(8, 16),
+    ...                       NamedSharding(mesh, P(("node", "local"))))
+    >>> @jax.jit
+    ... @jax.shard_map(mesh=mesh, in_specs=P(("node", "local")),
+    ...                out_specs=(P(), P(("node", "local"))))
+    ... def exchange(row):
+    ...   mean, unsent = two_level(row[0], ("node", "local"), density=0.5)
+    ...   return mean, unsent[None]
+    >>> mean, unsent = exchange(rows)
+    >>> bool(jnp.allclose(8 * mean + unsent.sum(0), rows.sum(0)))  # nothing lost
+    True
+  """
+  _check_buffer(buffer)
+  outer_axis, inner_axis = axis_name
+  per_node = bound_axis_size(inner_axis)
+  length = buffer.shape[0]
+  width = -(-length // per_node)
+  rows = jnp.pad(buffer, (0, per_node * width - length)).reshape(per_node, width)
+  node_sum = lax.psum_scatter(rows, inner_axis, scatter_dimension=0, tiled=True)[0]
+  result = outer(node_sum, outer_axis, density, value_dtype=value_dtype,
+                 selection=selection)
+  mean = lax.all_gather(result.mean / per_node, inner_axis, tiled=True, to="invarying")
+  unsent = _keep_at_owner(jnp.zeros_like(rows), inner_axis, result.unsent)
+  return Exchange(mean[:length], unsent.reshape(-1)[:length])
 
 
 class Collective(Protocol):
