@@ -74,6 +74,17 @@ def test_twenty_steps_match_the_plain_chain(inner, train_steps, mesh):
   assert np.abs(plain[-1][0]["w"] - _params()["w"]).max() > 1e-2  # it trained
 
 
+def test_without_error_feedback_it_still_sends_sparse(train_steps, mesh):
+  plain, sharded = _both(optax.sgd(0.1, momentum=0.9), train_steps, mesh, steps=5,
+                         error_feedback=False)
+  for (p1, s1, _), (p2, s2, _) in zip(plain, sharded):
+    np.testing.assert_allclose(p2["w"], p1["w"], rtol=0, atol=1e-6)
+  assert jax.tree.leaves(s2.exchange.residuals) == []  # none kept
+  dense, _ = _both(optax.sgd(0.1, momentum=0.9), train_steps, mesh, steps=5,
+                   algorithm="dense")
+  assert np.abs(dense[-1][0]["w"] - p2["w"]).max() > 1e-4  # and not dense
+
+
 def test_the_mask_sees_the_leaves_dimensions(train_steps, mesh):
   """Weight decay masked off 1-D leaves: a bias with zero gradient stays put."""
   inner = optax.adamw(1e-2, weight_decay=0.5, mask=lambda p: jax.tree.map(

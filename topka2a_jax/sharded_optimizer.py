@@ -277,8 +277,12 @@ def _init_inner(opts: Options, inner: optax.GradientTransformation,
 
 
 def _sparse(opts: Options, size: int, num_devices: int) -> bool:
-  """Whether a leaf of ``size`` entries goes through TopKA2A's owner phase."""
-  if not opts.keeps_residual(size) or opts.algorithm == DENSE.name:
+  """Whether a leaf of ``size`` entries goes through TopKA2A's owner phase.
+
+  As in :func:`topka2a_jax.topka2a`, leaves under ``min_size`` go dense, with
+  or without error feedback.
+  """
+  if size == 0 or size < opts.min_size or opts.algorithm == DENSE.name:
     return False
   if opts.algorithm != AUTO:
     return True
@@ -360,7 +364,8 @@ def owner_phase(opts: Options, grads: Sequence[jax.Array], residuals: Sequence[A
           acc, opts.axis_name, opts.density, opts.value_dtype,
           collectives.get_selection(opts.selection))
       shards[i] = owned / num_devices
-      new[i] = unsent.reshape(-1)[: grad.size].reshape(residuals[i].shape)
+      if opts.keeps_residual(grad.size):
+        new[i] = unsent.reshape(-1)[: grad.size].reshape(residuals[i].shape)
     else:
       dense.append(i)
       if opts.keeps_residual(grad.size):
