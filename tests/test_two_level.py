@@ -10,7 +10,9 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import reference
 from jax.sharding import NamedSharding
@@ -140,3 +142,93 @@ def test_the_dense_phases_run_inside_nodes_and_the_sparse_one_between(mesh, algo
   # the slow link carries one slice: 1/4 of what a flat exchange would select
   width = 40_000 // LOCAL
   assert report.bytes_of("all-to-all", "node") < 0.01 * width * 8
+
+
+def _transform_steps(mesh, tx, grads_per_step):
+  """tx.update in a hand-written step over both axes; updates and state per step."""
+  params = jax.tree.map(lambda g: jax.ShapeDtypeStruct(g.shape[1:], g.dtype),
+                        grads_per_step[0])
+  state = topka2a_jax.init(tx, params, mesh, axis_name=AXES)
+  specs = topka2a_jax.state_specs(state, AXES)
+  run = jax.jit(jax.shard_map(
+      lambda g, s: tx.update(jax.tree.map(lambda x: x[0], g), s), mesh=mesh,
+      in_specs=(P(AXES), specs), out_specs=(P(), specs)))
+  history = []
+  for grads in grads_per_step:
+    updates, state = run(jax.device_put(grads, NamedSharding(mesh, P(AXES))), state)
+    history.append((jax.tree.map(np.asarray, updates), state))
+  return history
+
+
+@pytest.mark.parametrize("algorithm", ["topka2a", "topka2a_sparse", "allgather"])
+def test_the_transform_over_a_pair_of_axes_matches_the_numpy_model(mesh, algorithm):
+  """topka2a(axis_name=("node", "local")): each leaf its own bucket, 10 steps."""
+  rng = np.random.default_rng(3)
+  grads = [{"w": rng.normal(size=(NODES * LOCAL, 30, 7)).astype(np.float32),
+            "b": rng.normal(size=(NODES * LOCAL, 50)).astype(np.float32)}
+           for _ in range(10)]
+  tx = topka2a_jax.topka2a(0.05, axis_name=AXES, algorithm=algorithm, min_size=0,
+                           fusion=1)
+  residuals = {k: np.zeros((NODES * LOCAL, g[0].size)) for k, g in grads[0].items()}
+  for step_grads, (updates, state) in zip(grads, _transform_steps(mesh, tx, grads)):
+    for k, g in step_grads.items():
+      flat = g.reshape(NODES * LOCAL, -1) + residuals[k]
+      mean, residuals[k] = reference_two_level(flat, 0.05, algorithm)
+      np.testing.assert_allclose(updates[k].ravel(), mean, rtol=1e-5, atol=1e-5)
+      kept = np.asarray(state.residuals[k]).reshape(NODES * LOCAL, -1)
+      np.testing.assert_allclose(kept, residuals[k], rtol=1e-5, atol=1e-5)
+
+
+def test_the_transform_at_density_one_is_pmean_over_both_axes(mesh):
+  rng = np.random.default_rng(4)
+  grads = [{"w": rng.normal(size=(NODES * LOCAL, 9, 5)).astype(np.float32)}]
+  tx = topka2a_jax.topka2a(1.0, axis_name=AXES, algorithm="topka2a", min_size=0)
+  (updates, _), = _transform_steps(mesh, tx, grads)
+  np.testing.assert_allclose(updates["w"], grads[0]["w"].mean(0), rtol=1e-6, atol=1e-6)
+
+
+def test_train_step_over_a_pair_of_axes_trains_every_replica_alike(mesh):
+  """The batch splits over both axes; every device ends with the same parameters."""
+  rng = np.random.default_rng(5)
+  params = {"w": rng.normal(size=(32, 4)).astype(np.float32)}
+  tx = optax.chain(topka2a_jax.topka2a(0.1, axis_name=AXES, mesh=mesh,
+                                       algorithm="topka2a", min_size=0),
+                   optax.sgd(0.1))
+  step = topka2a_jax.train_step(lambda p, x: jnp.mean((x @ p["w"]) ** 2), tx, mesh,
+                                axis_name=AXES)
+  state = tx.init(params)
+  for _ in range(3):
+    params, state, loss = step(params, state, rng.normal(size=(16, 32)).astype(
+        np.float32))
+  copies = [np.asarray(s.data) for s in params["w"].addressable_shards]
+  assert len(copies) == NODES * LOCAL
+  for copy in copies[1:]:
+    np.testing.assert_array_equal(copy, copies[0])
+  assert state[0].residuals["w"].shape == (NODES * LOCAL * 32, 4)
+  assert float(loss) > 0
+
+
+def test_a_data_axis_of_three_names_is_refused():
+  with pytest.raises(ValueError, match="one mesh axis, or a pair"):
+    topka2a_jax.topka2a(0.1, axis_name=("a", "b", "c"))
+
+
+def test_a_checkpoint_restores_onto_fewer_nodes_keeping_what_is_owed(tmp_path, mesh):
+  rng = np.random.default_rng(6)
+  grads = [{"w": rng.normal(size=(NODES * LOCAL, 40)).astype(np.float32)}]
+  tx = topka2a_jax.topka2a(0.05, axis_name=AXES, algorithm="topka2a", min_size=0)
+  (_, state), = _transform_steps(mesh, tx, grads)
+  owed = np.asarray(state.residuals["w"], np.float64).reshape(NODES * LOCAL, -1).sum(0)
+  assert np.abs(owed).sum() > 0
+  topka2a_jax.save(tmp_path / "ckpt", {"opt_state": state}, mesh, axis_name=AXES)
+  one_node = jax.make_mesh((1, LOCAL), AXES, devices=jax.devices()[:LOCAL])
+  like = {"opt_state": topka2a_jax.init(
+      tx, {"w": jax.ShapeDtypeStruct((40,), np.float32)}, one_node, axis_name=AXES)}
+  restored = topka2a_jax.restore(tmp_path / "ckpt", like, one_node, axis_name=AXES)
+  now = np.asarray(restored["opt_state"].residuals["w"], np.float64).reshape(LOCAL, -1)
+  np.testing.assert_array_equal(now.sum(0), owed)
+
+
+def test_the_sharded_optimizer_refuses_a_pair_of_axes():
+  with pytest.raises(ValueError, match="shards over one data axis"):
+    topka2a_jax.sharded_optimizer(optax.adam(1e-3), 0.1, axis_name=AXES)

@@ -15,11 +15,33 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+
+def axis_names(axis_name: Hashable) -> tuple[Hashable, ...]:
+  """The mesh axes a data axis is made of: ``("node", "local")``, or one.
+
+  Example:
+    >>> axis_names("data"), axis_names(("node", "local"))
+    (('data',), ('node', 'local'))
+  """
+  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+
+def on_mesh(mesh: Any, axis_name: Hashable) -> bool:
+  """Whether ``mesh`` has every axis ``axis_name`` is made of."""
+  return all(name in mesh.axis_names for name in axis_names(axis_name))
+
+
+def mesh_axis_size(mesh: Any, axis_name: Hashable) -> int:
+  """Devices along ``axis_name`` of ``mesh``: the product over its axes."""
+  return math.prod(mesh.shape[name] for name in axis_names(axis_name))
 
 
 def bound_axis_size(axis_name: Hashable) -> int:
@@ -94,4 +116,4 @@ def is_varying(x: jax.Array, axis_name: Hashable) -> bool:
   Returns:
     True when ``x`` may differ between the devices of ``axis_name``.
   """
-  return axis_name in varying_axes(x)
+  return set(axis_names(axis_name)) <= varying_axes(x)

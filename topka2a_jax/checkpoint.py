@@ -39,6 +39,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from topka2a_jax.axis import mesh_axis_size, on_mesh
 from topka2a_jax.sharded_optimizer import ShardedOptimizerState
 from topka2a_jax.transform import TopKA2AState
 
@@ -70,7 +71,7 @@ def _per_device(state: Any) -> list[str | bool]:
 def _layout(state: Any, mesh: Mesh, axis_name: Hashable) -> dict[str, Any]:
   with_paths, treedef = jax.tree_util.tree_flatten_with_path(state)
   return {
-      "devices": int(mesh.shape[axis_name]),
+      "devices": mesh_axis_size(mesh, axis_name),
       "axis_name": str(axis_name),
       "structure": str(treedef),
       "leaves": [
@@ -122,7 +123,7 @@ def _saved_shape(shape: list[int], old: int, new: int) -> list[int]:
 
 
 def _check_axis(mesh: Mesh, axis_name: Hashable) -> None:
-  if axis_name not in mesh.axis_names:
+  if not on_mesh(mesh, axis_name):
     raise ValueError(f"mesh has no axis {axis_name!r}; its axes are "
                      f"{mesh.axis_names}. Pass the data-parallel axis with "
                      "axis_name=...")

@@ -32,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -39,9 +40,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from topka2a_jax import buckets
-from topka2a_jax.algorithms import DENSE, REGISTRY
-from topka2a_jax.axis import bound_axis_size, varying_axes
+from topka2a_jax import buckets, collectives
+from topka2a_jax.algorithms import DENSE, REGISTRY, Algorithm
+from topka2a_jax.axis import axis_names, bound_axis_size, varying_axes
+from topka2a_jax.collectives import Collective
 from topka2a_jax.cost import get_network
 from topka2a_jax.fusion import step_model
 from topka2a_jax.nonfinite import nonfinite_on_any_device
@@ -78,10 +80,23 @@ def _buckets(options: Options, grads: Sequence[jax.Array],
   groups: dict[frozenset, list[int]] = {}
   for i, grad in enumerate(grads):
     if grad.size > 0:
-      groups.setdefault(varying_axes(grad) - {options.axis_name}, []).append(i)
+      groups.setdefault(varying_axes(grad) - set(axis_names(options.axis_name)),
+                        []).append(i)
   return [([live[j] for j in bucket.leaves], bucket.algorithm)
           for live in groups.values()
           for bucket in plan(options, [grads[i].size for i in live], num_devices)]
+
+
+def _collective(options: Options, algorithm: Algorithm) -> Collective:
+  """``algorithm``'s collective, run between nodes where the data axis is a pair.
+
+  With ``axis_name=("node", "local")`` a sparse exchange becomes
+  :func:`topka2a_jax.collectives.two_level`: dense inside each node, sparse
+  between nodes on one slice per device. Dense stays one all-reduce.
+  """
+  if len(axis_names(options.axis_name)) == 2 and algorithm.sparse:
+    return functools.partial(collectives.two_level, outer=algorithm.collective)
+  return algorithm.collective
 
 
 def exchange(options: Options, grads: Sequence[jax.Array],
@@ -107,8 +122,8 @@ def exchange(options: Options, grads: Sequence[jax.Array],
     acc = [jnp.ravel(grads[i]).astype(dtype) + jnp.ravel(residuals[i])
            if options.keeps_residual(grads[i].size) else grads[i]
            for i in members]
-    exchange_with = REGISTRY[algorithm] if sparse else DENSE
-    result = exchange_with.collective(
+    exchange_with = _collective(options, REGISTRY[algorithm] if sparse else DENSE)
+    result = exchange_with(
         buckets.pack(acc, dtype), options.axis_name, options.density,
         value_dtype=options.value_dtype, selection=options.selection)
     sizes = [grads[i].size for i in members]
@@ -124,7 +139,7 @@ def exchange(options: Options, grads: Sequence[jax.Array],
 def _zeros_like_mean(grad: jax.Array, axis_name: Hashable) -> jax.Array:
   """Zeros typed like the mean of ``grad``: invariant along the axis only."""
   zeros = jnp.zeros(grad.shape, grad.dtype)
-  others = tuple(varying_axes(grad) - {axis_name})
+  others = tuple(varying_axes(grad) - set(axis_names(axis_name)))
   return jax.lax.pcast(zeros, others, to="varying") if others else zeros
 
 

@@ -26,6 +26,8 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from topka2a_jax.axis import axis_names
+
 
 def spec_axes(spec: P) -> tuple[Hashable, ...]:
   """Every mesh axis a ``PartitionSpec`` names, in order."""
@@ -107,8 +109,8 @@ def residual_spec(axis_name: Hashable, param_spec: P | None = None) -> P:
   while entries and entries[-1] is None:
     entries.pop()
   if not entries:
-    return P(axis_name)
-  first = _entry((axis_name, *_entry_axes(entries[0])))
+    return P(_entry(axis_names(axis_name)))
+  first = _entry((*axis_names(axis_name), *_entry_axes(entries[0])))
   return P(first, *entries[1:])
 
 
@@ -145,11 +147,11 @@ def constrain(x: Any, sharding: NamedSharding) -> Any:
 
 
 def automatic_axes(mesh: Any, exclude: Hashable) -> dict[Hashable, int]:
-  """Axes of ``mesh`` other than ``exclude`` that are not manual, by size (> 1)."""
+  """Axes of ``mesh`` other than ``exclude``'s that are not manual, by size (> 1)."""
   types = getattr(mesh, "axis_types", None) or (AxisType.Auto,) * len(mesh.axis_names)
   return {name: size for name, size, kind in
           zip(mesh.axis_names, mesh.axis_sizes, types)
-          if name != exclude and kind != AxisType.Manual and size > 1}
+          if name not in axis_names(exclude) and kind != AxisType.Manual and size > 1}
 
 
 def check_not_over_data(spec: P | None, axis_name: Hashable, path: str) -> None:
@@ -158,7 +160,7 @@ def check_not_over_data(spec: P | None, axis_name: Hashable, path: str) -> None:
   Raises:
     ValueError: ``spec`` names ``axis_name``.
   """
-  if spec is not None and axis_name in spec_axes(spec):
+  if spec is not None and set(axis_names(axis_name)) & set(spec_axes(spec)):
     raise ValueError(
         f"parameter {path} is sharded over the data axis {axis_name!r} "
         f"({spec}). topka2a averages gradients over {axis_name!r}, so every "

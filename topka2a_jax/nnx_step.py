@@ -46,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from topka2a_jax import compute, placement
-from topka2a_jax.axis import is_varying
+from topka2a_jax.axis import axis_names, is_varying, mesh_axis_size
 from topka2a_jax.step import (
     accumulated_gradients,
     check_inputs,
@@ -148,7 +148,7 @@ class NnxTrainStep:
         functools.partial(self._body, graphdef=graphdef, tx=tx, wrt=wrt,
                           specs=spec_tree, backward=backward),
         mesh=self._mesh, in_specs=(P(), P(), state, P(), P(self._axis_name)),
-        out_specs=out_specs, axis_names={self._axis_name})
+        out_specs=out_specs, axis_names=set(axis_names(self._axis_name)))
     return body(params, rest, opt_state, keys,
                 split_batch(batch, self._mesh, self._axis_name))
 
@@ -177,7 +177,7 @@ class NnxTrainStep:
 
   def _backward_seconds(self, graphdef, wrt, params, rest, keys, batch) -> float:
     """The backward pass's estimate (:func:`topka2a_jax.compute.backward_seconds`)."""
-    parts = self._mesh.shape[self._axis_name] * self._micro_batches
+    parts = mesh_axis_size(self._mesh, self._axis_name) * self._micro_batches
     shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
     micro = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((x.shape[0] // parts, *x.shape[1:]), x.dtype),

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from topka2a_jax.axis import is_varying, tracks_varying_axes, varying_axes
+from topka2a_jax.axis import axis_names, is_varying, tracks_varying_axes, varying_axes
 
 NONFINITE = "nonfinite_step"
 """Extra argument of the update: the decision taken once, for inner transforms."""
@@ -63,7 +63,8 @@ def nonfinite_on_any_device(tree: Any, axis_name: Hashable) -> jax.Array:
     local = lax.pcast(local, axis_name, to="varying")
   # Over every axis the gradients vary along (on a 2-D mesh, the model axis
   # too), so that all shards of the model skip together.
-  axes = (axis_name, *sorted(varying_axes(local) - {axis_name}, key=str))
+  axes = (*axis_names(axis_name),
+          *sorted(varying_axes(local) - set(axis_names(axis_name)), key=str))
   return lax.pmax(local, axes) > 0
 
 

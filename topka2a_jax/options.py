@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from topka2a_jax import algorithms
+from topka2a_jax.axis import on_mesh
 from topka2a_jax.collectives import get_selection
 from topka2a_jax.cost import AUTO_NETWORK, Network, get_network
 from topka2a_jax.fusion import check_plan_options
@@ -96,7 +97,7 @@ def _mesh(mesh: Any, axis_name: Hashable) -> Mesh | None:
   if not isinstance(mesh, Mesh):
     raise TypeError(f"mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh(...)) "
                     f"or None, got {type(mesh).__name__}")
-  if axis_name not in mesh.axis_names:
+  if not on_mesh(mesh, axis_name):
     raise ValueError(f"mesh has no axis {axis_name!r}; its axes are "
                      f"{mesh.axis_names}. Pass the data-parallel axis with "
                      "axis_name=...")
@@ -149,6 +150,10 @@ class Options:
     axis_name = normalised.get("axis_name", "data")
     if not isinstance(axis_name, Hashable):
       raise TypeError(f"axis_name must be a mesh axis name, got {axis_name!r}")
+    if isinstance(axis_name, tuple) and len(axis_name) != 2:
+      raise ValueError(
+          f"axis_name={axis_name!r}: the data axis is one mesh axis, or a pair "
+          "(outer, inner) such as ('node', 'local') for the two-level exchange")
     fusion = normalised.get("fusion", "auto")
     if fusion != "auto":
       normalised["fusion"] = _count("fusion", fusion, 1)

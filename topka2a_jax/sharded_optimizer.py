@@ -49,6 +49,7 @@ from jax.sharding import PartitionSpec as P
 from topka2a_jax import collectives, exchange, layout
 from topka2a_jax.algorithms import AUTO, DENSE, REGISTRY
 from topka2a_jax.axis import (
+    axis_names,
     bound_axis_size,
     is_varying,
     tracks_varying_axes,
@@ -188,6 +189,11 @@ def sharded_optimizer(
         f"sharded_optimizer runs the optimizer where TopKA2A's first phase "
         f"leaves each device its summed shard; algorithm={algorithm!r} has no "
         f"such phase. Choose one of {', '.join(map(repr, ALGORITHMS))}.")
+  if len(axis_names(axis_name)) > 1:
+    raise ValueError(
+        f"sharded_optimizer shards over one data axis; axis_name={axis_name!r} is a "
+        "pair. Use optax.chain(topka2a_jax.topka2a(..., axis_name=...), inner) "
+        "for the two-level exchange.")
   if "fusion" in options:
     raise ValueError("sharded_optimizer makes every sparse leaf its own bucket; "
                      "it takes no fusion= option.")

@@ -37,6 +37,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from topka2a_jax import compute, layout, placement
+from topka2a_jax.axis import axis_names, mesh_axis_size, on_mesh
 from topka2a_jax.transform import BACKWARD_SECONDS, PARAM_SPECS, flatten
 
 LossFn = Callable[..., Any]
@@ -85,7 +86,7 @@ def check_step_options(mesh: Mesh, axis_name: Hashable, micro_batches: int) -> N
   if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or (
       micro_batches < 1):
     raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
-  if axis_name not in mesh.axis_names:
+  if not on_mesh(mesh, axis_name):
     raise ValueError(f"mesh has no axis {axis_name!r}; its axes are "
                      f"{mesh.axis_names}. Pass the data-parallel axis with "
                      "axis_name=...")
@@ -111,7 +112,7 @@ def check_inputs(checked: set[Any], opt_state: Any, batch: Any, mesh: Mesh,
   if structure not in checked:
     placement.check_chain(opt_state, require_exchange=True)
     checked.add(structure)
-  check_batch(batch, mesh.shape[axis_name], micro_batches, axis_name)
+  check_batch(batch, mesh_axis_size(mesh, axis_name), micro_batches, axis_name)
 
 
 def device_key(key: jax.Array | None, axis_name: Hashable) -> jax.Array | None:
@@ -282,7 +283,7 @@ class TrainStep:
         functools.partial(self._body, specs=spec_tree, backward=backward),
         mesh=self._mesh,
         in_specs=(P(), state_in, P(self._axis_name), P()), out_specs=out_specs,
-        axis_names={self._axis_name})
+        axis_names=set(axis_names(self._axis_name)))
     return body(params, opt_state, split_batch(batch, self._mesh, self._axis_name), key)
 
   def _prepare(self, params, opt_state, batch, key):
@@ -311,7 +312,7 @@ class TrainStep:
     computed once per shape of the inputs.
     """
     shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-    parts = self._mesh.shape[self._axis_name] * self._micro_batches
+    parts = mesh_axis_size(self._mesh, self._axis_name) * self._micro_batches
     micro = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((x.shape[0] // parts, *x.shape[1:]), x.dtype),
         batch)
@@ -373,7 +374,8 @@ def train_step(
     tx: the optimizer, e.g. ``optax.chain(topka2a(0.01, mesh=mesh),
       optax.adam(1e-3))``.
     mesh: the device mesh; its axis ``axis_name`` splits the batch.
-    axis_name: the data-parallel axis (the one ``topka2a`` was built with).
+    axis_name: the data-parallel axis (the one ``topka2a`` was built with),
+      or the pair of axes it was built with; the batch splits over both.
     has_aux: ``loss_fn`` returns ``(loss, metrics)``. The step returns the
       metrics over the data axis: floating leaves averaged, integer and
       boolean leaves summed (a mean or a count over the global batch).

@@ -55,6 +55,8 @@ from topka2a_jax import exchange, layout
 from topka2a_jax.axis import (
   bound_axis_size,
   is_varying,
+  mesh_axis_size,
+  on_mesh,
   tracks_varying_axes,
 )
 from topka2a_jax.cost import AUTO_NETWORK
@@ -148,7 +150,11 @@ def topka2a(
   Args:
     density: fraction of every bucket's entries each device sends, in (0, 1].
       1.0 sends everything and equals ``lax.pmean``.
-    axis_name: the data-parallel mesh axis.
+    axis_name: the data-parallel mesh axis, or a pair ``(outer, inner)`` of
+      them, e.g. ``("node", "local")``: then every sparse bucket is reduced
+      densely inside each node and exchanged sparsely between nodes, one
+      slice per device (:func:`topka2a_jax.collectives.two_level`). Residuals
+      stay whole-leaf sized; the planner prices the flat exchange.
     mesh: the mesh of the training step. With it, ``tx.init(params)`` (as
       ``nnx.Optimizer`` calls it) returns the state as global arrays laid out
       for the mesh: residuals per device, each holding its own parameter
@@ -276,7 +282,7 @@ def layout_mesh(options: Options, leaves: Sequence[Any]) -> Mesh | None:
   for leaf in leaves:
     sharding = getattr(leaf, "sharding", None)
     if (isinstance(sharding, NamedSharding)
-        and options.axis_name in sharding.mesh.axis_names):
+        and on_mesh(sharding.mesh, options.axis_name)):
       return sharding.mesh
   return None
 
@@ -311,7 +317,7 @@ def init_state(options: Options, params: optax.Params) -> TopKA2AState:
         for leaf in leaves]
     return TopKA2AState(treedef.unflatten(residuals), zero, zero)
   mesh = layout_mesh(options, leaves)
-  if mesh is not None and options.axis_name not in mesh.axis_names:
+  if mesh is not None and not on_mesh(mesh, options.axis_name):
     raise ValueError(
         f"mesh has no axis {options.axis_name!r}; its axes are "
         f"{mesh.axis_names}. Build topka2a with the data-parallel axis: "
@@ -329,7 +335,7 @@ def init_state(options: Options, params: optax.Params) -> TopKA2AState:
 def _global_state(options: Options, mesh: Mesh, paths: Sequence[str],
                   leaves: Sequence[Any], treedef: Any) -> TopKA2AState:
   """Zero residuals as global arrays, each split like its parameter."""
-  num_devices = mesh.shape[options.axis_name]
+  num_devices = mesh_axis_size(mesh, options.axis_name)
   others = {name: size for name, size in mesh.shape.items()
             if name != options.axis_name and size > 1}
   tracing = any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
