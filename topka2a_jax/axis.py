@@ -16,7 +16,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
@@ -37,6 +37,27 @@ def axis_names(axis_name: Hashable) -> tuple[Hashable, ...]:
 def on_mesh(mesh: Any, axis_name: Hashable) -> bool:
   """Whether ``mesh`` has every axis ``axis_name`` is made of."""
   return all(name in mesh.axis_names for name in axis_names(axis_name))
+
+
+def check_on_mesh(mesh: Any, axis_name: Hashable) -> None:
+  """Raises unless ``mesh`` has every axis ``axis_name`` is made of.
+
+  Raises:
+    ValueError: naming the axis, the mesh's axes and the option to pass.
+  """
+  if not on_mesh(mesh, axis_name):
+    raise ValueError(f"mesh has no axis {axis_name!r}; its axes are "
+                     f"{mesh.axis_names}. Pass the data-parallel axis with "
+                     "axis_name=...")
+
+
+def is_bound(axis_name: Hashable) -> bool:
+  """Whether the call is inside a shard_map over ``axis_name``."""
+  try:
+    lax.axis_size(axis_name)
+  except NameError:
+    return False
+  return True
 
 
 def mesh_axis_size(mesh: Any, axis_name: Hashable) -> int:
@@ -104,6 +125,26 @@ def varying_axes(x: jax.Array) -> frozenset[Hashable]:
     The axes; empty outside shard_map or with ``check_vma=False``.
   """
   return frozenset(jax.typeof(x).mat.varying)
+
+
+def grouped_by_varying_axes(arrays: Sequence[jax.Array],
+                            key: Callable[[jax.Array], Any] = lambda _: None
+                            ) -> list[list[int]]:
+  """Positions of ``arrays`` grouped by ``key`` and by the mesh axes they vary over.
+
+  One collective over a group never mixes a piece of a parameter split over
+  other mesh axes with a parameter replicated over them, which would make the
+  latter's result differ along those axes.
+
+  Example:
+    >>> grouped_by_varying_axes([jnp.zeros(2), jnp.zeros(3, jnp.int32)],
+    ...                         key=lambda x: x.dtype)
+    [[0], [1]]
+  """
+  groups: dict[Any, list[int]] = {}
+  for i, array in enumerate(arrays):
+    groups.setdefault((key(array), varying_axes(array)), []).append(i)
+  return list(groups.values())
 
 
 def is_varying(x: jax.Array, axis_name: Hashable) -> bool:

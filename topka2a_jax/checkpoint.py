@@ -39,7 +39,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from topka2a_jax.axis import mesh_axis_size, on_mesh
+from topka2a_jax.axis import check_on_mesh, mesh_axis_size
 from topka2a_jax.sharded_optimizer import ShardedOptimizerState
 from topka2a_jax.transform import TopKA2AState
 
@@ -122,13 +122,6 @@ def _saved_shape(shape: list[int], old: int, new: int) -> list[int]:
   return [shape[0] // new * old, *shape[1:]]
 
 
-def _check_axis(mesh: Mesh, axis_name: Hashable) -> None:
-  if not on_mesh(mesh, axis_name):
-    raise ValueError(f"mesh has no axis {axis_name!r}; its axes are "
-                     f"{mesh.axis_names}. Pass the data-parallel axis with "
-                     "axis_name=...")
-
-
 def save(directory: str | Path, state: Any, mesh: Mesh,
          axis_name: Hashable = "data") -> None:
   """Writes the whole training state, every device's residuals included.
@@ -151,7 +144,7 @@ def save(directory: str | Path, state: Any, mesh: Mesh,
   """
   import orbax.checkpoint as ocp
 
-  _check_axis(mesh, axis_name)
+  check_on_mesh(mesh, axis_name)
   directory = Path(directory).absolute()
   exists = directory.exists()
   if jax.process_count() > 1:  # every process looks before any writes
@@ -243,7 +236,7 @@ def restore(directory: str | Path, like: Any, mesh: Mesh,
   """
   import orbax.checkpoint as ocp
 
-  _check_axis(mesh, axis_name)
+  check_on_mesh(mesh, axis_name)
   directory = Path(directory).absolute()
   if not (directory / LAYOUT_FILE).is_file():
     raise FileNotFoundError(f"{directory} holds no checkpoint written by "

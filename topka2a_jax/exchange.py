@@ -42,7 +42,12 @@ import optax
 
 from topka2a_jax import buckets, collectives
 from topka2a_jax.algorithms import DENSE, REGISTRY, Algorithm
-from topka2a_jax.axis import axis_names, bound_axis_size, varying_axes
+from topka2a_jax.axis import (
+    axis_names,
+    bound_axis_size,
+    grouped_by_varying_axes,
+    varying_axes,
+)
 from topka2a_jax.collectives import Collective
 from topka2a_jax.cost import get_network
 from topka2a_jax.fusion import step_model
@@ -77,13 +82,11 @@ def _buckets(options: Options, grads: Sequence[jax.Array],
   parameter replicated over it): a replicated leaf then gets the same
   update on every device of those axes.
   """
-  groups: dict[frozenset, list[int]] = {}
-  for i, grad in enumerate(grads):
-    if grad.size > 0:
-      groups.setdefault(varying_axes(grad) - set(axis_names(options.axis_name)),
-                        []).append(i)
+  nonempty = [i for i, grad in enumerate(grads) if grad.size > 0]
+  groups = [[nonempty[j] for j in group] for group in
+            grouped_by_varying_axes([grads[i] for i in nonempty])]
   return [([live[j] for j in bucket.leaves], bucket.algorithm)
-          for live in groups.values()
+          for live in groups
           for bucket in plan(options, [grads[i].size for i in live], num_devices)]
 
 

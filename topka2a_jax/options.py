@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from topka2a_jax import algorithms
-from topka2a_jax.axis import on_mesh
+from topka2a_jax.axis import check_on_mesh
 from topka2a_jax.collectives import get_selection
 from topka2a_jax.cost import AUTO_NETWORK, Network, get_network
 from topka2a_jax.fusion import check_plan_options
@@ -97,10 +97,7 @@ def _mesh(mesh: Any, axis_name: Hashable) -> Mesh | None:
   if not isinstance(mesh, Mesh):
     raise TypeError(f"mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh(...)) "
                     f"or None, got {type(mesh).__name__}")
-  if not on_mesh(mesh, axis_name):
-    raise ValueError(f"mesh has no axis {axis_name!r}; its axes are "
-                     f"{mesh.axis_names}. Pass the data-parallel axis with "
-                     "axis_name=...")
+  check_on_mesh(mesh, axis_name)
   return mesh
 
 

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from topka2a_jax import layout
 from topka2a_jax.algorithms import DENSE
-from topka2a_jax.axis import on_mesh
+from topka2a_jax.axis import check_on_mesh
 from topka2a_jax.sharded_optimizer import ShardedOptimizerState, inner_specs
 from topka2a_jax.transform import TopKA2AState, laid_out_for
 
@@ -254,10 +254,7 @@ def init(
     >>> opt_state[0].residuals["w"].shape  # one (4, 3) block per device
     (32, 3)
   """
-  if not on_mesh(mesh, axis_name):
-    raise ValueError(
-        f"mesh has no axis {axis_name!r}; its axes are {mesh.axis_names}. "
-        "Pass the data-parallel axis with axis_name=...")
+  check_on_mesh(mesh, axis_name)
   leaves, treedef = jax.tree.flatten(params)
   spec_leaves = ([P()] * len(leaves) if param_specs is None
                  else jax.tree.leaves(param_specs, is_leaf=_is_spec))

@@ -35,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
@@ -51,6 +52,8 @@ from topka2a_jax.algorithms import AUTO, DENSE, REGISTRY
 from topka2a_jax.axis import (
     axis_names,
     bound_axis_size,
+    grouped_by_varying_axes,
+    is_bound,
     is_varying,
     tracks_varying_axes,
     varying_axes,
@@ -256,14 +259,10 @@ def _init_inner(opts: Options, inner: optax.GradientTransformation,
                 params: optax.Params) -> Any:
   """``inner``'s state: per device inside shard_map, else global arrays on the mesh."""
   _, leaves, treedef, _ = flatten(params)
-  try:
-    lax.axis_size(opts.axis_name)
+  if is_bound(opts.axis_name):
     return _local_inner_init(opts, inner, leaves, treedef)
-  except NameError:
-    pass
   mesh = layout_mesh(opts, leaves)  # init_state has refused a missing one
-  others = {name: size for name, size in mesh.shape.items()
-            if name != opts.axis_name and size > 1}
+  others = layout.automatic_axes(mesh, opts.axis_name)
   specs = [layout.restrict_spec(layout.param_spec_of(leaf, mesh), leaf.shape, others)
            for leaf in leaves]
   num_devices = mesh.shape[opts.axis_name]
@@ -311,7 +310,8 @@ def _reduce_scatter(accs: Sequence[jax.Array], axis_name: Hashable,
 
 
 def _offsets(widths: Sequence[int]) -> list[int]:
-  return [sum(widths[:i + 1]) for i in range(len(widths) - 1)]
+  """Where ``jnp.split`` cuts a concatenation of pieces of ``widths``."""
+  return list(itertools.accumulate(widths))[:-1]
 
 
 def _gather(shards: Sequence[jax.Array], shapes: Sequence[tuple[int, ...]],
@@ -321,7 +321,7 @@ def _gather(shards: Sequence[jax.Array], shapes: Sequence[tuple[int, ...]],
   Shards of one dtype that vary over the same mesh axes travel together.
   """
   whole: list[Any] = [None] * len(shards)
-  for members in _groups(shards, lambda shard: shard.dtype):
+  for members in grouped_by_varying_axes(shards, key=lambda shard: shard.dtype):
     widths = [shards[i].size for i in members]
     gathered = lax.all_gather(jnp.concatenate([jnp.ravel(shards[i]) for i in members]),
                               axis_name, tiled=True, to="invarying")
@@ -329,19 +329,6 @@ def _gather(shards: Sequence[jax.Array], shapes: Sequence[tuple[int, ...]],
     for i, part in zip(members, jnp.split(rows, _offsets(widths), axis=1)):
       whole[i] = part.reshape(-1)[: math.prod(shapes[i])].reshape(shapes[i])
   return whole
-
-
-def _groups(arrays: Sequence[jax.Array], key: Any) -> list[list[int]]:
-  """Positions of ``arrays`` grouped by ``key`` and by the mesh axes they vary over.
-
-  A collective over a group never mixes a piece of a parameter split over
-  other axes with a parameter replicated over them, which would make the
-  latter's result differ along those axes (as :mod:`.exchange` buckets do).
-  """
-  groups: dict[Any, list[int]] = {}
-  for i, array in enumerate(arrays):
-    groups.setdefault((key(array), varying_axes(array)), []).append(i)
-  return list(groups.values())
 
 
 def owner_phase(opts: Options, grads: Sequence[jax.Array], residuals: Sequence[Any],
@@ -376,7 +363,7 @@ def owner_phase(opts: Options, grads: Sequence[jax.Array], residuals: Sequence[A
       dense.append(i)
       if opts.keeps_residual(grad.size):
         new[i] = jnp.zeros_like(residuals[i])
-  for group in _groups([accs[i] for i in dense], lambda acc: None):
+  for group in grouped_by_varying_axes([accs[i] for i in dense]):
     members = [dense[j] for j in group]
     for i, shard in zip(members, _reduce_scatter([accs[i] for i in members],
                                                  opts.axis_name, num_devices)):

@@ -37,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from topka2a_jax import compute, layout, placement
-from topka2a_jax.axis import axis_names, mesh_axis_size, on_mesh
+from topka2a_jax.axis import axis_names, check_on_mesh, mesh_axis_size
 from topka2a_jax.transform import BACKWARD_SECONDS, PARAM_SPECS, flatten
 
 LossFn = Callable[..., Any]
@@ -86,10 +86,7 @@ def check_step_options(mesh: Mesh, axis_name: Hashable, micro_batches: int) -> N
   if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or (
       micro_batches < 1):
     raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
-  if not on_mesh(mesh, axis_name):
-    raise ValueError(f"mesh has no axis {axis_name!r}; its axes are "
-                     f"{mesh.axis_names}. Pass the data-parallel axis with "
-                     "axis_name=...")
+  check_on_mesh(mesh, axis_name)
 
 
 def check_inputs(checked: set[Any], opt_state: Any, batch: Any, mesh: Mesh,

@@ -54,6 +54,7 @@ from jax.sharding import PartitionSpec as P
 from topka2a_jax import exchange, layout
 from topka2a_jax.axis import (
   bound_axis_size,
+  is_bound,
   is_varying,
   mesh_axis_size,
   on_mesh,
@@ -287,14 +288,6 @@ def layout_mesh(options: Options, leaves: Sequence[Any]) -> Mesh | None:
   return None
 
 
-def _axis_is_bound(axis_name: Hashable) -> bool:
-  try:
-    jax.lax.axis_size(axis_name)
-  except NameError:
-    return False
-  return True
-
-
 def init_state(options: Options, params: optax.Params) -> TopKA2AState:
   """The transform's initial state for ``params``.
 
@@ -310,7 +303,7 @@ def init_state(options: Options, params: optax.Params) -> TopKA2AState:
   paths, leaves, treedef, _ = flatten(params)
   _check_floating(leaves, paths, "parameter")
   zero = jnp.zeros((), jnp.int32)
-  if _axis_is_bound(options.axis_name):
+  if is_bound(options.axis_name):
     residuals = [
         jnp.zeros(leaf.shape or (1,), exchange.residual_dtype(leaf.dtype))
         if options.keeps_residual(leaf.size) else optax.MaskedNode()
@@ -336,8 +329,7 @@ def _global_state(options: Options, mesh: Mesh, paths: Sequence[str],
                   leaves: Sequence[Any], treedef: Any) -> TopKA2AState:
   """Zero residuals as global arrays, each split like its parameter."""
   num_devices = mesh_axis_size(mesh, options.axis_name)
-  others = {name: size for name, size in mesh.shape.items()
-            if name != options.axis_name and size > 1}
+  others = layout.automatic_axes(mesh, options.axis_name)
   tracing = any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
   residuals: list[Any] = [optax.MaskedNode()] * len(leaves)
   kept, shapes, shardings = [], [], []
