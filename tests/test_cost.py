@@ -3,9 +3,13 @@
 import pytest
 
 from topka2a_jax.cost import (
+    FLAT,
     NETWORKS,
+    TWO_LEVEL,
+    Cluster,
     Network,
     breakeven_density,
+    cluster_cost,
     elements_read,
     exchange_cost,
     get_network,
@@ -88,3 +92,60 @@ def test_presets_and_errors():
     Network(latency=1e-6, bandwidth=0)
   with pytest.raises(ValueError, match="no cost model for algorithm 'auto'"):
     exchange_cost("auto", 10, 2, 0.5)
+
+
+# A cluster of 2 nodes x 4 devices: 1 µs and 1 GB/s inside a node, 100 µs and
+# 100 MB/s per card between nodes.
+CLUSTER = Cluster(2, 4, outer=Network(1e-4, 1e8), inner=Network(1e-6, 1e9))
+
+
+def test_hand_computed_flat_costs_on_a_cluster():
+  # d = 800 on P = 8, density 0.1: k = 80, s = 100, q = 10; 4-byte values,
+  # 2-byte indices (the narrowest the wire uses).
+  pair = 4 + 2
+  # A ring crosses each card once: one device's bytes leave each node.
+  dense = cluster_cost("dense", 800, CLUSTER, 0.1, FLAT)
+  assert dense.outer_bytes == dense.inner_bytes == 2 * 7 / 8 * 800 * 4
+  assert dense.seconds == pytest.approx(14 * 1e-4 + 1400 * 4 / 1e8)
+  # AlltoAll: each of a node's 4 devices sends q pairs to each of the 4
+  # devices of the other node through the card, and to 3 devices inside.
+  topka2a = cluster_cost("topka2a", 800, CLUSTER, 0.1, FLAT)
+  assert topka2a.outer_bytes == 4 * 4 * 10 * pair + 7 * 100 * 4
+  assert topka2a.inner_bytes == 3 * 10 * pair + 7 * 100 * 4
+  assert topka2a.seconds == pytest.approx(
+      max(7 * 1e-4 + 16 * 10 * pair / 1e8, 7 * 1e-6 + 3 * 10 * pair / 1e9)
+      + 7 * 1e-4 + 2800 / 1e8)
+
+
+def test_hand_computed_two_level_costs_on_a_cluster():
+  # d = 800, L = 4: slices of 200 between 2 nodes at density 0.1: k = 20,
+  # s = 100, q = 10; every node's 4 devices send through its card at once.
+  pair = 4 + 2
+  topka2a = cluster_cost("topka2a", 800, CLUSTER, 0.1, TWO_LEVEL)
+  outer_per_device = 10 * pair + 100 * 4
+  assert topka2a.outer_bytes == 4 * outer_per_device
+  assert topka2a.inner_bytes == 2 * 3 * 200 * 4  # reduce-scatter, all-gather
+  assert topka2a.seconds == pytest.approx(
+      2 * (3 * 1e-6 + 3 * 200 * 4 / 1e9) + 2 * 1e-4 + 4 * outer_per_device / 1e8)
+  sparse = cluster_cost("topka2a_sparse", 800, CLUSTER, 0.1, TWO_LEVEL)
+  assert sparse.outer_bytes == 4 * 2 * 10 * pair
+
+
+@pytest.mark.parametrize("algorithm", ["allgather", "topka2a", "topka2a_sparse"])
+def test_one_device_per_node_is_the_flat_exchange_between_nodes(algorithm):
+  """With L = 1 both routes send what the flat model says, all of it between nodes."""
+  nodes = Cluster(8, 1, outer=NETWORKS["eth10"], inner=NETWORKS["nvlink"])
+  flat = exchange_cost(algorithm, 1_000_000, 8, 0.01)
+  for route in (FLAT, TWO_LEVEL):
+    cost = cluster_cost(algorithm, 1_000_000, nodes, 0.01, route)
+    assert cost.outer_bytes == flat.bytes
+    assert cost.seconds == pytest.approx(flat.seconds(NETWORKS["eth10"]))
+
+
+def test_cluster_errors():
+  with pytest.raises(ValueError, match="'dense' has only the 'flat' route"):
+    cluster_cost("dense", 800, CLUSTER, 0.1, TWO_LEVEL)
+  with pytest.raises(ValueError, match="unknown route 'ring'"):
+    cluster_cost("topka2a", 800, CLUSTER, 0.1, "ring")
+  with pytest.raises(ValueError, match="per_node must be an int >= 1, got 0"):
+    Cluster(2, 0, outer=NETWORKS["eth10"], inner=NETWORKS["nvlink"])

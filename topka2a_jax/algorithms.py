@@ -21,6 +21,12 @@ Values and indices travel in one message (:mod:`.wire`), so TopkA and
 TopKA2A pay one latency term per phase. Indices are as narrow as the
 positions they address allow: a shard, or for TopkA the whole buffer.
 
+Each exchange is a sequence of :class:`Phase` s, each with its pattern:
+all-reduce and all-gather pass data around a ring (each device sends to one
+neighbour), the owner phase sends to every peer directly (AlltoAll). The
+pattern decides which bytes cross a node's network card on a cluster
+(:func:`topka2a_jax.cost.cluster_cost`).
+
 Example:
   >>> REGISTRY["topka2a"].cost(25_000_000, 8, 0.01).messages
   14
@@ -63,6 +69,27 @@ class Counts(NamedTuple):
   index_bytes: float
 
 
+RING = "ring"
+"""A phase that passes data around a ring: all-reduce, all-gather, reduce-scatter."""
+
+PAIRS = "pairs"
+"""A phase in which every device sends its own piece to every peer (AlltoAll)."""
+
+
+class Phase(NamedTuple):
+  """One collective of an exchange.
+
+  Attributes:
+    pattern: :data:`RING` or :data:`PAIRS`.
+    messages: latency terms it pays in sequence.
+    bytes: bytes each device sends in it.
+  """
+
+  pattern: str
+  messages: float
+  bytes: float
+
+
 @dataclasses.dataclass(frozen=True)
 class Cost:
   """What one exchange puts on the wire, per device.
@@ -96,7 +123,7 @@ class Algorithm:
       (an all-reduce adds in transit, so it sends the buffer's dtype).
     global_indices: whether its indices address the whole buffer rather
       than one shard.
-    traffic: ``Counts -> (messages, bytes sent per device)``.
+    traffic: ``Counts -> its phases``, in order (:class:`Phase`).
     reads: ``(d, P) -> elements its selections read``.
     selects: ``Counts -> entries it selects``.
   """
@@ -109,7 +136,7 @@ class Algorithm:
   unsent_at: str
   compresses_values: bool
   global_indices: bool
-  traffic: Callable[[Counts], tuple[float, float]]
+  traffic: Callable[[Counts], tuple[Phase, ...]]
   reads: Callable[[int, int], int]
   selects: Callable[[Counts], float]
 
@@ -141,9 +168,21 @@ class Algorithm:
       >>> REGISTRY["dense"].cost(1000, 8, 0.01).bytes
       7000.0
     """
-    messages, sent = self.traffic(self.counts(length, devices, density, value_bytes,
-                                              index_bytes, exact=exact))
-    return Cost(int(messages), float(sent))
+    phases = self.phases(length, devices, density, value_bytes, index_bytes,
+                         exact=exact)
+    return Cost(int(sum(phase.messages for phase in phases)),
+                float(sum(phase.bytes for phase in phases)))
+
+  def phases(self, length: float, devices: int, density: float, value_bytes: int = 4,
+             index_bytes: int | None = None, *, exact: bool = True) -> tuple[Phase, ...]:
+    """The collectives of one exchange of ``length`` elements, in order.
+
+    Example:
+      >>> [phase.pattern for phase in REGISTRY["topka2a"].phases(1000, 8, 0.01)]
+      ['pairs', 'ring']
+    """
+    return self.traffic(self.counts(length, devices, density, value_bytes,
+                                    index_bytes, exact=exact))
 
   def elements_read(self, length: int, devices: int) -> int:
     """Elements one device's selections read in one exchange.
@@ -164,22 +203,29 @@ class Algorithm:
     return int(self.selects(self.counts(length, devices, density)))
 
 
-def _ring(c: Counts) -> tuple[float, float]:
-  return 2 * (c.devices - 1), 2 * (c.devices - 1) / c.devices * c.length * c.value_bytes
+def _ring(c: Counts) -> tuple[Phase, ...]:
+  return (Phase(RING, 2 * (c.devices - 1),
+                2 * (c.devices - 1) / c.devices * c.length * c.value_bytes),)
 
 
-def _gather_pairs(c: Counts) -> tuple[float, float]:
-  return c.devices - 1, (c.devices - 1) * c.k * (c.value_bytes + c.index_bytes)
+def _gather_pairs(c: Counts) -> tuple[Phase, ...]:
+  return (Phase(RING, c.devices - 1, (c.devices - 1) * c.k * (c.value_bytes
+                                                              + c.index_bytes)),)
 
 
-def _to_owners_then_shards(c: Counts) -> tuple[float, float]:
-  pairs = c.per_shard * (c.value_bytes + c.index_bytes)
-  return 2 * (c.devices - 1), (c.devices - 1) * (pairs + c.shard * c.value_bytes)
+def _to_owners(c: Counts) -> Phase:
+  return Phase(PAIRS, c.devices - 1,
+               (c.devices - 1) * c.per_shard * (c.value_bytes + c.index_bytes))
 
 
-def _to_owners_then_pairs(c: Counts) -> tuple[float, float]:
-  return 2 * (c.devices - 1), (c.devices - 1) * 2 * c.per_shard * (c.value_bytes
-                                                                   + c.index_bytes)
+def _to_owners_then_shards(c: Counts) -> tuple[Phase, ...]:
+  return (_to_owners(c),
+          Phase(RING, c.devices - 1, (c.devices - 1) * c.shard * c.value_bytes))
+
+
+def _to_owners_then_pairs(c: Counts) -> tuple[Phase, ...]:
+  owners = _to_owners(c)
+  return owners, owners._replace(pattern=RING)
 
 
 DENSE = Algorithm(

@@ -198,6 +198,143 @@ def selected_entries(algorithm: str, length: int, num_devices: int,
   return algorithms.get(algorithm).selected_entries(length, num_devices, density)
 
 
+FLAT = "flat"
+"""Route of an exchange over every device of a cluster as one axis."""
+
+TWO_LEVEL = "two_level"
+"""Route of :func:`topka2a_jax.collectives.two_level`: dense inside each node,
+sparse between nodes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+  """Nodes of devices: a fast link inside each node, a slow one between them.
+
+  Devices are numbered node by node, as a ``("node", "local")`` mesh orders
+  them, so a ring over all of them crosses each node's network card once in
+  each direction.
+
+  Attributes:
+    nodes: N, nodes (the outer mesh axis).
+    per_node: L, devices per node (the inner mesh axis).
+    outer: the link between nodes; its bandwidth is one node's network card,
+      shared by the node's devices.
+    inner: the link between the devices of one node.
+  """
+
+  nodes: int
+  per_node: int
+  outer: Network
+  inner: Network
+
+  def __post_init__(self):
+    for name in ("nodes", "per_node"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+  @property
+  def devices(self) -> int:
+    """P = N L, every device of the cluster."""
+    return self.nodes * self.per_node
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterCost:
+  """One exchange on a :class:`Cluster`, link by link.
+
+  Attributes:
+    seconds: its time in the α-β model, phase after phase.
+    outer_bytes: bytes each node's network card sends.
+    inner_bytes: bytes each device sends to devices of its own node.
+  """
+
+  seconds: float
+  outer_bytes: float
+  inner_bytes: float
+
+
+def _flat_phase(phase: algorithms.Phase, cluster: Cluster) -> ClusterCost:
+  """A collective over all N L devices: which of its bytes cross the nodes."""
+  nodes, per_node, peers = cluster.nodes, cluster.per_node, cluster.devices - 1
+  if phase.pattern == algorithms.RING:  # one edge per node crosses, one per device
+    outer = phase.bytes if nodes > 1 else 0.0
+    inner = phase.bytes if per_node > 1 else 0.0
+  else:  # every device sends to each peer directly
+    outer = per_node * (cluster.devices - per_node) / peers * phase.bytes
+    inner = (per_node - 1) / peers * phase.bytes
+  outer_seconds = (phase.messages * cluster.outer.latency
+                   + outer / cluster.outer.bandwidth) if outer else 0.0
+  inner_seconds = (phase.messages * cluster.inner.latency
+                   + inner / cluster.inner.bandwidth) if inner else 0.0
+  return ClusterCost(max(outer_seconds, inner_seconds), outer, inner)
+
+
+def cluster_cost(
+    algorithm: str,
+    length: int,
+    cluster: Cluster,
+    density: float,
+    route: str = TWO_LEVEL,
+    value_bytes: int = 4,
+) -> ClusterCost:
+  """Cost of one exchange of a ``length``-element buffer on a cluster.
+
+  ``route=FLAT`` runs ``algorithm`` over all N L devices as one axis: a ring
+  phase's slowest edge crosses a network card, and in an AlltoAll every
+  device of a node sends to the N L - L devices of other nodes through the
+  one card. ``route=TWO_LEVEL`` is :func:`topka2a_jax.collectives.two_level`:
+  a ring reduce-scatter inside the node, ``algorithm`` over the N nodes on
+  a slice of ``m = ceil(length / L)`` elements (all L devices of a node at
+  once, through its card), and a ring all-gather inside the node.
+
+  Args:
+    algorithm: a name in :data:`topka2a_jax.algorithms.REGISTRY`; a dense
+      exchange has only the flat route.
+    length: elements in the buffer.
+    cluster: the nodes and their links.
+    density: fraction sent, in (0, 1].
+    route: :data:`FLAT` or :data:`TWO_LEVEL`.
+    value_bytes: bytes per value the sparse exchange sends.
+
+  Returns:
+    The :class:`ClusterCost`.
+
+  Raises:
+    ValueError: an unknown algorithm or route, or dense on two levels.
+
+  Example:
+    >>> cluster = Cluster(2, 4, outer=NETWORKS["eth1"], inner=NETWORKS["nvlink"])
+    >>> flat = cluster_cost("topka2a_sparse", 25_000_000, cluster, 0.01, FLAT)
+    >>> two = cluster_cost("topka2a_sparse", 25_000_000, cluster, 0.01)
+    >>> f"{two.outer_bytes / flat.outer_bytes:.2f}"
+    '0.35'
+  """
+  exchange = algorithms.get(algorithm)
+  if route == FLAT:
+    phases = [_flat_phase(phase, cluster) for phase in
+              exchange.phases(length, cluster.devices, density, value_bytes)]
+    return ClusterCost(sum(p.seconds for p in phases),
+                       sum(p.outer_bytes for p in phases),
+                       sum(p.inner_bytes for p in phases))
+  if route != TWO_LEVEL:
+    raise ValueError(f"unknown route {route!r}; choose {FLAT!r} or {TWO_LEVEL!r}")
+  if not exchange.sparse:
+    raise ValueError(f"{algorithm!r} has only the {FLAT!r} route: a dense exchange "
+                     "is one all-reduce over both axes")
+  per_node = cluster.per_node
+  width = -(-length // per_node)
+  ring = (per_node - 1) * width * 4  # float32 slices, each way of the node's ring
+  inner_seconds = 2 * ((per_node - 1) * cluster.inner.latency
+                       + ring / cluster.inner.bandwidth)
+  outer = [phase for phase in exchange.phases(width, cluster.nodes, density,
+                                              value_bytes)]
+  outer_bytes = per_node * sum(phase.bytes for phase in outer)
+  outer_seconds = (sum(phase.messages for phase in outer) * cluster.outer.latency
+                   + outer_bytes / cluster.outer.bandwidth)
+  return ClusterCost(inner_seconds + outer_seconds, float(outer_bytes), 2.0 * ring)
+
+
 def breakeven_density(
     algorithm: str,
     other: str,
