@@ -76,3 +76,23 @@ def test_resnet50_on_8_gpus_goes_dense_on_nvlink_and_sparse_on_ethernet(
   assert large == want
   assert ("compression does not pay here" in out) == (network == "nvlink")
 
+
+
+@pytest.mark.parametrize("network, inner, want", [
+    ("eth10", "nvlink", {"two_level"}), ("nvlink", "eth1", {"flat"})])
+def test_nodes_take_the_route_their_two_links_favour(capsys, network, inner, want):
+  """GPT-2 small on 8 nodes of 8: two-level where the slow link is between nodes."""
+  out = run(capsys, "--model", "gpt2", "--devices", "64", "--density", "0.01",
+            "--devices-per-node", "8", "--network", network, "--inner-network", inner)
+  assert f"; 8 nodes of 8 devices, {inner} inside a node" in out
+  rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()
+          and len(line.split()) >= 8]
+  assert {row[-1] for row in rows if row[-4] != "dense"} == want
+
+
+def test_nodes_must_split_the_devices_evenly(capsys):
+  with pytest.raises(SystemExit):
+    plan.main(["--params", "1000", "--devices", "64", "--density", "0.01",
+               "--devices-per-node", "7"])
+  assert ("--devices-per-node must divide --devices (64) into whole nodes; got 7"
+          in capsys.readouterr().err)

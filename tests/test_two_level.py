@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import topka2a_jax
-from topka2a_jax import collectives
+from topka2a_jax import collectives, cost
 
 NODES, LOCAL = 2, 4
 AXES = ("node", "local")
@@ -150,6 +150,24 @@ def test_the_dense_phases_run_inside_nodes_and_the_sparse_one_between(mesh, algo
   assert report.bytes_of(axis="local") == 2 * (LOCAL - 1) * width * 4  # 240,000
 
 
+@pytest.mark.parametrize("algorithm", ["topka2a", "topka2a_sparse", "allgather"])
+def test_the_cost_model_counts_what_the_compiled_exchange_sends(mesh, algorithm):
+  """cluster_cost's bytes per link against the HLO's, axis by axis."""
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=P(AXES), out_specs=P())
+  def run(row):
+    return collectives.two_level(row[0], AXES, 0.01, outer=OUTER[algorithm]).mean
+
+  rows = jax.device_put(np.ones((NODES * LOCAL, 40_000), np.float32),
+                        NamedSharding(mesh, P(AXES)))
+  report = topka2a_jax.comm_report(run.lower(rows), mesh=mesh)
+  cluster = cost.Cluster(NODES, LOCAL, outer=cost.NETWORKS["eth10"],
+                         inner=cost.NETWORKS["nvlink"])
+  model = cost.cluster_cost(algorithm, 40_000, cluster, 0.01)
+  assert report.bytes_of(axis="local") == model.inner_bytes
+  assert LOCAL * report.bytes_of(axis="node") == model.outer_bytes  # per card
+
+
 def _transform_steps(mesh, tx, grads_per_step):
   """tx.update in a hand-written step over both axes; updates and state per step."""
   params = jax.tree.map(lambda g: jax.ShapeDtypeStruct(g.shape[1:], g.dtype),
@@ -212,6 +230,67 @@ def test_train_step_over_a_pair_of_axes_trains_every_replica_alike(mesh):
     np.testing.assert_array_equal(copy, copies[0])
   assert state[0].residuals["w"].shape == (NODES * LOCAL * 32, 4)
   assert float(loss) > 0
+
+
+SLOW_INSIDE = ("nvlink", topka2a_jax.Network(1e-6, 1e8, "slow inside"))
+"""Links for which every sparse bucket costs less flat: fast between nodes."""
+
+
+def _update_report(mesh, tx, size):
+  """comm_report of tx.update on one leaf of ``size`` elements per device."""
+  params = {"w": jax.ShapeDtypeStruct((size,), np.float32)}
+  state = topka2a_jax.init(tx, params, mesh, axis_name=AXES)
+  specs = topka2a_jax.state_specs(state, AXES)
+  run = jax.jit(jax.shard_map(lambda g, s: tx.update({"w": g[0]}, s)[0]["w"],
+                              mesh=mesh, in_specs=(P(AXES), specs), out_specs=P()))
+  grads = jax.device_put(np.ones((NODES * LOCAL, size), np.float32),
+                         NamedSharding(mesh, P(AXES)))
+  return topka2a_jax.comm_report(run.lower(grads, state), mesh=mesh)
+
+
+def test_the_planner_routes_by_the_two_links(mesh):
+  """Slow between nodes, fast inside: two-level. Fast between, slow inside: flat."""
+  kinds = {}
+  for links in [("eth10", "nvlink"), SLOW_INSIDE]:
+    tx = topka2a_jax.topka2a(0.01, axis_name=AXES, algorithm="topka2a", min_size=0,
+                             network=links, skip_nonfinite=False)
+    report = _update_report(mesh, tx, 400_000)
+    kinds[links] = {(row.kind, row.axes) for row in report.collectives}
+  assert kinds[("eth10", "nvlink")] == {("reduce-scatter", ("local",)),
+                                        ("all-to-all", ("node",)),
+                                        ("all-gather", ("node",)),
+                                        ("all-gather", ("local",))}
+  assert kinds[SLOW_INSIDE] == {("all-to-all", AXES), ("all-gather", AXES)}
+  # The default: the detected link between nodes, nvlink inside.
+  default = topka2a_jax.topka2a(0.01, axis_name=AXES, algorithm="topka2a", min_size=0)
+  assert ("reduce-scatter", ("local",)) in {
+      (row.kind, row.axes) for row in _update_report(mesh, default, 400_000).collectives}
+
+
+@pytest.mark.parametrize("algorithm", ["topka2a", "topka2a_sparse"])
+def test_the_flat_route_over_a_pair_is_the_exchange_over_all_devices(mesh, algorithm):
+  """Routed flat, the pair acts as one axis of 8: the flat NumPy model, 5 steps."""
+  rng = np.random.default_rng(8)
+  grads = [{"w": rng.normal(size=(NODES * LOCAL, 64, 500)).astype(np.float32)}
+           for _ in range(5)]
+  tx = topka2a_jax.topka2a(0.05, axis_name=AXES, algorithm=algorithm, min_size=0,
+                           network=SLOW_INSIDE)
+  residual = np.zeros((NODES * LOCAL, 32_000))
+  for step_grads, (updates, state) in zip(grads, _transform_steps(mesh, tx, grads)):
+    mean, residual = reference.ALGORITHMS[algorithm](
+        step_grads["w"].reshape(NODES * LOCAL, -1) + residual, 0.05)
+    np.testing.assert_allclose(updates["w"].ravel(), mean, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(state.residuals["w"]).reshape(NODES * LOCAL, -1), residual,
+        rtol=1e-5, atol=1e-5)
+
+
+def test_a_pair_of_networks_needs_a_pair_of_axes():
+  with pytest.raises(ValueError, match=r"network=\('eth10', 'nvlink'\) is a pair of "
+                                       r"links .* with axis_name='data' give one"):
+    topka2a_jax.topka2a(0.1, network=("eth10", "nvlink"))
+  with pytest.raises(ValueError, match="unknown network 'fast'"):
+    topka2a_jax.topka2a(0.1, axis_name=AXES, network=("eth10", "fast"))
 
 
 def test_a_data_axis_of_three_names_is_refused():

@@ -11,8 +11,9 @@ The plan depends only on static sizes, so it is computed at trace time and
 every step compiles to the same fixed shapes.
 
 Example:
-  >>> plan_buckets([10, 3, 10], ["sparse", "small", "sparse"], 15)
-  (Bucket(leaves=(2, 0), algorithm='sparse', size=20), Bucket(leaves=(1,), algorithm='small', size=3))
+  >>> [(b.leaves, b.algorithm, b.size)
+  ...  for b in plan_buckets([10, 3, 10], ["sparse", "small", "sparse"], 15)]
+  [((2, 0), 'sparse', 20), ((1,), 'small', 3)]
 """
 
 from __future__ import annotations
@@ -33,11 +34,14 @@ class Bucket(NamedTuple):
     algorithm: the collective's name, a key of
       :data:`topka2a_jax.algorithms.REGISTRY`.
     size: total elements.
+    route: ``"flat"`` over the data axis, or ``"two_level"`` where the data
+      axis is a pair (:func:`topka2a_jax.collectives.two_level`).
   """
 
   leaves: tuple[int, ...]
   algorithm: str
   size: int
+  route: str = "flat"
 
 
 def plan_buckets(
@@ -57,7 +61,8 @@ def plan_buckets(
   open_buckets: dict[str, Bucket] = {}
   for leaf in reversed(range(len(sizes))):
     algorithm = algorithms[leaf]
-    members, _, size = open_buckets.get(algorithm, ((), algorithm, 0))
+    opened = open_buckets.get(algorithm)
+    members, size = (opened.leaves, opened.size) if opened else ((), 0)
     bucket = Bucket(members + (leaf,), algorithm, size + sizes[leaf])
     if bucket.size >= bucket_size:
       closed.append(bucket)

@@ -49,7 +49,7 @@ from topka2a_jax.axis import (
     varying_axes,
 )
 from topka2a_jax.collectives import Collective
-from topka2a_jax.cost import get_network
+from topka2a_jax.cost import TWO_LEVEL
 from topka2a_jax.fusion import step_model
 from topka2a_jax.nonfinite import nonfinite_on_any_device
 from topka2a_jax.options import Options
@@ -64,7 +64,7 @@ def plan(options: Options, sizes: Sequence[int],
          num_devices: int) -> list[buckets.Bucket]:
   """The buckets for leaves of ``sizes``, as the planner or ``fusion`` sets them."""
   model = step_model(sizes, num_devices, options.density,
-                     network=get_network(options.network),
+                     network=options.outer_network(), cluster=options.cluster(),
                      min_size=options.min_size,
                      backward_seconds=options.backward_seconds,
                      value_bytes=options.value_bytes)
@@ -74,8 +74,8 @@ def plan(options: Options, sizes: Sequence[int],
 
 
 def _buckets(options: Options, grads: Sequence[jax.Array],
-             num_devices: int) -> list[tuple[list[int], str]]:
-  """The planned buckets as (leaf positions, algorithm), empty leaves left out.
+             num_devices: int) -> list[tuple[list[int], buckets.Bucket]]:
+  """The planned buckets with their leaf positions, empty leaves left out.
 
   Leaves that differ across other mesh axes (shards of a parameter split
   over ``"model"``) never share a bucket with leaves that do not (a
@@ -85,19 +85,20 @@ def _buckets(options: Options, grads: Sequence[jax.Array],
   nonempty = [i for i, grad in enumerate(grads) if grad.size > 0]
   groups = [[nonempty[j] for j in group] for group in
             grouped_by_varying_axes([grads[i] for i in nonempty])]
-  return [([live[j] for j in bucket.leaves], bucket.algorithm)
+  return [([live[j] for j in bucket.leaves], bucket)
           for live in groups
           for bucket in plan(options, [grads[i].size for i in live], num_devices)]
 
 
-def _collective(options: Options, algorithm: Algorithm) -> Collective:
-  """``algorithm``'s collective, run between nodes where the data axis is a pair.
+def _collective(algorithm: Algorithm, route: str) -> Collective:
+  """``algorithm``'s collective, over the whole data axis or on ``route``.
 
-  With ``axis_name=("node", "local")`` a sparse exchange becomes
+  Where the data axis is a pair ``("node", "local")`` and the planner routes
+  a sparse bucket :data:`topka2a_jax.cost.TWO_LEVEL`, the exchange is
   :func:`topka2a_jax.collectives.two_level`: dense inside each node, sparse
-  between nodes on one slice per device. Dense stays one all-reduce.
+  between nodes on one slice per device.
   """
-  if len(axis_names(options.axis_name)) == 2 and algorithm.sparse:
+  if route == TWO_LEVEL and algorithm.sparse:
     return functools.partial(collectives.two_level, outer=algorithm.collective)
   return algorithm.collective
 
@@ -120,12 +121,13 @@ def exchange(options: Options, grads: Sequence[jax.Array],
   num_devices = bound_axis_size(options.axis_name)
   means: list[jax.Array] = list(grads)  # empty leaves pass through as they are
   new_residuals: list[Any] = [optax.MaskedNode()] * len(grads)
-  for members, algorithm in _buckets(options, grads, num_devices):
+  for members, bucket in _buckets(options, grads, num_devices):
     dtype = jnp.result_type(*(residual_dtype(grads[i].dtype) for i in members))
     acc = [jnp.ravel(grads[i]).astype(dtype) + jnp.ravel(residuals[i])
            if options.keeps_residual(grads[i].size) else grads[i]
            for i in members]
-    exchange_with = _collective(options, REGISTRY[algorithm] if sparse else DENSE)
+    exchange_with = _collective(REGISTRY[bucket.algorithm] if sparse else DENSE,
+                                bucket.route)
     result = exchange_with(
         buckets.pack(acc, dtype), options.axis_name, options.density,
         value_dtype=options.value_dtype, selection=options.selection)

@@ -10,7 +10,10 @@ predicts the step's end for a threshold from static sizes only:
 * exchanges run one at a time, each as soon as its bucket is ready and the
   previous exchange is done, taking selection plus α-β communication time;
 * with ``algorithm="auto"`` every bucket takes its cheapest algorithm, so
-  tiny buckets go dense.
+  tiny buckets go dense;
+* on a :class:`topka2a_jax.cost.Cluster` (a data axis that is a pair of
+  mesh axes) every sparse bucket also takes the cheaper route, flat over
+  all devices or two-level (:func:`topka2a_jax.cost.cluster_cost`).
 
 The threshold is found by a coarse log-spaced sweep followed by a binary
 search on the sign of the discrete slope around the best point; the plan is
@@ -35,7 +38,14 @@ import jax
 from topka2a_jax import algorithms
 from topka2a_jax.algorithms import AUTO, DENSE, REGISTRY
 from topka2a_jax.buckets import Bucket, plan_buckets
-from topka2a_jax.cost import Network, get_network
+from topka2a_jax.cost import (
+  FLAT,
+  TWO_LEVEL,
+  Cluster,
+  Network,
+  cluster_cost,
+  get_network,
+)
 
 DEFAULT_SELECTION_SECONDS_PER_ELEMENT = 1e-10
 """Selection cost: 10 G elements/s, a few passes over accelerator memory.
@@ -93,6 +103,8 @@ class FusionPlan:
       backward.
     dense_seconds: the same with every bucket dense (its own best threshold).
     allgather_seconds: the same with every sparse bucket TopkA.
+    backward_source: where ``backward_seconds`` comes from.
+    cluster: the nodes and links planned for where the data axis is a pair.
   """
 
   buckets: tuple[PlannedBucket, ...]
@@ -106,23 +118,30 @@ class FusionPlan:
   dense_seconds: float
   allgather_seconds: float
   backward_source: str = "given"
+  cluster: Cluster | None = None
 
   def __str__(self) -> str:
     header = (f"fusion plan: {len(self.names)} leaves, "
               f"{sum(b.bucket.size for b in self.buckets):,} elements, "
               f"P={self.num_devices}, density={self.density:g}, "
               f"network={self.network.name}, threshold={self.threshold:,} elements")
+    if self.cluster is not None:
+      header += (f"; {self.cluster.nodes} nodes of {self.cluster.per_node} "
+                 f"devices, {self.cluster.inner.name} inside a node")
     spans = [f"{self.names[p.bucket.leaves[0]]} .. {self.names[p.bucket.leaves[-1]]}"
              for p in self.buckets]
     width = max(len("first .. last leaf"), *map(len, spans))  # whole names
     columns = (f"{'bucket':>6s} {'leaves':>6s} {'first .. last leaf':{width}s} "
                f"{'elements':>12s} {'algorithm':>14s} {'ms':>9s} {'ends at ms':>10s}")
     lines = [header, columns]
+    if self.cluster is not None:
+      columns += f" {'route':>9s}"
     for i, (planned, span) in enumerate(zip(self.buckets, spans)):
       lines.append(
           f"{i:6d} {len(planned.bucket.leaves):6d} {span:{width}s} "
           f"{planned.bucket.size:12,d} {planned.bucket.algorithm:>14s} "
-          f"{1e3 * planned.seconds:9.3f} {1e3 * planned.finish:10.3f}")
+          f"{1e3 * planned.seconds:9.3f} {1e3 * planned.finish:10.3f}"
+          + (f" {planned.bucket.route:>9s}" if self.cluster is not None else ""))
     lines.append(f"backward pass: {1e3 * self.backward_seconds:.3f} ms "
                  f"({self.backward_source})")
     if all(p.bucket.algorithm == DENSE.name for p in self.buckets):
@@ -218,6 +237,9 @@ class StepModel:
     selection_seconds_per_entry: cost per selected entry.
     value_bytes: bytes per value on the wire.
     index_bytes: bytes per index on the wire; None for the collectives' own.
+    cluster: for a data axis that is a pair (outer, inner) of mesh axes, its
+      nodes and their two links (``network`` is then the outer one); None
+      for one axis.
   """
 
   sizes: tuple[int, ...]
@@ -230,29 +252,48 @@ class StepModel:
   value_bytes: int = 4
   index_bytes: int | None = None
   selection_seconds_per_entry: float = DEFAULT_SELECTION_SECONDS_PER_ENTRY
+  cluster: Cluster | None = None
 
-  def seconds(self, algorithm: str, size: int) -> float:
+  def routes(self, algorithm: str) -> tuple[str, ...]:
+    """The routes ``algorithm`` may take: two-level only for a sparse one on a cluster."""
+    if self.cluster is not None and REGISTRY[algorithm].sparse:
+      return (FLAT, TWO_LEVEL)
+    return (FLAT,)
+
+  def seconds(self, algorithm: str, size: int, route: str = FLAT) -> float:
     """Selection plus communication time of one bucket."""
     exchange = REGISTRY[algorithm]
-    comm = exchange.cost(size, self.num_devices, self.density, self.value_bytes,
-                         self.index_bytes if exchange.sparse else None)
-    return (comm.seconds(self.network)
+    length, devices = size, self.num_devices
+    if self.cluster is None:
+      comm = exchange.cost(size, devices, self.density, self.value_bytes,
+                           self.index_bytes if exchange.sparse else None
+                           ).seconds(self.network)
+    else:
+      comm = cluster_cost(algorithm, size, self.cluster, self.density, route,
+                          self.value_bytes).seconds
+      if route == TWO_LEVEL:
+        length, devices = -(-size // self.cluster.per_node), self.cluster.nodes
+    return (comm
             + self.selection_seconds_per_element * exchange.elements_read(
-                size, self.num_devices)
+                length, devices)
             + self.selection_seconds_per_entry * exchange.selected_entries(
-                size, self.num_devices, self.density))
+                length, devices, self.density))
 
   def layout(self, algorithm: str, threshold: int) -> tuple[PlannedBucket, ...]:
-    """Buckets under ``threshold``, timed; ``"auto"`` buckets take the cheapest."""
+    """Buckets under ``threshold``, timed; ``"auto"`` buckets take the cheapest.
+
+    On a cluster every bucket also takes its algorithm's cheaper route.
+    """
     labels = [DENSE.name if s < self.min_size else algorithm for s in self.sizes]
     chosen = []
     for bucket in plan_buckets(self.sizes, labels, threshold):
-      if bucket.algorithm == AUTO:
-        best = min(REGISTRY, key=lambda a: self.seconds(a, bucket.size))
-        bucket = bucket._replace(algorithm=best)
-      chosen.append(bucket)
+      names = REGISTRY if bucket.algorithm == AUTO else [bucket.algorithm]
+      best, route = min(((a, r) for a in names for r in self.routes(a)),
+                        key=lambda choice: self.seconds(choice[0], bucket.size,
+                                                        choice[1]))
+      chosen.append(bucket._replace(algorithm=best, route=route))
     return _simulate(self.sizes, chosen, self.backward_seconds,
-                     lambda b: self.seconds(b.algorithm, b.size))
+                     lambda b: self.seconds(b.algorithm, b.size, b.route))
 
   def best_threshold(self, algorithm: str) -> int:
     """The threshold :func:`search_threshold` finds for ``algorithm``."""
@@ -272,25 +313,31 @@ def step_model(
     value_bytes: int = 4,
     index_bytes: int | None = None,
     selection_seconds_per_entry: float = DEFAULT_SELECTION_SECONDS_PER_ENTRY,
+    cluster: Cluster | None = None,
 ) -> StepModel:
   """Validates the inputs and builds a :class:`StepModel`.
 
   ``backward_seconds=None`` assumes no overlap: every bucket is ready when
   the step's exchanges begin (:data:`NO_BACKWARD`). Pass the backward
   pass's duration (:mod:`topka2a_jax.compute` estimates it) for plans that
-  overlap it.
+  overlap it. With a ``cluster``, ``network`` and ``num_devices`` are its
+  outer link and its devices.
 
   Raises:
-    ValueError: empty ``sizes`` or an unknown network.
+    ValueError: empty ``sizes``, an unknown network, or a cluster whose
+      devices are not ``num_devices``.
   """
   if not sizes or min(sizes) < 1:
     raise ValueError(f"need at least one leaf, all non-empty; got sizes {sizes}")
-  net = get_network(network)
+  if cluster is not None and cluster.devices != num_devices:
+    raise ValueError(f"a cluster of {cluster.nodes} nodes x {cluster.per_node} "
+                     f"devices has {cluster.devices} devices, not {num_devices}")
+  net = cluster.outer if cluster is not None else get_network(network)
   if backward_seconds is None:
     backward_seconds = 0.0
   return StepModel(tuple(sizes), num_devices, density, net, min_size,
                    backward_seconds, selection_seconds_per_element, value_bytes,
-                   index_bytes, selection_seconds_per_entry)
+                   index_bytes, selection_seconds_per_entry, cluster)
 
 
 def check_plan_options(algorithm: str, threshold: int | str) -> None:
@@ -329,7 +376,7 @@ def plan_fusion(
     **model_options: ``network`` (preset name or :class:`topka2a_jax.Network`,
       default ``"eth10"``), ``min_size``, ``backward_seconds``,
       ``selection_seconds_per_element``, ``selection_seconds_per_entry``,
-      ``value_bytes``, ``index_bytes``; see :func:`step_model`.
+      ``value_bytes``, ``index_bytes``, ``cluster``; see :func:`step_model`.
 
   Returns:
     The :class:`FusionPlan`, with all-dense and all-TopkA baselines planned
@@ -371,4 +418,5 @@ def plan_fusion(
       step_seconds=planned[-1].finish,
       dense_seconds=end(DENSE.name)[1][-1].finish,
       allgather_seconds=end(algorithms.ALLGATHER.name)[1][-1].finish,
+      cluster=model.cluster,
   )

@@ -22,9 +22,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from topka2a_jax import algorithms
-from topka2a_jax.axis import check_on_mesh
+from topka2a_jax.axis import axis_names, bound_axis_size, check_on_mesh
 from topka2a_jax.collectives import get_selection
-from topka2a_jax.cost import AUTO_NETWORK, Network, get_network
+from topka2a_jax.cost import AUTO_NETWORK, Cluster, Network, get_network
 from topka2a_jax.fusion import check_plan_options
 
 DEFAULT_ALGORITHM = algorithms.AUTO
@@ -35,6 +35,10 @@ slow network, dense on a fast one)."""
 DEFAULT_SELECTION = "auto"
 """``topka2a(density)`` with no ``selection=``: the fastest for the backend
 (:func:`topka2a_jax.collectives.auto_magnitudes`)."""
+
+INNER_NETWORK = "nvlink"
+"""The link inside a node that a pair of data axes assumes, unless ``network``
+is a pair ``(outer, inner)``."""
 
 DEFAULT_MIN_SIZE = 1024
 """Leaves with fewer elements go dense.
@@ -91,6 +95,18 @@ def _backward_seconds(value: Any) -> float | None:
   return None if value is None else float(value)
 
 
+def _network(network: Any, axis_name: Hashable) -> Any:
+  """A preset name, ``"auto"`` or a :class:`Network`; a pair of them for a pair of axes."""
+  if isinstance(network, tuple):
+    if len(axis_names(axis_name)) != 2 or len(network) != 2:
+      raise ValueError(
+          f"network={network!r} is a pair of links (between nodes, inside a "
+          f"node) for axis_name=(outer, inner); with axis_name={axis_name!r} give "
+          "one network")
+    return tuple(_network(one, "data") for one in network)
+  return network if network == AUTO_NETWORK else get_network(network)
+
+
 def _mesh(mesh: Any, axis_name: Hashable) -> Mesh | None:
   if mesh is None:
     return None
@@ -113,7 +129,9 @@ class Options:
     min_size: smaller leaves go dense and keep no residual.
     fusion: bucket size threshold in elements, or ``"auto"``.
     network: the link the planner models, or ``"auto"`` (resolved when the
-      update is traced, :func:`topka2a_jax.cost.detected_network`).
+      update is traced, :func:`topka2a_jax.cost.detected_network`); for a
+      pair of data axes, the link between nodes, or a pair ``(outer,
+      inner)`` of links.
     backward_seconds: the backward pass's duration, or None for the default.
     value_dtype: dtype of sparse values on the wire; None sends them as they are.
     selection: a key of :data:`topka2a_jax.collectives.SELECTIONS`.
@@ -128,7 +146,7 @@ class Options:
   error_feedback: bool = True
   min_size: int = DEFAULT_MIN_SIZE
   fusion: int | str = "auto"
-  network: Network | str = AUTO_NETWORK
+  network: Network | str | tuple[Network | str, Network | str] = AUTO_NETWORK
   backward_seconds: float | None = None
   value_dtype: jnp.dtype | None = None
   selection: str = DEFAULT_SELECTION
@@ -161,14 +179,32 @@ class Options:
     for name, minimum in (("min_size", 0), ("warmup_steps", 0)):
       if name in normalised:
         normalised[name] = _count(name, normalised[name], minimum)
-    if normalised.get("network", AUTO_NETWORK) != AUTO_NETWORK:
-      normalised["network"] = get_network(normalised["network"])
+    normalised["network"] = _network(normalised.get("network", AUTO_NETWORK),
+                                     axis_name)
     normalised["backward_seconds"] = _backward_seconds(
         normalised.get("backward_seconds"))
     normalised["value_dtype"] = _value_dtype(normalised.get("value_dtype"))
     get_selection(normalised.get("selection", DEFAULT_SELECTION))  # raises if unknown
     normalised["mesh"] = _mesh(normalised.get("mesh"), axis_name)
     return cls(_density(density), **normalised)
+
+  def cluster(self) -> Cluster | None:
+    """The nodes and links of a pair of data axes, inside ``shard_map``; else None.
+
+    The inner link is ``network``'s second, or :data:`INNER_NETWORK`.
+    """
+    names = axis_names(self.axis_name)
+    if len(names) == 1:
+      return None
+    outer, inner = (self.network if isinstance(self.network, tuple)
+                    else (self.network, INNER_NETWORK))
+    return Cluster(bound_axis_size(names[0]), bound_axis_size(names[1]),
+                   outer=get_network(outer), inner=get_network(inner))
+
+  def outer_network(self) -> Network:
+    """The link the planner prices: between nodes for a pair of data axes."""
+    outer = self.network[0] if isinstance(self.network, tuple) else self.network
+    return get_network(outer)
 
   @property
   def value_bytes(self) -> int:

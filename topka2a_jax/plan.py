@@ -4,10 +4,16 @@ Usage:
   python -m topka2a_jax.plan --model resnet50 --devices 32 --density 0.01 \\
       --network eth10
   python -m topka2a_jax.plan --params 25000000 --devices 8 --density 0.05
+  python -m topka2a_jax.plan --model gpt2-small --devices 64 --density 0.01 \\
+      --devices-per-node 8 --network eth10 --inner-network nvlink
 
 Prints the fusion plan (one row per bucket), the predicted step against
 all-dense and all-TopkA exchanges, and the break-even densities of TopKA2A
-for a bucket of the model's size. ``--model`` takes the layer shapes of a
+for a bucket of the model's size. With ``--devices-per-node`` the devices
+form nodes (``topka2a(axis_name=("node", "local"))``): ``--network`` is the
+link between nodes, ``--inner-network`` the one inside a node, and every
+sparse bucket takes the cheaper of the flat and the two-level route.
+``--model`` takes the layer shapes of a
 known model (:data:`MODELS`, in the order its layers run; the backward pass
 produces their gradients in reverse).
 """
@@ -27,9 +33,9 @@ from topka2a_jax.algorithms import (
   TOPKA2A_SPARSE,
 )
 from topka2a_jax.compute import DEVICES
-from topka2a_jax.cost import NETWORKS, Network, breakeven_density
+from topka2a_jax.cost import NETWORKS, Cluster, Network, breakeven_density, get_network
 from topka2a_jax.fusion import plan_fusion
-from topka2a_jax.options import DEFAULT_ALGORITHM
+from topka2a_jax.options import DEFAULT_ALGORITHM, INNER_NETWORK
 
 Shapes = list[tuple[str, tuple[int, ...]]]
 
@@ -119,6 +125,12 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--density", type=float, required=True)
   parser.add_argument("--network", default="eth10",
                       help=f"one of {', '.join(NETWORKS)} (default eth10)")
+  parser.add_argument("--devices-per-node", type=int,
+                      help="devices per node, for a data axis of (node, local); "
+                           "--network is then the link between nodes")
+  parser.add_argument("--inner-network", default=INNER_NETWORK,
+                      help=f"with --devices-per-node, the link inside a node "
+                           f"(default {INNER_NETWORK})")
   parser.add_argument("--latency", type=float,
                       help="measured α in seconds (with --bandwidth, replaces --network)")
   parser.add_argument("--bandwidth", type=float, help="measured bytes per second")
@@ -150,6 +162,17 @@ def main(argv: list[str] | None = None) -> int:
     _parser().error("give --latency and --bandwidth together")
   network = (Network(args.latency, args.bandwidth, "measured")
              if args.latency is not None else args.network)
+  cluster = None
+  if args.devices_per_node is not None:
+    if args.devices_per_node < 1 or args.devices % args.devices_per_node:
+      _parser().error(f"--devices-per-node must divide --devices ({args.devices}) "
+                      f"into whole nodes; got {args.devices_per_node}")
+    try:
+      cluster = Cluster(args.devices // args.devices_per_node, args.devices_per_node,
+                        outer=get_network(network),
+                        inner=get_network(args.inner_network))
+    except ValueError as error:
+      _parser().error(str(error))
   if args.model:
     shapes = MODELS[args.model]()
     names = [name for name, _ in shapes]
@@ -162,12 +185,12 @@ def main(argv: list[str] | None = None) -> int:
   try:
     plan = plan_fusion(
         sizes, args.devices, args.density, names=names, network=network,
-        algorithm=args.algorithm, threshold=threshold,
+        algorithm=args.algorithm, threshold=threshold, cluster=cluster,
         **_backward(args))
   except ValueError as error:
     _parser().error(str(error))
   print(plan)
-  if args.devices > 1:
+  if args.devices > 1 and cluster is None:
     total = sum(sizes)
     for exchange in (TOPKA2A, TOPKA2A_SPARSE):
       dense = breakeven_density(exchange.name, DENSE.name, total, args.devices, network)

@@ -58,7 +58,6 @@ from topka2a_jax.axis import (
     tracks_varying_axes,
     varying_axes,
 )
-from topka2a_jax.cost import get_network
 from topka2a_jax.nonfinite import NONFINITE, nonfinite_on_any_device
 from topka2a_jax.options import Options
 from topka2a_jax.transform import (
@@ -291,7 +290,7 @@ def _sparse(opts: Options, size: int, num_devices: int) -> bool:
     return False
   if opts.algorithm != AUTO:
     return True
-  network = get_network(opts.network)
+  network = opts.outer_network()
   cost = lambda name: REGISTRY[name].cost(size, num_devices, opts.density,
                                           opts.value_bytes).seconds(network)
   return cost("topka2a") < cost(DENSE.name)

@@ -152,10 +152,12 @@ def topka2a(
     density: fraction of every bucket's entries each device sends, in (0, 1].
       1.0 sends everything and equals ``lax.pmean``.
     axis_name: the data-parallel mesh axis, or a pair ``(outer, inner)`` of
-      them, e.g. ``("node", "local")``: then every sparse bucket is reduced
-      densely inside each node and exchanged sparsely between nodes, one
-      slice per device (:func:`topka2a_jax.collectives.two_level`). Residuals
-      stay whole-leaf sized; the planner prices the flat exchange.
+      them, e.g. ``("node", "local")``: then the planner prices every sparse
+      bucket both flat over all devices and two-level (reduced densely
+      inside each node and exchanged sparsely between nodes, one slice per
+      device; :func:`topka2a_jax.collectives.two_level`) on the two links
+      (:func:`topka2a_jax.cost.cluster_cost`), and takes the cheaper.
+      Residuals stay whole-leaf sized.
     mesh: the mesh of the training step. With it, ``tx.init(params)`` (as
       ``nnx.Optimizer`` calls it) returns the state as global arrays laid out
       for the mesh: residuals per device, each holding its own parameter
@@ -179,7 +181,9 @@ def topka2a(
       ``eth10`` between processes, ``nvlink`` among one process's
       accelerators; :func:`topka2a_jax.cost.detected_network`), a preset name
       (:data:`topka2a_jax.NETWORKS`) or a measured :class:`topka2a_jax.Network`.
-      Used by ``fusion="auto"`` and ``algorithm="auto"``.
+      Used by ``fusion="auto"`` and ``algorithm="auto"``. For a pair of data
+      axes it is the link between nodes, the one inside a node being
+      ``"nvlink"``; or give both, ``network=(between, inside)``.
     backward_seconds: the backward pass's duration, which bucket exchanges
       overlap. By default :func:`topka2a_jax.train_step` estimates it from
       XLA's cost analysis of the compiled gradient against the device's rate
