@@ -50,7 +50,8 @@ class NetworkUnavailable(RuntimeError):
   """Namespaces or traffic control are not permitted here."""
 
 
-def _run(*command: str) -> None:
+def checked(*command: str) -> None:
+  """Runs ``command``; its failure raises :class:`NetworkUnavailable` with its message."""
   done = subprocess.run(command, capture_output=True, text=True, check=False)
   if done.returncode:
     raise NetworkUnavailable(f"`{' '.join(command)}` failed: "
@@ -70,15 +71,15 @@ class ShapedNamespace:
       if shutil.which(tool) is None:
         raise NetworkUnavailable(f"`{tool}` is not installed (package iproute2)")
     try:
-      _run("ip", "netns", "add", self.name)
+      checked("ip", "netns", "add", self.name)
       self.made = True
-      _run("ip", "netns", "exec", self.name, "ip", "link", "set", "lo", "up")
+      checked("ip", "netns", "exec", self.name, "ip", "link", "set", "lo", "up")
       tc = ["ip", "netns", "exec", self.name, "tc", "qdisc", "add", "dev", "lo"]
       # A token bucket at the rate; its burst must hold a 64 KiB loopback frame.
-      _run(*tc, "root", "handle", "1:", "tbf", "rate", self.rate, "burst", "256kb",
+      checked(*tc, "root", "handle", "1:", "tbf", "rate", self.rate, "burst", "256kb",
            "latency", "200ms")
       if self.delay_ms:  # needs the sch_netem kernel module
-        _run(*tc, "parent", "1:1", "handle", "10:", "netem", "delay",
+        checked(*tc, "parent", "1:1", "handle", "10:", "netem", "delay",
              f"{self.delay_ms}ms", "limit", "100000")
     except NetworkUnavailable:
       self.__exit__()

@@ -3,10 +3,11 @@
 Run in one process (``XLA_FLAGS`` giving it 4 devices) or under the launcher
 (``python -m topka2a_jax.launch -n 2 --devices-per-process 2``); process 0
 writes each step's mean gradient (hand-written shard_map step) or loss
-(``topka2a_jax.train_step``) and parameters, so that tests can check the two
-agree:
+(``topka2a_jax.train_step``; ``two_level`` on a ``("node", "local")`` mesh of
+two nodes, each process one node when there are two) and parameters, so that
+tests can check the two agree:
 
-  python tests/multiprocess_train.py ALGORITHM OUT.npz [shard_map|train_step]
+  python tests/multiprocess_train.py ALGORITHM OUT.npz [shard_map|train_step|two_level]
 """
 
 import sys
@@ -44,14 +45,15 @@ def loss_of(params, batch):
   return jnp.mean((jnp.tanh(x @ params["w"] + params["b"]) - y) ** 2)
 
 
-def with_train_step(mesh, algorithm, params, batches):
+def with_train_step(mesh, algorithm, params, batches, axis_name="data"):
   """The same run through topka2a_jax.train_step: every step's loss and params."""
   tx = optax.chain(topka2a_jax.topka2a(0.1, algorithm=algorithm, min_size=0,
-                                       mesh=mesh), optax.sgd(0.1))
+                                       mesh=mesh, axis_name=axis_name), optax.sgd(0.1))
   params = jax.tree.map(lambda v: global_array(v, mesh, P()), params)
-  state, step, record = tx.init(params), topka2a_jax.train_step(loss_of, tx, mesh), {}
+  step = topka2a_jax.train_step(loss_of, tx, mesh, axis_name=axis_name)
+  state, record = tx.init(params), {}
   for i, (x, y) in enumerate(batches):
-    batch = (global_array(x, mesh, P("data")), global_array(y, mesh, P("data")))
+    batch = (global_array(x, mesh, P(axis_name)), global_array(y, mesh, P(axis_name)))
     params, state, loss = step(params, state, batch)
     record[f"loss{i}"] = local_copy(loss)
     for k in ("w", "b"):
@@ -60,17 +62,21 @@ def with_train_step(mesh, algorithm, params, batches):
 
 
 def main(algorithm, out, route="shard_map"):
-  devices = sorted(jax.devices(), key=lambda d: d.id)
+  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
   mesh = Mesh(np.array(devices), ("data",))
   rng = np.random.default_rng(91)
   params = {"w": rng.normal(size=(24, 16)).astype(np.float32) / 5,
             "b": np.zeros(16, np.float32)}
-  if route == "train_step":
+  if route in ("train_step", "two_level"):
     batches = []
     for _ in range(5):
       x = rng.normal(size=(32, 24)).astype(np.float32)
       batches.append((x, np.sin(x[:, :16])))
-    record = with_train_step(mesh, algorithm, params, batches)
+    if route == "two_level":  # two nodes: with two processes, each one a node
+      mesh = Mesh(np.array(devices).reshape(2, -1), ("node", "local"))
+      record = with_train_step(mesh, algorithm, params, batches, ("node", "local"))
+    else:
+      record = with_train_step(mesh, algorithm, params, batches)
     print(f"{jax.process_count()} processes, {jax.device_count()} devices")
     if jax.process_index() == 0:
       np.savez(out, **record)

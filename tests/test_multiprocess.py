@@ -18,20 +18,21 @@ def run(command, **env):
 
 
 @pytest.mark.slow
-@pytest.mark.slow
-@pytest.mark.parametrize("algorithm, route, files", [
-    ("topka2a", "shard_map", 25), ("dense", "shard_map", 25),
-    ("topka2a", "train_step", 15)])
-def test_two_processes_of_two_devices_match_one_of_four(tmp_path, algorithm, route,
-                                                        files):
+@pytest.mark.parametrize("algorithm, route, files, per_process", [
+    ("topka2a", "shard_map", 25, 2), ("dense", "shard_map", 25, 2),
+    ("topka2a", "train_step", 15, 2),
+    ("topka2a", "two_level", 15, 4), ("topka2a_sparse", "two_level", 15, 4)])
+def test_two_processes_match_one_with_all_their_devices(tmp_path, algorithm, route,
+                                                        files, per_process):
+  """Two processes (for two_level, each a node of the mesh) train as one."""
   one = run([sys.executable, str(SCRIPT), algorithm, str(tmp_path / "one.npz"), route],
-            XLA_FLAGS="--xla_force_host_platform_device_count=4")
+            XLA_FLAGS=f"--xla_force_host_platform_device_count={2 * per_process}")
   assert one.returncode == 0, one.stderr[-3000:]
   two = run([sys.executable, "-m", "topka2a_jax.launch", "-n", "2",
-             "--devices-per-process", "2", str(SCRIPT), algorithm,
+             "--devices-per-process", str(per_process), str(SCRIPT), algorithm,
              str(tmp_path / "two.npz"), route])
   assert two.returncode == 0, two.stdout[-3000:]
-  assert "[1] 2 processes, 4 devices" in two.stdout
+  assert f"[1] 2 processes, {2 * per_process} devices" in two.stdout
   single, multi = np.load(tmp_path / "one.npz"), np.load(tmp_path / "two.npz")
   assert sorted(single.files) == sorted(multi.files) and len(single.files) == files
   for name in single.files:  # mean gradients, parameters and loss, every step

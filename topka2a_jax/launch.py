@@ -43,13 +43,14 @@ def free_port() -> int:
     return probe.getsockname()[1]
 
 
-def process_env(rank: int, num_processes: int, devices: int, port: int) -> dict[str, str]:
-  """The environment of process ``rank``."""
+def process_env(rank: int, num_processes: int, devices: int, port: int,
+                host: str = "127.0.0.1") -> dict[str, str]:
+  """The environment of process ``rank``; the coordinator listens on ``host``."""
   env = dict(os.environ)
   flags = [flag for flag in env.get("XLA_FLAGS", "").split()
            if not flag.startswith("--xla_force_host_platform_device_count")]
   env.update({
-      COORDINATOR: f"127.0.0.1:{port}",
+      COORDINATOR: f"{host}:{port}",
       NUM_PROCESSES: str(num_processes),
       PROCESS_ID: str(rank),
       "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"]),
@@ -79,13 +80,19 @@ def _stop(processes: Sequence[subprocess.Popen]) -> None:
       process.wait()
 
 
-def launch(command: Sequence[str], num_processes: int, devices_per_process: int) -> int:
+def launch(command: Sequence[str], num_processes: int, devices_per_process: int, *,
+           prefixes: Sequence[Sequence[str]] | None = None,
+           host: str = "127.0.0.1") -> int:
   """Runs ``command`` in ``num_processes`` processes; returns the exit status.
 
   Args:
     command: the program and its arguments, e.g. ``[sys.executable, "train.py"]``.
     num_processes: how many processes.
     devices_per_process: emulated CPU devices in each.
+    prefixes: per process, words run before ``command`` (e.g. ``ip netns
+      exec NAME`` to start each process in its own network namespace).
+    host: the address process 0's coordinator listens on, as the others
+      reach it.
 
   Returns:
     0 when every process succeeded, else the first failure's status (a
@@ -100,8 +107,10 @@ def launch(command: Sequence[str], num_processes: int, devices_per_process: int)
   processes, readers = [], []
   try:
     for rank in range(num_processes):
+      prefix = list(prefixes[rank]) if prefixes else []
       process = subprocess.Popen(
-          list(command), env=process_env(rank, num_processes, devices_per_process, port),
+          [*prefix, *command],
+          env=process_env(rank, num_processes, devices_per_process, port, host),
           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
       processes.append(process)
       reader = threading.Thread(target=_forward, args=(rank, process.stdout, lock),
