@@ -53,7 +53,24 @@ RUNS = {
     "topka2a_sparse": {"algorithm": "topka2a_sparse", "selection": "threshold"},
     "allgather (TopkA)": {"algorithm": "allgather", "selection": "threshold"},
 }
-"""Configurations: name -> options of ``topka2a`` besides the density."""
+"""Configurations: name -> options of ``topka2a`` besides the density.
+
+Any ``"defaults, N dense steps"`` is a run too: the defaults with
+``warmup_steps=N``.
+"""
+
+
+def run_options(name: str) -> dict:
+  """The options of ``topka2a`` of the run called ``name``."""
+  if name in RUNS:
+    return RUNS[name]
+  prefix, _, rest = name.partition(", ")
+  count, _, suffix = rest.partition(" ")
+  if prefix == "defaults" and suffix == "dense steps" and count.isdigit():
+    return {"warmup_steps": int(count)}
+  raise ValueError(
+      f"unknown run {name!r}; choose among {', '.join(map(repr, RUNS))} or "
+      "'defaults, N dense steps'")
 
 
 def init(key):
@@ -128,7 +145,7 @@ def worker(args: argparse.Namespace) -> None:
   validation = jax.jit(loss)
   rows = []
   for name in args.runs:
-    options = RUNS[name]
+    options = run_options(name)
     warmup = min(30, args.steps // 4)
     schedule = optax.warmup_cosine_decay_schedule(0.0, 2e-3, warmup,
                                                   max(args.steps, warmup + 1))
@@ -198,15 +215,20 @@ def main() -> int:
   parser.add_argument("--density", type=float, default=0.01)
   parser.add_argument("--target", type=float, default=2.6,
                       help="validation loss (nats per byte) whose time to reach is shown")
-  parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS),
-                      metavar="RUN", help="subset of the runs (the first is the "
-                      "baseline of the ratios)")
+  parser.add_argument("--runs", nargs="+", default=list(RUNS), metavar="RUN",
+                      help=f"runs among {', '.join(map(repr, RUNS))} or 'defaults, "
+                      "N dense steps' (the first is the baseline of the ratios)")
   parser.add_argument("--b1", type=float, default=0.9, help="Adam's b1")
   parser.add_argument("--local", action="store_true",
                       help="one process of emulated CPU devices, no link: losses only")
   parser.add_argument("--json", help="also write the rows here")
   parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
   args = parser.parse_args()
+  for name in args.runs:
+    try:
+      run_options(name)
+    except ValueError as error:
+      parser.error(str(error))
   if args.worker:
     worker(args)
     return 0

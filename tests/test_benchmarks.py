@@ -45,6 +45,50 @@ def test_time_to_target_sums_the_steps_before_the_first_evaluation_below_it():
   assert never["steps_to_target"] is None and never["time_ratio"] is None
 
 
+def test_training_runs_take_any_dense_warm_up_and_name_the_choices():
+  network_training = load("network_training")
+  assert network_training.run_options("defaults, 20 dense steps") == {"warmup_steps": 20}
+  assert network_training.run_options("dense") == {"algorithm": "dense"}
+  with pytest.raises(ValueError, match="unknown run 'defaults, some dense steps'"):
+    network_training.run_options("defaults, some dense steps")
+
+
+def test_nodes_benchmark_fits_links_and_selection_that_reproduce_its_rows():
+  """Rows timed by a known cluster's model: the fit recovers it, off by 0%."""
+  from topka2a_jax import cost
+
+  nodes = load("network_nodes")
+  truth = cost.Cluster(2, 4, outer=cost.Network(2e-3, 8e7), inner=cost.Network(5e-4, 3e8))
+  per_element, per_entry = 1.5e-8, 6e-7
+  size = 1_000_000
+
+  def all_reduce(axis, length):  # what the calibration times: RS then AG over axis
+    if axis == "node":
+      return 2 * truth.outer.latency + 4 * 2 * 1 / 2 * 4 * length / truth.outer.bandwidth
+    return 6 * truth.inner.latency + 2 * 3 / 4 * 4 * length / truth.inner.bandwidth
+
+  rows = [{"kind": "calibration", "axis": axis, "length": length,
+           "seconds": all_reduce(axis, length), "card_bytes": 0.0}
+          for axis in ("local", "node") for length in (4096, size)]
+  for algorithm, route in [("dense", cost.FLAT), ("topka2a", cost.FLAT),
+                           ("topka2a", cost.TWO_LEVEL), ("allgather", cost.FLAT),
+                           ("topka2a_sparse", cost.FLAT), ("topka2a_sparse", cost.TWO_LEVEL)]:
+    row = {"kind": "exchange", "algorithm": algorithm, "route": route,
+           "density": 1.0 if algorithm == "dense" else 0.01, "length": size}
+    model = cost.cluster_cost(algorithm, size, truth, row["density"], route)
+    elements, entries = ([0, 0] if algorithm == "dense"
+                         else nodes.selection_terms(row, truth))
+    rows.append(dict(row, seconds=model.seconds + per_element * elements
+                     + per_entry * entries, card_bytes=model.outer_bytes))
+  fitted = nodes.fit_cluster(rows, 2, 4)
+  assert fitted.outer.latency == pytest.approx(2e-3)
+  assert fitted.inner.bandwidth == pytest.approx(3e8)
+  reported = nodes.report([rows, rows], 2, 4, "1gbit")
+  for row in reported:
+    assert row["model_seconds"] == pytest.approx(row["seconds"], rel=1e-6)
+    assert row["model_card_bytes"] == row["card_bytes"]
+
+
 @pytest.mark.slow
 def test_training_benchmark_runs_locally_without_a_link(tmp_path):
   out = tmp_path / "training.json"
