@@ -203,7 +203,7 @@ FLAT = "flat"
 
 TWO_LEVEL = "two_level"
 """Route of :func:`topka2a_jax.collectives.two_level`: dense inside each node,
-sparse between nodes."""
+the exchange (sparse, or a dense all-reduce) between nodes."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,11 +286,13 @@ def cluster_cost(
   one card. ``route=TWO_LEVEL`` is :func:`topka2a_jax.collectives.two_level`:
   a ring reduce-scatter inside the node, ``algorithm`` over the N nodes on
   a slice of ``m = ceil(length / L)`` elements (all L devices of a node at
-  once, through its card), and a ring all-gather inside the node.
+  once, through its card), and a ring all-gather inside the node. For dense
+  that is a hierarchical all-reduce: the card carries ``2(N-1)/N`` of the
+  buffer instead of a flat ring's ``2(NL-1)/(NL)``, in ``2(N-1)`` slow
+  messages instead of ``2(NL-1)``.
 
   Args:
-    algorithm: a name in :data:`topka2a_jax.algorithms.REGISTRY`; a dense
-      exchange has only the flat route.
+    algorithm: a name in :data:`topka2a_jax.algorithms.REGISTRY`.
     length: elements in the buffer.
     cluster: the nodes and their links.
     density: fraction sent, in (0, 1].
@@ -301,7 +303,7 @@ def cluster_cost(
     The :class:`ClusterCost`.
 
   Raises:
-    ValueError: an unknown algorithm or route, or dense on two levels.
+    ValueError: an unknown algorithm or route.
 
   Example:
     >>> cluster = Cluster(2, 4, outer=NETWORKS["eth1"], inner=NETWORKS["nvlink"])
@@ -319,9 +321,6 @@ def cluster_cost(
                        sum(p.inner_bytes for p in phases))
   if route != TWO_LEVEL:
     raise ValueError(f"unknown route {route!r}; choose {FLAT!r} or {TWO_LEVEL!r}")
-  if not exchange.sparse:
-    raise ValueError(f"{algorithm!r} has only the {FLAT!r} route: a dense exchange "
-                     "is one all-reduce over both axes")
   per_node = cluster.per_node
   width = -(-length // per_node)
   ring = (per_node - 1) * width * 4  # float32 slices, each way of the node's ring

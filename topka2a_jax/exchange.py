@@ -94,11 +94,11 @@ def _collective(algorithm: Algorithm, route: str) -> Collective:
   """``algorithm``'s collective, over the whole data axis or on ``route``.
 
   Where the data axis is a pair ``("node", "local")`` and the planner routes
-  a sparse bucket :data:`topka2a_jax.cost.TWO_LEVEL`, the exchange is
-  :func:`topka2a_jax.collectives.two_level`: dense inside each node, sparse
-  between nodes on one slice per device.
+  a bucket :data:`topka2a_jax.cost.TWO_LEVEL`, the exchange is
+  :func:`topka2a_jax.collectives.two_level`: dense inside each node, the
+  algorithm between nodes on one slice per device.
   """
-  if route == TWO_LEVEL and algorithm.sparse:
+  if route == TWO_LEVEL:
     return functools.partial(collectives.two_level, outer=algorithm.collective)
   return algorithm.collective
 

@@ -12,8 +12,8 @@ predicts the step's end for a threshold from static sizes only:
 * with ``algorithm="auto"`` every bucket takes its cheapest algorithm, so
   tiny buckets go dense;
 * on a :class:`topka2a_jax.cost.Cluster` (a data axis that is a pair of
-  mesh axes) every sparse bucket also takes the cheaper route, flat over
-  all devices or two-level (:func:`topka2a_jax.cost.cluster_cost`).
+  mesh axes) every bucket also takes the cheaper route, flat over all
+  devices or two-level (:func:`topka2a_jax.cost.cluster_cost`).
 
 The threshold is found by a coarse log-spaced sweep followed by a binary
 search on the sign of the discrete slope around the best point; the plan is
@@ -254,11 +254,9 @@ class StepModel:
   selection_seconds_per_entry: float = DEFAULT_SELECTION_SECONDS_PER_ENTRY
   cluster: Cluster | None = None
 
-  def routes(self, algorithm: str) -> tuple[str, ...]:
-    """The routes ``algorithm`` may take: two-level only for a sparse one on a cluster."""
-    if self.cluster is not None and REGISTRY[algorithm].sparse:
-      return (FLAT, TWO_LEVEL)
-    return (FLAT,)
+  def routes(self) -> tuple[str, ...]:
+    """The routes a bucket may take: two-level too on a cluster."""
+    return (FLAT,) if self.cluster is None else (FLAT, TWO_LEVEL)
 
   def seconds(self, algorithm: str, size: int, route: str = FLAT) -> float:
     """Selection plus communication time of one bucket."""
@@ -288,7 +286,7 @@ class StepModel:
     chosen = []
     for bucket in plan_buckets(self.sizes, labels, threshold):
       names = REGISTRY if bucket.algorithm == AUTO else [bucket.algorithm]
-      best, route = min(((a, r) for a in names for r in self.routes(a)),
+      best, route = min(((a, r) for a in names for r in self.routes()),
                         key=lambda choice: self.seconds(choice[0], bucket.size,
                                                         choice[1]))
       chosen.append(bucket._replace(algorithm=best, route=route))

@@ -152,10 +152,10 @@ def topka2a(
     density: fraction of every bucket's entries each device sends, in (0, 1].
       1.0 sends everything and equals ``lax.pmean``.
     axis_name: the data-parallel mesh axis, or a pair ``(outer, inner)`` of
-      them, e.g. ``("node", "local")``: then the planner prices every sparse
+      them, e.g. ``("node", "local")``: then the planner prices every
       bucket both flat over all devices and two-level (reduced densely
-      inside each node and exchanged sparsely between nodes, one slice per
-      device; :func:`topka2a_jax.collectives.two_level`) on the two links
+      inside each node and exchanged between nodes, one slice per device;
+      :func:`topka2a_jax.collectives.two_level`) on the two links
       (:func:`topka2a_jax.cost.cluster_cost`), and takes the cheaper.
       Residuals stay whole-leaf sized.
     mesh: the mesh of the training step. With it, ``tx.init(params)`` (as
