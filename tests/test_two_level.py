@@ -327,6 +327,34 @@ def test_a_checkpoint_restores_onto_fewer_nodes_keeping_what_is_owed(tmp_path, m
   np.testing.assert_array_equal(now.sum(0), owed)
 
 
+def test_a_checkpoint_restores_onto_other_node_sizes_and_trains_on(tmp_path, mesh):
+  """2 nodes of 4 saved, 4 nodes of 2 restored: what is owed arrives, none is lost."""
+  rng = np.random.default_rng(10)
+  grads = [{"w": rng.normal(size=(NODES * LOCAL, 40)).astype(np.float32)}]
+  tx = topka2a_jax.topka2a(0.05, axis_name=AXES, algorithm="topka2a", min_size=0,
+                           network=("eth10", "nvlink"))
+  (_, state), = _transform_steps(mesh, tx, grads)
+  owed = np.asarray(state.residuals["w"], np.float64).reshape(NODES * LOCAL, -1).sum(0)
+  assert np.abs(owed).sum() > 0
+  topka2a_jax.save(tmp_path / "ckpt", {"opt_state": state}, mesh, axis_name=AXES)
+  other = jax.make_mesh((4, 2), AXES)
+  like = {"opt_state": topka2a_jax.init(
+      tx, {"w": jax.ShapeDtypeStruct((40,), np.float32)}, other, axis_name=AXES)}
+  restored = topka2a_jax.restore(tmp_path / "ckpt", like, other, axis_name=AXES)
+  params = {"w": jax.ShapeDtypeStruct((40,), np.float32)}
+  specs = topka2a_jax.state_specs(topka2a_jax.init(tx, params, other, axis_name=AXES),
+                                  AXES)
+  run = jax.jit(jax.shard_map(
+      lambda g, s: tx.update(jax.tree.map(lambda x: x[0], g), s), mesh=other,
+      in_specs=(P(AXES), specs), out_specs=(P(), specs)))
+  more = {"w": rng.normal(size=(8, 40)).astype(np.float32)}
+  updates, after = run(jax.device_put(more, NamedSharding(other, P(AXES))),
+                       restored["opt_state"])
+  left = np.asarray(after.residuals["w"], np.float64).reshape(8, -1).sum(0)
+  np.testing.assert_allclose(8 * np.asarray(updates["w"], np.float64) + left,
+                             more["w"].sum(0) + owed, rtol=1e-5, atol=1e-5)
+
+
 def test_the_sharded_optimizer_refuses_a_pair_of_axes():
   with pytest.raises(ValueError, match="shards over one data axis"):
     topka2a_jax.sharded_optimizer(optax.adam(1e-3), 0.1, axis_name=AXES)
