@@ -52,8 +52,7 @@ CARD = "card"
 """The interface name of every node's network card, inside its namespace."""
 
 CALIBRATION_SMALL = 4096
-"""Elements of the small all-reduces that fit the links' latency (a multiple
-of every device count tried)."""
+"""Elements of the small all-reduces that fit the links' latency."""
 
 
 class ShapedNodes:
@@ -161,6 +160,7 @@ def worker(size: int, densities: list[float], repeats: int, selection: str,
   topka2a_jax.distributed.initialize()
   use_gloo_on_card(os.environ[COORDINATOR])
   import jax
+  import jax.numpy as jnp
   import numpy as np
   from jax import lax
   from jax.experimental import multihost_utils
@@ -199,7 +199,8 @@ def worker(size: int, densities: list[float], repeats: int, selection: str,
   rows: list[dict] = []
   def all_reduce(buffer: jax.Array, axis: str) -> jax.Array:
     """A ring all-reduce as two_level runs it: reduce-scatter, then all-gather."""
-    rows = buffer.reshape(mesh.shape[axis], -1)
+    count = mesh.shape[axis]
+    rows = jnp.pad(buffer, (0, -buffer.size % count)).reshape(count, -1)
     return lax.all_gather(lax.psum_scatter(rows, axis, tiled=True), axis, tiled=True)
 
   for axis, length in itertools.product(("local", "node"), (CALIBRATION_SMALL, size)):
