@@ -48,7 +48,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from topka2a_jax import collectives, exchange, layout
-from topka2a_jax.algorithms import AUTO, DENSE, REGISTRY
+from topka2a_jax.algorithms import AUTO, DENSE, TOPKA2A
 from topka2a_jax.axis import (
     axis_names,
     bound_axis_size,
@@ -58,6 +58,7 @@ from topka2a_jax.axis import (
     tracks_varying_axes,
     varying_axes,
 )
+from topka2a_jax.fusion import step_model
 from topka2a_jax.nonfinite import NONFINITE, nonfinite_on_any_device
 from topka2a_jax.options import Options
 from topka2a_jax.transform import (
@@ -72,7 +73,7 @@ from topka2a_jax.transform import (
     shard_specs,
 )
 
-ALGORITHMS = (AUTO, "topka2a", DENSE.name)
+ALGORITHMS = (AUTO, TOPKA2A.name, DENSE.name)
 """The exchanges whose first phase leaves each owner its summed shard."""
 
 NOT_ELEMENT_WISE = (
@@ -284,16 +285,17 @@ def _sparse(opts: Options, size: int, num_devices: int) -> bool:
   """Whether a leaf of ``size`` entries goes through TopKA2A's owner phase.
 
   As in :func:`topka2a_jax.topka2a`, leaves under ``min_size`` go dense, with
-  or without error feedback.
+  or without error feedback; with ``"auto"``, a leaf takes the cheaper of
+  the two as the planner prices them (selection included).
   """
   if size == 0 or size < opts.min_size or opts.algorithm == DENSE.name:
     return False
   if opts.algorithm != AUTO:
     return True
-  network = opts.outer_network()
-  cost = lambda name: REGISTRY[name].cost(size, num_devices, opts.density,
-                                          opts.value_bytes).seconds(network)
-  return cost("topka2a") < cost(DENSE.name)
+  model = step_model([size], num_devices, opts.density,
+                     network=opts.outer_network(), min_size=0,
+                     value_bytes=opts.value_bytes)
+  return model.seconds(TOPKA2A.name, size) < model.seconds(DENSE.name, size)
 
 
 def _reduce_scatter(accs: Sequence[jax.Array], axis_name: Hashable,
