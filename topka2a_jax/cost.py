@@ -306,11 +306,15 @@ def cluster_cost(
     ValueError: an unknown algorithm or route.
 
   Example:
-    >>> cluster = Cluster(2, 4, outer=NETWORKS["eth1"], inner=NETWORKS["nvlink"])
-    >>> flat = cluster_cost("topka2a_sparse", 25_000_000, cluster, 0.01, FLAT)
-    >>> two = cluster_cost("topka2a_sparse", 25_000_000, cluster, 0.01)
-    >>> f"{two.outer_bytes / flat.outer_bytes:.2f}"
-    '0.35'
+    >>> for nodes, per_node in [(2, 4), (8, 8)]:
+    ...   cluster = Cluster(nodes, per_node, outer=NETWORKS["eth10"],
+    ...                     inner=NETWORKS["nvlink"])
+    ...   flat = cluster_cost("topka2a_sparse", 25_000_000, cluster, 0.01, FLAT)
+    ...   two = cluster_cost("topka2a_sparse", 25_000_000, cluster, 0.01)
+    ...   print(f"{nodes} x {per_node}: bytes {two.outer_bytes / flat.outer_bytes:.2f}x, "
+    ...         f"seconds {two.seconds / flat.seconds:.2f}x")
+    2 x 4: bytes 0.35x, seconds 0.39x
+    8 x 8: bytes 0.22x, seconds 0.21x
   """
   exchange = algorithms.get(algorithm)
   if route == FLAT:
