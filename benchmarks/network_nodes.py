@@ -9,8 +9,10 @@ fast link inside a node); between processes they cross the cards (the slow
 link between nodes).
 
 For each sparse algorithm and density it times one exchange of a gradient
-of ``--size`` elements per device run flat over all N x L devices, and run
-by :func:`topka2a_jax.collectives.two_level` (dense inside each node, sparse
+of ``--size`` elements per device run flat over all N x L devices (its
+unsent then reduce-scattered inside each node onto the slices every device
+keeps, as the transform does), and run by
+:func:`topka2a_jax.collectives.two_level` (dense inside each node, sparse
 between nodes), and counts the bytes each node's card sent (its interface
 counters). Beside each row: :func:`topka2a_jax.cost.cluster_cost`'s bytes and
 seconds, with each link's α and bandwidth fitted from two all-reduces over
@@ -168,10 +170,12 @@ def worker(size: int, densities: list[float], repeats: int, selection: str,
   from jax.sharding import PartitionSpec as P
 
   from topka2a_jax import collectives
+  from topka2a_jax.exchange import unsent_slices
 
   devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
   mesh = Mesh(np.array(devices).reshape(jax.process_count(), -1), ("node", "local"))
   both = ("node", "local")
+  per_node = mesh.shape["local"]
 
   def buffer_of(length: int) -> jax.Array:
     return jax.make_array_from_callback(
@@ -211,9 +215,16 @@ def worker(size: int, densities: list[float], repeats: int, selection: str,
         kind="exchange", algorithm=DENSE.name, route=cost.FLAT, density=1.0)
   for algorithm, density in itertools.product(SPARSE, densities):
     one = REGISTRY[algorithm].collective
+    def flat(b, one=one, density=density):
+      """The flat exchange, and its unsent summed onto slices inside the node,
+      as the transform keeps it."""
+      result = one(b, both, density, selection=selection)
+      kept, = unsent_slices([result.unsent], [-(-b.size // per_node)], per_node,
+                            "local", sparse=True)
+      return jnp.concatenate([result.mean[:1], kept[:1]])
+
     routes = {
-        cost.FLAT: lambda b, one=one, density=density: one(
-            b, both, density, selection=selection).mean[:1],
+        cost.FLAT: flat,
         cost.TWO_LEVEL: lambda b, one=one, density=density: collectives.two_level(
             b, both, density, selection=selection, outer=one).mean[:1],
     }

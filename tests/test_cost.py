@@ -109,12 +109,13 @@ def test_hand_computed_flat_costs_on_a_cluster():
   assert dense.seconds == pytest.approx(14 * 1e-4 + 1400 * 4 / 1e8)
   # AlltoAll: each of a node's 4 devices sends q pairs to each of the 4
   # devices of the other node through the card, and to 3 devices inside.
+  # Then the unsent is reduce-scattered inside the node onto slices of 200.
   topka2a = cluster_cost("topka2a", 800, CLUSTER, 0.1, FLAT)
   assert topka2a.outer_bytes == 4 * 4 * 10 * pair + 7 * 100 * 4
-  assert topka2a.inner_bytes == 3 * 10 * pair + 7 * 100 * 4
+  assert topka2a.inner_bytes == 3 * 10 * pair + 7 * 100 * 4 + 3 * 200 * 4
   assert topka2a.seconds == pytest.approx(
       max(7 * 1e-4 + 16 * 10 * pair / 1e8, 7 * 1e-6 + 3 * 10 * pair / 1e9)
-      + 7 * 1e-4 + 2800 / 1e8)
+      + 7 * 1e-4 + 2800 / 1e8 + 3 * 1e-6 + 2400 / 1e9)
 
 
 def test_hand_computed_two_level_costs_on_a_cluster():

@@ -65,6 +65,17 @@ def mesh_axis_size(mesh: Any, axis_name: Hashable) -> int:
   return math.prod(mesh.shape[name] for name in axis_names(axis_name))
 
 
+def devices_per_node(axis_name: Hashable, mesh: Any = None) -> int | None:
+  """The inner axis' size for a pair ``(outer, inner)`` of data axes, else None.
+
+  Read from ``mesh``, or, without one, from the axis bound by ``shard_map``.
+  """
+  names = axis_names(axis_name)
+  if len(names) == 1:
+    return None
+  return mesh.shape[names[1]] if mesh is not None else bound_axis_size(names[1])
+
+
 def bound_axis_size(axis_name: Hashable) -> int:
   """Returns the size of ``axis_name``, or explains why it is not bound.
 

@@ -6,8 +6,9 @@ another number of devices must hand the same total to the new devices.
 :func:`save` writes the whole state (parameters, optimizer state, residuals
 of every device) with Orbax and a small description of the layout;
 :func:`restore` reads it onto a mesh of any size along the data axis,
-resizing the residuals with :func:`resize_residual` so that their sum over
-devices is kept.
+resizing the residuals with :func:`resize_residual` (over a pair of data
+axes, whose devices keep slices, :func:`resize_slices`) so that their sum
+over devices is kept.
 
 Example:
   >>> import tempfile
@@ -31,7 +32,7 @@ import json
 import math
 from collections.abc import Hashable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +40,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from topka2a_jax.axis import check_on_mesh, mesh_axis_size
+from topka2a_jax.axis import axis_names, check_on_mesh, devices_per_node, mesh_axis_size
 from topka2a_jax.sharded_optimizer import ShardedOptimizerState
 from topka2a_jax.transform import TopKA2AState
 
@@ -68,18 +69,48 @@ def _per_device(state: Any) -> list[str | bool]:
                                       is_leaf=lambda node: isinstance(node, kinds)))
 
 
+def _pieces(leaf: Any, axis_name: Hashable) -> int:
+  """How many blocks of a per-device leaf each data index holds (other mesh axes)."""
+  sharding = getattr(leaf, "sharding", None)
+  if not isinstance(sharding, NamedSharding) or not tuple(sharding.spec):
+    return 1
+  first = sharding.spec[0]
+  axes = first if isinstance(first, tuple) else (first,)
+  return math.prod(sharding.mesh.shape[a] for a in axes
+                   if a is not None and a not in axis_names(axis_name))
+
+
 def _layout(state: Any, mesh: Mesh, axis_name: Hashable) -> dict[str, Any]:
   with_paths, treedef = jax.tree_util.tree_flatten_with_path(state)
   return {
       "devices": mesh_axis_size(mesh, axis_name),
+      "per_node": devices_per_node(axis_name, mesh),
       "axis_name": str(axis_name),
       "structure": str(treedef),
       "leaves": [
           {"path": jax.tree_util.keystr(path), "shape": list(leaf.shape),
-           "dtype": str(leaf.dtype), "per_device": per_device}
+           "dtype": str(leaf.dtype), "per_device": per_device,
+           "pieces": _pieces(leaf, axis_name) if per_device == RESIDUAL else 1}
           for (path, leaf), per_device in zip(with_paths, _per_device(state))
       ],
   }
+
+
+class Devices(NamedTuple):
+  """Where per-device residuals live: ``nodes`` of ``per_node`` devices.
+
+  ``per_node`` is None for one data axis (each device a node, residuals
+  shaped like the parameter), or ``L`` for a pair of data axes (each device
+  keeps one of L slices).
+  """
+
+  nodes: int
+  per_node: int | None
+
+  @classmethod
+  def of(cls, layout: dict[str, Any]) -> Devices:
+    per_node = layout.get("per_node")
+    return cls(layout["devices"] // (per_node or 1), per_node)
 
 
 def reshard(leaf: jax.Array, shape: tuple[int, ...], pieces: int = 1) -> jax.Array:
@@ -122,6 +153,23 @@ def _saved_shape(shape: list[int], old: int, new: int) -> list[int]:
   return [shape[0] // new * old, *shape[1:]]
 
 
+def _saved_slices_shape(saved: list[int], shape: list[int], old: Devices,
+                        new: Devices, pieces: int) -> list[int]:
+  """The saved shape, if slices of the same parameter shards could make it.
+
+  A shard of ``n`` entries has slices of ``ceil(n / L)``: the saved and the
+  wanted slice widths must both come from one ``n``.
+  """
+  old_blocks = old.nodes * old.per_node * pieces
+  new_width = shape[0] // (new.nodes * new.per_node * pieces)
+  if len(saved) != 1 or saved[0] % old_blocks:
+    return shape
+  old_width = saved[0] // old_blocks
+  lowest = max((old_width - 1) * old.per_node, (new_width - 1) * new.per_node) + 1
+  highest = min(old_width * old.per_node, new_width * new.per_node)
+  return list(saved) if lowest <= highest else shape
+
+
 def save(directory: str | Path, state: Any, mesh: Mesh,
          axis_name: Hashable = "data") -> None:
   """Writes the whole training state, every device's residuals included.
@@ -131,7 +179,7 @@ def save(directory: str | Path, state: Any, mesh: Mesh,
     state: any pytree of global arrays holding the optimizer state of
       :func:`topka2a_jax.topka2a`, e.g. ``{"params": ..., "opt_state": ...}``.
     mesh: the mesh the state lives on.
-    axis_name: the data-parallel mesh axis.
+    axis_name: the data-parallel mesh axis, or a pair of them.
 
   Raises:
     FileExistsError: ``directory`` exists.
@@ -201,6 +249,45 @@ def resize_residual(residual: jax.Array, old_devices: int,
   return jnp.stack(parts).reshape(new_devices * block[0], *block[1:])
 
 
+def resize_slices(residual: jax.Array, old: Devices, new: Devices, length: int,
+                  pieces: int = 1) -> jax.Array:
+  """One residual kept as slices (a pair of data axes), laid out for ``new``.
+
+  Device ``j`` of a node keeps slice ``j`` of its parameter shard, so a node's
+  L slices side by side are what that node owes. They are cut anew into the
+  new node size's slices (only padding zeros are dropped or added), and the
+  nodes are then resized as devices are by :func:`resize_residual`: the sum
+  over nodes is kept.
+
+  Args:
+    residual: the global 1-D array: per node, per device, per piece of the
+      parameter (other mesh axes), one slice.
+    old: the nodes and devices per node it was made on.
+    new: those it is for.
+    length: the new global length (from the new state's shape).
+    pieces: shards of the parameter over other mesh axes.
+
+  Returns:
+    The global array of ``length`` entries, same dtype.
+
+  Example:
+    >>> owed = jnp.arange(1.0, 7.0)  # 1 node of 2 devices: slices [1 2 3], [4 5 6]
+    >>> resize_slices(owed, Devices(1, 2), Devices(1, 3), 6)  # 3 slices of 2
+    Array([1., 2., 3., 4., 5., 6.], dtype=float32)
+    >>> resize_slices(owed, Devices(1, 2), Devices(2, 1), 12)  # 2 nodes of 1
+    Array([1., 2., 3., 4., 5., 6., 0., 0., 0., 0., 0., 0.], dtype=float32)
+  """
+  (old_nodes, old_per_node), (new_nodes, new_per_node) = old, new
+  new_width = length // (new_nodes * new_per_node * pieces)
+  owed = residual.reshape(old_nodes, old_per_node, pieces, -1).transpose(0, 2, 1, 3)
+  owed = owed.reshape(old_nodes, pieces, -1)
+  cut = new_per_node * new_width
+  owed = jnp.pad(owed[..., :cut], ((0, 0), (0, 0), (0, max(0, cut - owed.shape[-1]))))
+  per_node = resize_residual(owed.reshape(-1), old_nodes, new_nodes)
+  return per_node.reshape(new_nodes, pieces, new_per_node, new_width).transpose(
+      0, 2, 1, 3).reshape(-1)
+
+
 def restore(directory: str | Path, like: Any, mesh: Mesh,
             axis_name: Hashable = "data") -> Any:
   """Reads a state written by :func:`save` onto ``mesh``, of any size.
@@ -213,8 +300,9 @@ def restore(directory: str | Path, like: Any, mesh: Mesh,
       its structure, shapes and shardings are those of the result.
     mesh: the mesh to restore onto; its data axis may have a different size
       from the saved one, and the residuals are resized
-      (:func:`resize_residual`).
-    axis_name: the data-parallel mesh axis.
+      (:func:`resize_residual`, :func:`resize_slices`).
+    axis_name: the data-parallel mesh axis, or the pair ``(outer, inner)``
+      the state was saved with (either may change size).
 
   Returns:
     The state, placed like ``like``.
@@ -222,7 +310,9 @@ def restore(directory: str | Path, like: Any, mesh: Mesh,
   Raises:
     FileNotFoundError: no checkpoint written by :func:`save` there.
     ValueError: the checkpoint holds another model or configuration (pytree
-      structure, shapes or dtypes differ from ``like``'s); nothing is loaded.
+      structure, shapes or dtypes differ from ``like``'s), or was saved on one
+      data axis and is restored onto a pair (or the other way round);
+      nothing is loaded.
 
   Example:
     >>> import tempfile
@@ -243,7 +333,7 @@ def restore(directory: str | Path, like: Any, mesh: Mesh,
                             f"topka2a_jax.save (no {LAYOUT_FILE})")
   saved = json.loads((directory / LAYOUT_FILE).read_text())
   wanted = _layout(like, mesh, axis_name)
-  old, new = saved["devices"], wanted["devices"]
+  old, new = Devices.of(saved), Devices.of(wanted)
   _check_same_configuration(saved, wanted, directory)
 
   targets = []
@@ -270,12 +360,15 @@ def restore(directory: str | Path, like: Any, mesh: Mesh,
   return treedef.unflatten(resized)
 
 
-def _resized(leaf: jax.Array, described: dict[str, Any], old: int, new: int,
+def _resized(leaf: jax.Array, described: dict[str, Any], old: Devices, new: Devices,
              sharding: Any) -> jax.Array:
   """A loaded leaf on ``new`` devices, as its kind of layout asks."""
+  if described["per_device"] == RESIDUAL and new.per_node is not None:
+    return jax.jit(resize_slices, static_argnums=(1, 2, 3, 4), out_shardings=sharding)(
+        leaf, old, new, described["shape"][0], described["pieces"])
   if described["per_device"] == RESIDUAL:
     return jax.jit(resize_residual, static_argnums=(1, 2), out_shardings=sharding)(
-        leaf, old, new)
+        leaf, old.nodes, new.nodes)
   if described["per_device"] == SHARD:
     spec = tuple(sharding.spec) + (None,) * (leaf.ndim - len(sharding.spec))
     last = () if leaf.ndim < 2 or spec[-1] is None else (
@@ -295,15 +388,28 @@ def _check_same_configuration(saved: dict[str, Any], wanted: dict[str, Any],
     raise ValueError(f"the checkpoint in {directory} holds another pytree: "
                      f"saved {saved['structure']}, wanted "
                      f"{wanted['structure']}. {fix}")
-  old, new = saved["devices"], wanted["devices"]
+  old, new = Devices.of(saved), Devices.of(wanted)
+  if (old.per_node is None) != (new.per_node is None):
+    def kind(devices):
+      return ("one data axis" if devices.per_node is None
+              else "a pair of data axes (node, local)")
+    raise ValueError(
+        f"the checkpoint in {directory} was saved with {kind(old)} "
+        f"({saved.get('axis_name')}), and is restored onto {kind(new)} "
+        f"({wanted['axis_name']}): over a pair every device keeps a slice of "
+        "each residual, over one axis the whole of it. Restore onto the kind "
+        "of data axis it was saved with; nothing was loaded.")
   for was, want in zip(saved["leaves"], wanted["leaves"]):
     shape = list(want["shape"])
-    if want["per_device"] == RESIDUAL:
-      shape = _saved_shape(shape, old, new)
+    if want["per_device"] == RESIDUAL and new.per_node is not None:
+      shape = _saved_slices_shape(was["shape"], shape, old, new, want["pieces"])
+    elif want["per_device"] == RESIDUAL:
+      shape = _saved_shape(shape, old.nodes, new.nodes)
     elif want["per_device"] == SHARD:  # (devices, 1, ..., 1, entries per device)
-      shape = [old, *shape[1:-1], was["shape"][-1]] if len(shape) > 1 else [old]
+      shape = ([old.nodes, *shape[1:-1], was["shape"][-1]] if len(shape) > 1
+               else [old.nodes])
     if was["dtype"] != want["dtype"] or was["shape"] != shape:
       raise ValueError(
           f"leaf {want['path']} was saved as {was['dtype']}{was['shape']} on "
-          f"{old} devices, which does not match {want['dtype']}{want['shape']} "
-          f"on {new}. {fix}")
+          f"{saved['devices']} devices, which does not match "
+          f"{want['dtype']}{want['shape']} on {wanted['devices']}. {fix}")

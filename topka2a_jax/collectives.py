@@ -262,15 +262,15 @@ def to_owners(
   return layout, fmt, owned, unsent
 
 
-def _keep_at_owner(unsent: jax.Array, axis_name: Hashable, kept: jax.Array):
-  """Adds ``kept`` (the owner's shard-sized leftover) to this device's own shard.
+def add_to_own_row(rows: jax.Array, axis_name: Hashable, row: jax.Array) -> jax.Array:
+  """``rows`` with ``row`` added to row ``i``, for device ``i`` of the axis.
 
-  A select over all shards rather than an update at the device's dynamic
-  index, which XLA's CPU backend ran as a separate, slower pass over the
-  residual.
+  Used for an owner's shard-sized leftover, and for a device's slice of a
+  residual. A select over all rows rather than an update at the device's
+  dynamic index, which XLA's CPU backend ran as a separate, slower pass.
   """
-  mine = jnp.arange(unsent.shape[0])[:, None] == lax.axis_index(axis_name)
-  return unsent + jnp.where(mine, kept[None], 0)
+  mine = jnp.arange(rows.shape[0])[:, None] == lax.axis_index(axis_name)
+  return rows + jnp.where(mine, row[None], 0)
 
 
 def topka2a(
@@ -314,7 +314,7 @@ def topka2a(
   shard_mean = owned / layout.num_shards
   if fmt.value_dtype != buffer.dtype:
     sent = fmt.rounded(shard_mean)
-    unsent = _keep_at_owner(unsent, axis_name, owned - sent * layout.num_shards)
+    unsent = add_to_own_row(unsent, axis_name, owned - sent * layout.num_shards)
     shard_mean = sent
   gathered = fmt.decode_values(
       lax.all_gather(fmt.encode_values(shard_mean), axis_name, tiled=True,
@@ -357,7 +357,7 @@ def topka2a_sparse(
                                           select)
   values, indices = select(owned[None], layout.per_shard)
   values = fmt.rounded(values)
-  unsent = _keep_at_owner(
+  unsent = add_to_own_row(
       unsent, axis_name, owned.at[indices[0]].add(-values[0], unique_indices=True))
   gathered = lax.all_gather(fmt.encode(values, indices), axis_name, tiled=True,
                             to="invarying")
@@ -389,9 +389,10 @@ def two_level(
   3. ``lax.all_gather`` over the inner axis of the slices' means.
 
   The slow link then carries one slice per device instead of the whole
-  buffer, and what the outer exchange does not send stays in this device's
-  unsent entries, in its own slice only: adding them to the next buffer
-  (error feedback) puts them back into slice ``j``'s node sum.
+  buffer, and what the outer exchange does not send is this device's slice
+  of its node's unsent sum: adding it to slice ``j`` of the next buffer
+  (error feedback) puts it back into that slice's node sum. So each device
+  keeps ``m`` unsent entries, not ``n``.
 
   Args:
     buffer: this device's 1-D floating buffer of ``n`` elements.
@@ -404,8 +405,8 @@ def two_level(
       :func:`topka2a_sparse`, :func:`allgather` or :func:`dense`.
 
   Returns:
-    The :class:`Exchange`: the mean over both axes, and this device's unsent
-    entries (zero outside its slice).
+    The :class:`Exchange`: the mean over both axes (``n`` entries), and what
+    was not sent of this device's slice (``m`` entries, zero in the padding).
 
   Example:
     >>> mesh = jax.make_mesh((2, 4), ("node", "local"))
@@ -417,8 +418,9 @@ def two_level(
     ... def exchange(row):
     ...   mean, unsent = two_level(row[0], ("node", "local"), density=0.5)
     ...   return mean, unsent[None]
-    >>> mean, unsent = exchange(rows)
-    >>> bool(jnp.allclose(8 * mean + unsent.sum(0), rows.sum(0)))  # nothing lost
+    >>> mean, unsent = exchange(rows)  # unsent: (8, 4), one slice per device
+    >>> owed = np.asarray(unsent).reshape(2, 16).sum(0)  # nodes' slices, side by side
+    >>> bool(jnp.allclose(8 * mean + owed, rows.sum(0)))  # nothing lost
     True
   """
   _check_buffer(buffer)
@@ -431,8 +433,7 @@ def two_level(
   result = outer(node_sum, outer_axis, density, value_dtype=value_dtype,
                  selection=selection)
   mean = lax.all_gather(result.mean / per_node, inner_axis, tiled=True, to="invarying")
-  unsent = _keep_at_owner(jnp.zeros_like(rows), inner_axis, result.unsent)
-  return Exchange(mean[:length], unsent.reshape(-1)[:length])
+  return Exchange(mean[:length], result.unsent)
 
 
 class Collective(Protocol):

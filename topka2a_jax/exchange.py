@@ -32,7 +32,7 @@ Example:
 
 from __future__ import annotations
 
-import functools
+import itertools
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -40,15 +40,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from topka2a_jax import buckets, collectives
-from topka2a_jax.algorithms import DENSE, REGISTRY, Algorithm
+from topka2a_jax import buckets, collectives, layout
+from topka2a_jax.algorithms import DENSE, REGISTRY
 from topka2a_jax.axis import (
     axis_names,
     bound_axis_size,
+    devices_per_node,
     grouped_by_varying_axes,
     varying_axes,
 )
-from topka2a_jax.collectives import Collective
 from topka2a_jax.cost import TWO_LEVEL
 from topka2a_jax.fusion import step_model
 from topka2a_jax.nonfinite import nonfinite_on_any_device
@@ -90,28 +90,49 @@ def _buckets(options: Options, grads: Sequence[jax.Array],
           for bucket in plan(options, [grads[i].size for i in live], num_devices)]
 
 
-def _collective(algorithm: Algorithm, route: str) -> Collective:
-  """``algorithm``'s collective, over the whole data axis or on ``route``.
+def _accumulator(grad: jax.Array, residual: Any, per_node: int,
+                 inner_axis: Hashable, dtype: jnp.dtype) -> jax.Array:
+  """``grad + residual`` as ``L`` slices of ``m`` entries: ``(L, m)``.
 
-  Where the data axis is a pair ``("node", "local")`` and the planner routes
-  a bucket :data:`topka2a_jax.cost.TWO_LEVEL`, the exchange is
-  :func:`topka2a_jax.collectives.two_level`: dense inside each node, the
-  algorithm between nodes on one slice per device.
+  The flattened leaf is zero-padded to ``L m``; this device's residual, one
+  slice (or the whole leaf for ``L = 1``), is added to its own slice, row
+  ``j`` for device ``j`` of the inner axis. None adds nothing (the leaf keeps
+  no residual).
   """
-  if route == TWO_LEVEL:
-    return functools.partial(collectives.two_level, outer=algorithm.collective)
-  return algorithm.collective
+  flat = jnp.ravel(grad).astype(dtype)
+  width = layout.residual_slice(flat.size, per_node)
+  rows = jnp.pad(flat, (0, per_node * width - flat.size)).reshape(per_node, width)
+  if residual is None:
+    return rows
+  if per_node == 1:
+    return rows + jnp.ravel(residual)[None]
+  return collectives.add_to_own_row(rows, inner_axis, jnp.ravel(residual))
+
+
+def _split_columns(rows: jax.Array, widths: Sequence[int]) -> list[jax.Array]:
+  """``(L, sum of widths)`` split into ``(L, width)`` pieces, left to right."""
+  return [rows[:, start - width:start]
+          for start, width in zip(itertools.accumulate(widths), widths)]
 
 
 def exchange(options: Options, grads: Sequence[jax.Array],
              residuals: Sequence[Any], sparse: bool) -> tuple[list, list]:
   """Means of ``grads + residuals`` over the axis, and the new residuals.
 
+  Over a pair of data axes with ``L`` devices per node, every residual is
+  this device's slice of its leaf (:mod:`topka2a_jax.layout`). A bucket routed
+  two-level packs its leaves slice by slice (slice ``j`` of the buffer holds
+  slice ``j`` of every leaf), so what the outer exchange leaves unsent splits
+  into the leaves' slices. A sparse bucket routed flat reduce-scatters what
+  it leaves unsent inside the node, which puts each slice's node sum on the
+  device that keeps it; nothing is lost either way.
+
   Args:
     options: the transform's options.
     grads: this device's gradient leaves.
-    residuals: for every leaf, its residual (shaped like the leaf, or ``(1,)``
-      for a scalar) or ``optax.MaskedNode()`` where it keeps none.
+    residuals: for every leaf, its residual (shaped like the leaf, ``(1,)``
+      for a scalar, or its slice over a pair of axes) or
+      ``optax.MaskedNode()`` where it keeps none.
     sparse: False sends every bucket dense (warm-up): nothing stays behind.
 
   Returns:
@@ -119,26 +140,58 @@ def exchange(options: Options, grads: Sequence[jax.Array],
     the axis.
   """
   num_devices = bound_axis_size(options.axis_name)
+  per_node = devices_per_node(options.axis_name) or 1
+  inner_axis = axis_names(options.axis_name)[-1]
   means: list[jax.Array] = list(grads)  # empty leaves pass through as they are
   new_residuals: list[Any] = [optax.MaskedNode()] * len(grads)
   for members, bucket in _buckets(options, grads, num_devices):
     dtype = jnp.result_type(*(residual_dtype(grads[i].dtype) for i in members))
-    acc = [jnp.ravel(grads[i]).astype(dtype) + jnp.ravel(residuals[i])
-           if options.keeps_residual(grads[i].size) else grads[i]
-           for i in members]
-    exchange_with = _collective(REGISTRY[bucket.algorithm] if sparse else DENSE,
-                                bucket.route)
-    result = exchange_with(
-        buckets.pack(acc, dtype), options.axis_name, options.density,
-        value_dtype=options.value_dtype, selection=options.selection)
+    keeps = [options.keeps_residual(grads[i].size) for i in members]
     sizes = [grads[i].size for i in members]
-    for i, mean, unsent in zip(members, buckets.unpack(result.mean, sizes),
-                               buckets.unpack(result.unsent, sizes)):
+    widths = [layout.residual_slice(size, per_node) for size in sizes]
+    rows = [_accumulator(grads[i], residuals[i] if keep else None, per_node,
+                         inner_axis, dtype) for i, keep in zip(members, keeps)]
+    algorithm = REGISTRY[bucket.algorithm] if sparse else DENSE
+    options_kw = {"value_dtype": options.value_dtype, "selection": options.selection}
+    if bucket.route == TWO_LEVEL:
+      result = collectives.two_level(
+          jnp.concatenate(rows, axis=1).ravel(), options.axis_name, options.density,
+          outer=algorithm.collective, **options_kw)
+      mean_pieces = [piece.ravel()[:size] for piece, size in zip(
+          _split_columns(result.mean.reshape(per_node, -1), widths), sizes)]
+      unsent = buckets.unpack(result.unsent, widths)
+    else:
+      result = algorithm.collective(
+          buckets.pack([r.ravel()[:size] for r, size in zip(rows, sizes)], dtype),
+          options.axis_name, options.density, **options_kw)
+      mean_pieces = buckets.unpack(result.mean, sizes)
+      unsent = unsent_slices(buckets.unpack(result.unsent, sizes), widths,
+                              per_node, inner_axis, algorithm.sparse)
+    for i, keep, mean, left in zip(members, keeps, mean_pieces, unsent):
       means[i] = mean.reshape(grads[i].shape).astype(grads[i].dtype)
-      if options.keeps_residual(grads[i].size):
-        new_residuals[i] = unsent.reshape(residuals[i].shape).astype(
-            residuals[i].dtype)
+      if keep:
+        new_residuals[i] = left.reshape(residuals[i].shape).astype(residuals[i].dtype)
   return means, new_residuals
+
+
+def unsent_slices(unsent: Sequence[jax.Array], widths: Sequence[int],
+                   per_node: int, inner_axis: Hashable,
+                   sparse: bool) -> list[jax.Array]:
+  """What a flat exchange left unsent, as this device's slice of every leaf.
+
+  With ``L > 1`` devices per node, the node's unsent entries are summed
+  slice by slice onto the devices that keep them: one reduce-scatter over
+  the inner axis for the bucket. A dense exchange leaves nothing.
+  """
+  if per_node == 1:
+    return list(unsent)
+  if not sparse:
+    return [jnp.zeros((width,), left.dtype) for left, width in zip(unsent, widths)]
+  rows = jnp.concatenate([
+      jnp.pad(left, (0, per_node * width - left.size)).reshape(per_node, width)
+      for left, width in zip(unsent, widths)], axis=1)
+  summed = jax.lax.psum_scatter(rows, inner_axis, scatter_dimension=0, tiled=True)
+  return buckets.unpack(summed[0], widths)
 
 
 def _zeros_like_mean(grad: jax.Array, axis_name: Hashable) -> jax.Array:

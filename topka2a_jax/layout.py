@@ -9,11 +9,22 @@ every device holds the residual of its own parameter shard, and a block
 means the same entries whatever the sharding: a partitioner may move it,
 never mix it up.
 
+Over a pair of data axes ``(outer, inner)`` with ``L`` devices per node,
+device ``j`` of a node keeps only slice ``j`` of its parameter shard
+(:func:`residual_slice`): ``m = ceil(n / L)`` entries of the ``n`` of the
+flattened shard, the last slice zero-padded. The global array is then 1-D,
+one block of ``m`` per device, ordered by the data axes and then by the
+other mesh axes that split the parameter.
+
 Example:
   >>> residual_spec("data", P(None, "model"))
   P('data', 'model')
   >>> residual_shape((16, 64), 4)
   (64, 64)
+  >>> residual_spec(("node", "local"), P(None, "model"))
+  P(('node', 'local', 'model'),)
+  >>> residual_shape((16, 64), 8, per_node=4, pieces=2)  # slices of 128
+  (2048,)
 """
 
 from __future__ import annotations
@@ -82,8 +93,30 @@ def local_shape(shape: Sequence[int], spec: P,
                for size, entry in zip(shape, entries))
 
 
-def residual_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:
-  """Global shape of a parameter's residual: one block per data index."""
+def residual_slice(size: int, per_node: int) -> int:
+  """Entries of one device's slice of an ``size``-entry shard: ``ceil(size / L)``."""
+  return -(-size // per_node)
+
+
+def residual_shape(shape: Sequence[int], num_devices: int, *,
+                   per_node: int | None = None, pieces: int = 1) -> tuple[int, ...]:
+  """Global shape of a parameter's residual: one block per data index.
+
+  Args:
+    shape: the parameter's global shape.
+    num_devices: devices along the data axis (or the pair of them).
+    per_node: for a pair of data axes, the inner axis' size ``L`` (the
+      blocks are slices); None for one data axis (the blocks are shaped like
+      the parameter).
+    pieces: how many shards the other mesh axes split the parameter into.
+
+  Returns:
+    ``(num_devices * d0, d1, ...)`` for one data axis, ``(num_devices *
+    pieces * m,)`` with ``m`` the slice of :func:`residual_slice` for a pair.
+  """
+  if per_node is not None:
+    local = math.prod(shape) // pieces
+    return (num_devices * pieces * residual_slice(local, per_node),)
   return (num_devices * shape[0], *shape[1:]) if shape else (num_devices,)
 
 
@@ -91,10 +124,12 @@ def residual_spec(axis_name: Hashable, param_spec: P | None = None) -> P:
   """The ``PartitionSpec`` of a parameter's residual.
 
   The data axis splits dimension 0 first (one block per data index); inside
-  each block the parameter's own spec applies.
+  each block the parameter's own spec applies. For a pair of data axes the
+  residual is 1-D (slices, see the module's docstring), split by the data
+  axes and then by every axis of the parameter's spec.
 
   Args:
-    axis_name: the data-parallel mesh axis.
+    axis_name: the data-parallel mesh axis, or a pair of them.
     param_spec: the parameter's spec over the other axes; None when it is
       replicated.
 
@@ -105,6 +140,8 @@ def residual_spec(axis_name: Hashable, param_spec: P | None = None) -> P:
     >>> residual_spec("data", P("model", None))
     P(('data', 'model'),)
   """
+  if len(axis_names(axis_name)) > 1:
+    return P(_entry((*axis_names(axis_name), *spec_axes(param_spec or P()))))
   entries = list(param_spec or ())
   while entries and entries[-1] is None:
     entries.pop()
@@ -112,6 +149,22 @@ def residual_spec(axis_name: Hashable, param_spec: P | None = None) -> P:
     return P(_entry(axis_names(axis_name)))
   first = _entry((*axis_names(axis_name), *_entry_axes(entries[0])))
   return P(first, *entries[1:])
+
+
+def residual_block_spec(axis_name: Hashable, param_spec: P) -> P:
+  """How one data index's residual block splits over the other mesh axes.
+
+  Like the parameter for one data axis; over all of the parameter's axes,
+  in order, for the 1-D slices of a pair.
+
+  Example:
+    >>> residual_block_spec(("node", "local"), P("model", "expert"))
+    P(('model', 'expert'),)
+  """
+  if len(axis_names(axis_name)) > 1:
+    axes = spec_axes(param_spec)
+    return P(_entry(axes)) if axes else P()
+  return param_spec
 
 
 def param_spec_of(leaf: Any, mesh: Mesh) -> P | None:

@@ -54,6 +54,7 @@ from jax.sharding import PartitionSpec as P
 from topka2a_jax import exchange, layout
 from topka2a_jax.axis import (
   bound_axis_size,
+  devices_per_node,
   is_bound,
   is_varying,
   mesh_axis_size,
@@ -92,7 +93,8 @@ class TopKA2AState(NamedTuple):
       every sparsified leaf, what this device has not sent yet, shaped like
       its shard of the leaf (``(1,)`` for a scalar), float32 (float64 for
       float64 leaves); ``optax.MaskedNode()`` for leaves that go dense, and
-      for all leaves when ``error_feedback=False``. As global arrays: one
+      for all leaves when ``error_feedback=False``. Over a pair of data axes,
+      only this device's slice of its shard, 1-D. As global arrays: one
       block per data index along dimension 0 (:mod:`topka2a_jax.layout`).
     count: steps applied so far (int32, replicated); skipped steps do not
       count. ``warmup_steps`` compares against it.
@@ -156,8 +158,9 @@ def topka2a(
       bucket both flat over all devices and two-level (reduced densely
       inside each node and exchanged between nodes, one slice per device;
       :func:`topka2a_jax.collectives.two_level`) on the two links
-      (:func:`topka2a_jax.cost.cluster_cost`), and takes the cheaper.
-      Residuals stay whole-leaf sized.
+      (:func:`topka2a_jax.cost.cluster_cost`), and takes the cheaper. Each
+      device then keeps the residual of its slice of every leaf only, 1/L of
+      it for L devices per node.
     mesh: the mesh of the training step. With it, ``tx.init(params)`` (as
       ``nnx.Optimizer`` calls it) returns the state as global arrays laid out
       for the mesh: residuals per device, each holding its own parameter
@@ -309,7 +312,8 @@ def init_state(options: Options, params: optax.Params) -> TopKA2AState:
   zero = jnp.zeros((), jnp.int32)
   if is_bound(options.axis_name):
     residuals = [
-        jnp.zeros(leaf.shape or (1,), exchange.residual_dtype(leaf.dtype))
+        jnp.zeros(residual_block_shape(options, leaf.shape),
+                  exchange.residual_dtype(leaf.dtype))
         if options.keeps_residual(leaf.size) else optax.MaskedNode()
         for leaf in leaves]
     return TopKA2AState(treedef.unflatten(residuals), zero, zero)
@@ -329,10 +333,23 @@ def init_state(options: Options, params: optax.Params) -> TopKA2AState:
   return _global_state(options, mesh, paths, leaves, treedef)
 
 
+def residual_block_shape(options: Options, shape: Sequence[int]) -> tuple[int, ...]:
+  """One device's residual for its ``shape``-d shard, inside ``shard_map``.
+
+  Shaped like the shard (``(1,)`` for a scalar) over one data axis; over a
+  pair, the device's slice of it (:func:`topka2a_jax.layout.residual_slice`).
+  """
+  per_node = devices_per_node(options.axis_name)
+  if per_node is not None:
+    return (layout.residual_slice(math.prod(shape), per_node),)
+  return tuple(shape) or (1,)
+
+
 def _global_state(options: Options, mesh: Mesh, paths: Sequence[str],
                   leaves: Sequence[Any], treedef: Any) -> TopKA2AState:
   """Zero residuals as global arrays, each split like its parameter."""
   num_devices = mesh_axis_size(mesh, options.axis_name)
+  per_node = devices_per_node(options.axis_name, mesh)
   others = layout.automatic_axes(mesh, options.axis_name)
   tracing = any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
   residuals: list[Any] = [optax.MaskedNode()] * len(leaves)
@@ -341,10 +358,12 @@ def _global_state(options: Options, mesh: Mesh, paths: Sequence[str],
     given = layout.param_spec_of(leaf, mesh)
     layout.check_not_over_data(given, options.axis_name, path)
     spec = layout.restrict_spec(given, leaf.shape, others)
-    if options.keeps_residual(math.prod(layout.local_shape(leaf.shape, spec, others))):
+    local_size = math.prod(layout.local_shape(leaf.shape, spec, others))
+    if options.keeps_residual(local_size):
       kept.append(i)
       shapes.append(jax.ShapeDtypeStruct(
-          layout.residual_shape(leaf.shape, num_devices),
+          layout.residual_shape(leaf.shape, num_devices, per_node=per_node,
+                                pieces=math.prod(leaf.shape) // local_size),
           exchange.residual_dtype(leaf.dtype)))
       shardings.append(NamedSharding(mesh, layout.residual_spec(options.axis_name,
                                                                 spec)))
@@ -426,13 +445,14 @@ def _step_on_shards(options: Options, others: dict[Hashable, int],
   the exchange adds no collective over those axes.
   """
   specs = shard_specs(grads, given, others)
+  blocks = [layout.residual_block_spec(options.axis_name, spec) for spec in specs]
 
   def on_shards(grads, residuals, count, skipped, bad):
     return exchange.step(options, grads, residuals, count, skipped, bad)
 
   run = jax.shard_map(
       on_shards, mesh=jax.sharding.get_abstract_mesh(), axis_names=set(others),
-      in_specs=(specs, specs, P(), P(), P()), out_specs=(specs, specs, P(), P()))
+      in_specs=(specs, blocks, P(), P(), P()), out_specs=(specs, blocks, P(), P()))
   return run(list(grads), list(residuals), state.count, state.nonfinite_steps, bad)
 
 
@@ -456,7 +476,7 @@ def matching_residuals(options: Options, treedef: Any, state: TopKA2AState,
   local_sizes = _local_sizes(grads, given_specs(treedef, param_specs), others)
   for grad, residual, path, size in zip(grads, residuals, paths, local_sizes):
     if options.keeps_residual(size):
-      expected = grad.shape or (1,)
+      expected = residual_block_shape(options, grad.shape)
       if getattr(residual, "shape", None) != expected:
         raise ValueError(
             f"residual for leaf {path} has shape "
