@@ -9,11 +9,11 @@ fast link inside a node); between processes they cross the cards (the slow
 link between nodes).
 
 For each sparse algorithm and density it times one exchange of a gradient
-of ``--size`` elements per device run flat over all N x L devices (its
-unsent then reduce-scattered inside each node onto the slices every device
-keeps, as the transform does), and run by
-:func:`topka2a_jax.collectives.two_level` (dense inside each node, sparse
-between nodes), and counts the bytes each node's card sent (its interface
+of ``--size`` elements per device three ways: flat over all N x L devices
+as over one data axis (``one axis``); flat as the transform runs it over the
+pair (``flat``: then its unsent reduce-scattered inside each node onto the
+slice every device keeps); and by :func:`topka2a_jax.collectives.two_level`
+(dense inside each node, sparse between nodes). It counts the bytes each node's card sent (its interface
 counters). Beside each row: :func:`topka2a_jax.cost.cluster_cost`'s bytes and
 seconds, with each link's α and bandwidth fitted from two all-reduces over
 its axis alone (a reduce-scatter then an all-gather, the collectives
@@ -212,7 +212,8 @@ def worker(size: int, densities: list[float], repeats: int, selection: str,
           lambda b, axis=axis: all_reduce(b, axis)[0, :1], length,
           kind="calibration", axis=axis)
   timed("dense over both axes", lambda b: lax.pmean(b, both)[:1], size,
-        kind="exchange", algorithm=DENSE.name, route=cost.FLAT, density=1.0)
+        kind="exchange", algorithm=DENSE.name, route=cost.FLAT, slices=False,
+        density=1.0)
   for algorithm, density in itertools.product(SPARSE, densities):
     one = REGISTRY[algorithm].collective
     def flat(b, one=one, density=density):
@@ -224,13 +225,16 @@ def worker(size: int, densities: list[float], repeats: int, selection: str,
       return jnp.concatenate([result.mean[:1], kept[:1]])
 
     routes = {
+        "one axis": lambda b, one=one, density=density: one(
+            b, both, density, selection=selection).mean[:1],
         cost.FLAT: flat,
         cost.TWO_LEVEL: lambda b, one=one, density=density: collectives.two_level(
             b, both, density, selection=selection, outer=one).mean[:1],
     }
     for route, exchange in routes.items():
       timed(f"{algorithm} {density:g} {route}", exchange, size, kind="exchange",
-            algorithm=algorithm, route=route, density=density)
+            algorithm=algorithm, route=cost.FLAT if route == "one axis" else route,
+            slices=route != "one axis", density=density)
   Path(f"{out}.{jax.process_index()}").write_text(json.dumps(rows))
 
 
@@ -290,7 +294,14 @@ def fit_selection(rows: list[dict], cluster: cost.Cluster) -> tuple[float, float
 def model_of(row: dict, cluster: cost.Cluster) -> cost.ClusterCost:
   """The cost model's bytes and link seconds of one row."""
   return cost.cluster_cost(row["algorithm"], row["length"], cluster, row["density"],
-                           row["route"])
+                           row["route"], residual_slices=row.get("slices", True))
+
+
+def route_label(row: dict) -> str:
+  """``one axis`` (the flat exchange alone), ``flat`` (on a pair: its unsent
+  reduce-scattered onto slices inside the node) or ``two_level``."""
+  one_axis = row["route"] == cost.FLAT and not row.get("slices", True)
+  return "one axis" if one_axis else row["route"]
 
 
 def report(by_node: list[list[dict]], nodes: int, per_node: int, rate: str) -> list[dict]:
@@ -309,7 +320,7 @@ def report(by_node: list[list[dict]], nodes: int, per_node: int, rate: str) -> l
         "per entry selected")
   print(f"{'algorithm':15s} {'density':>7s} {'route':>9s} {'seconds':>8s} "
         f"{'model':>7s} {'off by':>7s} {'card MB':>8s} {'model':>7s} "
-        f"{'s vs flat':>9s} {'MB vs flat':>10s}")
+        f"{'s vs one axis':>13s} {'MB vs one axis':>14s}")
   for r in rows:
     model = model_of(r, cluster)
     selection = (0.0 if r["algorithm"] == DENSE.name else
@@ -317,14 +328,14 @@ def report(by_node: list[list[dict]], nodes: int, per_node: int, rate: str) -> l
                                            selection_terms(r, cluster))))
     r.update(model_seconds=model.seconds + selection, model_card_bytes=model.outer_bytes)
     flat = next(f for f in rows if f["algorithm"] == r["algorithm"]
-                and f["density"] == r["density"] and f["route"] == cost.FLAT)
+                and f["density"] == r["density"] and route_label(f) == "one axis")
     r.update(seconds_vs_flat=r["seconds"] / flat["seconds"],
              bytes_vs_flat=r["card_bytes"] / flat["card_bytes"])
-    print(f"{r['algorithm']:15s} {r['density']:7g} {r['route']:>9s} "
+    print(f"{r['algorithm']:15s} {r['density']:7g} {route_label(r):>9s} "
           f"{r['seconds']:8.4f} {r['model_seconds']:7.4f} "
           f"{r['seconds'] / r['model_seconds'] - 1:+7.0%} "
           f"{r['card_bytes'] / 1e6:8.2f} {model.outer_bytes / 1e6:7.2f} "
-          f"{r['seconds_vs_flat']:8.3f}x {r['bytes_vs_flat']:9.3f}x")
+          f"{r['seconds_vs_flat']:12.3f}x {r['bytes_vs_flat']:13.3f}x")
   return rows
 
 

@@ -70,12 +70,16 @@ def test_nodes_benchmark_fits_links_and_selection_that_reproduce_its_rows():
   rows = [{"kind": "calibration", "axis": axis, "length": length,
            "seconds": all_reduce(axis, length), "card_bytes": 0.0}
           for axis in ("local", "node") for length in (4096, size)]
-  for algorithm, route in [("dense", cost.FLAT), ("topka2a", cost.FLAT),
-                           ("topka2a", cost.TWO_LEVEL), ("allgather", cost.FLAT),
-                           ("topka2a_sparse", cost.FLAT), ("topka2a_sparse", cost.TWO_LEVEL)]:
+  for algorithm, route, slices in [
+      ("dense", cost.FLAT, False), ("topka2a", cost.FLAT, False),
+      ("topka2a", cost.FLAT, True), ("topka2a", cost.TWO_LEVEL, True),
+      ("allgather", cost.FLAT, False), ("topka2a_sparse", cost.FLAT, False),
+      ("topka2a_sparse", cost.TWO_LEVEL, True)]:
     row = {"kind": "exchange", "algorithm": algorithm, "route": route,
-           "density": 1.0 if algorithm == "dense" else 0.01, "length": size}
-    model = cost.cluster_cost(algorithm, size, truth, row["density"], route)
+           "slices": slices, "density": 1.0 if algorithm == "dense" else 0.01,
+           "length": size}
+    model = cost.cluster_cost(algorithm, size, truth, row["density"], route,
+                              residual_slices=slices)
     elements, entries = ([0, 0] if algorithm == "dense"
                          else nodes.selection_terms(row, truth))
     rows.append(dict(row, seconds=model.seconds + per_element * elements

@@ -116,6 +116,10 @@ def test_hand_computed_flat_costs_on_a_cluster():
   assert topka2a.seconds == pytest.approx(
       max(7 * 1e-4 + 16 * 10 * pair / 1e8, 7 * 1e-6 + 3 * 10 * pair / 1e9)
       + 7 * 1e-4 + 2800 / 1e8 + 3 * 1e-6 + 2400 / 1e9)
+  # Over one data axis of all 8 devices the residuals are whole: no more.
+  whole = cluster_cost("topka2a", 800, CLUSTER, 0.1, FLAT, residual_slices=False)
+  assert whole.inner_bytes == 3 * 10 * pair + 7 * 100 * 4
+  assert whole.outer_bytes == topka2a.outer_bytes
 
 
 def test_hand_computed_two_level_costs_on_a_cluster():

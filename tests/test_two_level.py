@@ -602,3 +602,18 @@ def test_a_checkpoint_of_one_data_axis_is_refused_on_a_pair(tmp_path, mesh):
   with pytest.raises(ValueError, match=r"saved with one data axis \(data\), and is "
                                        r"restored onto a pair of data axes"):
     topka2a_jax.restore(tmp_path / "ckpt", like, mesh, axis_name=AXES)
+
+
+def test_a_nonfinite_gradient_on_one_device_skips_the_step_on_every_node(mesh):
+  """A NaN on one device of one node: zero updates, slices untouched, counted."""
+  rng = np.random.default_rng(13)
+  good = rng.normal(size=(NODES * LOCAL, 40)).astype(np.float32)
+  bad = rng.normal(size=(NODES * LOCAL, 40)).astype(np.float32)
+  bad[5, 7] = np.nan  # node 1, device 1
+  tx = topka2a_jax.topka2a(0.05, axis_name=AXES, algorithm="topka2a", min_size=0)
+  (_, first), (updates, second) = _transform_steps(mesh, tx, [{"w": good},
+                                                              {"w": bad}])
+  assert not updates["w"].any()
+  np.testing.assert_array_equal(second.residuals["w"], first.residuals["w"])
+  assert int(second.nonfinite_steps) == 1 and int(second.count) == 1
+  assert np.abs(np.asarray(first.residuals["w"])).sum() > 0

@@ -277,6 +277,7 @@ def cluster_cost(
     density: float,
     route: str = TWO_LEVEL,
     value_bytes: int = 4,
+    residual_slices: bool = True,
 ) -> ClusterCost:
   """Cost of one exchange of a ``length``-element buffer on a cluster.
 
@@ -300,6 +301,11 @@ def cluster_cost(
     density: fraction sent, in (0, 1].
     route: :data:`FLAT` or :data:`TWO_LEVEL`.
     value_bytes: bytes per value the sparse exchange sends.
+    residual_slices: whether every device keeps the residual of one slice,
+      as the transform does over a pair of data axes: a flat sparse exchange
+      then reduce-scatters its unsent inside the node. False prices the flat
+      exchange over one data axis of all N L devices, whose residuals are
+      whole.
 
   Returns:
     The :class:`ClusterCost`.
@@ -326,7 +332,7 @@ def cluster_cost(
   if route == FLAT:
     phases = [_flat_phase(phase, cluster) for phase in
               exchange.phases(length, cluster.devices, density, value_bytes)]
-    if exchange.sparse and per_node > 1:  # the unsent, reduce-scattered to slices
+    if residual_slices and exchange.sparse and per_node > 1:  # unsent to slices
       phases.append(ClusterCost(ring_seconds, 0.0, float(ring)))
     return ClusterCost(sum(p.seconds for p in phases),
                        sum(p.outer_bytes for p in phases),
