@@ -214,23 +214,30 @@ def worker(size: int, densities: list[float], repeats: int, selection: str,
   timed("dense over both axes", lambda b: lax.pmean(b, both)[:1], size,
         kind="exchange", algorithm=DENSE.name, route=cost.FLAT, slices=False,
         density=1.0)
+  def kept(result, residual) -> jax.Array:
+    """The mean's first entry and the residual's sum: every route computes
+    all it would keep for the next step, as in training."""
+    return jnp.stack([result.mean[0], jnp.sum(residual)])
+
   for algorithm, density in itertools.product(SPARSE, densities):
     one = REGISTRY[algorithm].collective
-    def flat(b, one=one, density=density):
-      """The flat exchange, and its unsent summed onto slices inside the node,
-      as the transform keeps it."""
-      result = one(b, both, density, selection=selection)
-      kept, = unsent_slices([result.unsent], [-(-b.size // per_node)], per_node,
-                            "local", sparse=True)
-      return jnp.concatenate([result.mean[:1], kept[:1]])
 
-    routes = {
-        "one axis": lambda b, one=one, density=density: one(
-            b, both, density, selection=selection).mean[:1],
-        cost.FLAT: flat,
-        cost.TWO_LEVEL: lambda b, one=one, density=density: collectives.two_level(
-            b, both, density, selection=selection, outer=one).mean[:1],
-    }
+    def one_axis(b, one=one, density=density):
+      result = one(b, both, density, selection=selection)
+      return kept(result, result.unsent)
+
+    def flat(b, one=one, density=density):
+      """The flat exchange, its unsent summed onto slices inside the node."""
+      result = one(b, both, density, selection=selection)
+      slices, = unsent_slices([result.unsent], [-(-b.size // per_node)], per_node,
+                              "local", sparse=True)
+      return kept(result, slices)
+
+    def two_level(b, one=one, density=density):
+      result = collectives.two_level(b, both, density, selection=selection, outer=one)
+      return kept(result, result.unsent)
+
+    routes = {"one axis": one_axis, cost.FLAT: flat, cost.TWO_LEVEL: two_level}
     for route, exchange in routes.items():
       timed(f"{algorithm} {density:g} {route}", exchange, size, kind="exchange",
             algorithm=algorithm, route=cost.FLAT if route == "one axis" else route,

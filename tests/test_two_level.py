@@ -349,6 +349,15 @@ def test_the_planner_routes_by_the_two_links(mesh):
       (row.kind, row.axes) for row in _update_report(mesh, default, 400_000).collectives}
 
 
+def test_without_error_feedback_the_flat_route_keeps_nothing_and_sends_nothing_more(
+    mesh):
+  tx = topka2a_jax.topka2a(0.01, axis_name=AXES, algorithm="topka2a_sparse",
+                           min_size=0, network=SLOW_INSIDE, skip_nonfinite=False,
+                           error_feedback=False)
+  kinds = {(row.kind, row.axes) for row in _update_report(mesh, tx, 400_000).collectives}
+  assert kinds == {("all-to-all", AXES), ("all-gather", AXES)}
+
+
 def test_flat_topka2a_sends_more_than_two_level_on_both_links():
   """Its dense all-gather crosses every link anyway, and the unsent is
   reduce-scattered inside the node: two-level moves fewer bytes on both (its

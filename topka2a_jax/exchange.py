@@ -67,7 +67,8 @@ def plan(options: Options, sizes: Sequence[int],
                      network=options.outer_network(), cluster=options.cluster(),
                      min_size=options.min_size,
                      backward_seconds=options.backward_seconds,
-                     value_bytes=options.value_bytes)
+                     value_bytes=options.value_bytes,
+                     residual_slices=options.error_feedback)
   threshold = (model.best_threshold(options.algorithm) if options.fusion == "auto"
                else options.fusion)
   return [planned.bucket for planned in model.layout(options.algorithm, threshold)]
@@ -166,7 +167,7 @@ def exchange(options: Options, grads: Sequence[jax.Array],
           options.axis_name, options.density, **options_kw)
       mean_pieces = buckets.unpack(result.mean, sizes)
       unsent = unsent_slices(buckets.unpack(result.unsent, sizes), widths,
-                              per_node, inner_axis, algorithm.sparse)
+                             per_node, inner_axis, algorithm.sparse and any(keeps))
     for i, keep, mean, left in zip(members, keeps, mean_pieces, unsent):
       means[i] = mean.reshape(grads[i].shape).astype(grads[i].dtype)
       if keep:
@@ -175,13 +176,14 @@ def exchange(options: Options, grads: Sequence[jax.Array],
 
 
 def unsent_slices(unsent: Sequence[jax.Array], widths: Sequence[int],
-                   per_node: int, inner_axis: Hashable,
-                   sparse: bool) -> list[jax.Array]:
+                  per_node: int, inner_axis: Hashable,
+                  sparse: bool) -> list[jax.Array]:
   """What a flat exchange left unsent, as this device's slice of every leaf.
 
   With ``L > 1`` devices per node, the node's unsent entries are summed
   slice by slice onto the devices that keep them: one reduce-scatter over
-  the inner axis for the bucket. A dense exchange leaves nothing.
+  the inner axis for the bucket. ``sparse=False`` (a dense exchange, or no
+  residual kept) returns zeros and sends nothing.
   """
   if per_node == 1:
     return list(unsent)

@@ -240,6 +240,9 @@ class StepModel:
     cluster: for a data axis that is a pair (outer, inner) of mesh axes, its
       nodes and their two links (``network`` is then the outer one); None
       for one axis.
+    residual_slices: on a cluster, whether devices keep residuals (of their
+      slices), so that a flat sparse bucket reduce-scatters its unsent
+      inside the node; False without error feedback.
   """
 
   sizes: tuple[int, ...]
@@ -253,6 +256,7 @@ class StepModel:
   index_bytes: int | None = None
   selection_seconds_per_entry: float = DEFAULT_SELECTION_SECONDS_PER_ENTRY
   cluster: Cluster | None = None
+  residual_slices: bool = True
 
   def routes(self) -> tuple[str, ...]:
     """The routes a bucket may take: two-level too on a cluster."""
@@ -268,7 +272,7 @@ class StepModel:
                            ).seconds(self.network)
     else:
       comm = cluster_cost(algorithm, size, self.cluster, self.density, route,
-                          self.value_bytes).seconds
+                          self.value_bytes, self.residual_slices).seconds
       if route == TWO_LEVEL:
         length, devices = -(-size // self.cluster.per_node), self.cluster.nodes
     return (comm
@@ -312,6 +316,7 @@ def step_model(
     index_bytes: int | None = None,
     selection_seconds_per_entry: float = DEFAULT_SELECTION_SECONDS_PER_ENTRY,
     cluster: Cluster | None = None,
+    residual_slices: bool = True,
 ) -> StepModel:
   """Validates the inputs and builds a :class:`StepModel`.
 
@@ -335,7 +340,8 @@ def step_model(
     backward_seconds = 0.0
   return StepModel(tuple(sizes), num_devices, density, net, min_size,
                    backward_seconds, selection_seconds_per_element, value_bytes,
-                   index_bytes, selection_seconds_per_entry, cluster)
+                   index_bytes, selection_seconds_per_entry, cluster,
+                   residual_slices)
 
 
 def check_plan_options(algorithm: str, threshold: int | str) -> None:
