@@ -286,8 +286,9 @@ def cluster_cost(
   device of a node sends to the N L - L devices of other nodes through the
   one card. A sparse one then reduce-scatters what it did not send inside
   the node, as every device keeps the residual of one slice of the buffer
-  (:func:`topka2a_jax.exchange.exchange`). ``route=TWO_LEVEL`` is :func:`topka2a_jax.collectives.two_level`:
-  a ring reduce-scatter inside the node, ``algorithm`` over the N nodes on
+  (:func:`topka2a_jax.exchange.exchange`). ``route=TWO_LEVEL`` is
+  :func:`topka2a_jax.collectives.two_level`: a ring reduce-scatter inside the
+  node, ``algorithm`` over the N nodes on
   a slice of ``m = ceil(length / L)`` elements (all L devices of a node at
   once, through its card), and a ring all-gather inside the node. For dense
   that is a hierarchical all-reduce: the card carries ``2(N-1)/N`` of the
@@ -340,8 +341,7 @@ def cluster_cost(
   if route != TWO_LEVEL:
     raise ValueError(f"unknown route {route!r}; choose {FLAT!r} or {TWO_LEVEL!r}")
   inner_seconds = 2 * ring_seconds
-  outer = [phase for phase in exchange.phases(width, cluster.nodes, density,
-                                              value_bytes)]
+  outer = exchange.phases(width, cluster.nodes, density, value_bytes)
   outer_bytes = per_node * sum(phase.bytes for phase in outer)
   outer_seconds = (sum(phase.messages for phase in outer) * cluster.outer.latency
                    + outer_bytes / cluster.outer.bandwidth)
