@@ -69,8 +69,13 @@ def test_twenty_steps_match_the_plain_chain(inner, train_steps, mesh):
   plain, sharded = _both(inner, train_steps, mesh)
   for (p1, _, l1), (p2, _, l2) in zip(plain, sharded):
     for name in p1:
-      np.testing.assert_allclose(p2[name], p1[name], rtol=0, atol=1e-6, err_msg=name)
-    np.testing.assert_allclose(l2, l1, rtol=1e-6)
+      # Twenty steps of float32 roundings in another order, on values of
+      # the parameters' scale.
+      scale = np.abs(p1[name]).max()
+      np.testing.assert_allclose(p2[name], p1[name], rtol=0,
+                                 atol=64 * np.finfo(np.float32).eps * scale,
+                                 err_msg=name)
+    np.testing.assert_allclose(l2, l1, rtol=64 * np.finfo(np.float32).eps)
   assert np.abs(plain[-1][0]["w"] - _params()["w"]).max() > 1e-2  # it trained
 
 

@@ -18,7 +18,9 @@ once; everything after that works on arrays a fraction of its size:
    about ``1.5 k`` keys reach; one counting pass checks that between ``k``
    and ``2 k`` do (should the sample mislead, counting passes bisect until
    they do), and the keys at or above it are compacted, in position order,
-   into ``2 k`` candidate slots.
+   into ``2 k`` candidate slots. Where ties leave more keys at the bound
+   than slots (a background of exact zeros), the keys above the tie go
+   first.
 3. **Threshold.** Counting passes over the candidates, cheap at that size,
    narrow a bracket ``[lo, hi)`` so that at most ``k`` candidates reach
    ``hi`` and at least ``k`` reach ``lo``.
@@ -26,6 +28,12 @@ once; everything after that works on arrays a fraction of its size:
    ``[lo, hi)`` fills the remaining slots in position order, so exactly ``k``
    distinct, valid positions come out, whatever the ties (all zeros
    included).
+5. **Check.** A group yields only its largest entry, so an input whose
+   structure aligns with the groups' stride (a large column of a matrix
+   whose width divides it) can hide many large entries. One more pass
+   bounds exact top-k's mass; where the selection keeps less than 99% of
+   it, or leaves out a nonzero entry while selecting zeros, the row sorts
+   exactly instead (:func:`_falls_short`).
 
 Both compactions (:func:`_first_set`) pack their flags 32 to a word and place
 words, not flags: a running count over the words, one small scatter that
@@ -80,6 +88,11 @@ BISECTIONS = 16
 The band left between its bounds fills the last slots in position order;
 sixteen halvings of the candidates' key range leave it too narrow to cost
 measurable mass (``benchmarks/selection.py`` and the tests measure it)."""
+
+MASS_KEPT = 0.99
+"""Share of exact top-k's magnitude sum (a bound on it, found in one pass) a
+row's selection must keep; a selection that may keep less sorts exactly
+instead."""
 
 _MIN_LENGTH = 4 * SAMPLE_SIZE  # shorter rows sort exactly
 # XLA's CPU backend splits reductions over more than 32 entries into a tree,
@@ -237,9 +250,29 @@ def _candidates(group_max: jax.Array, k: int,
             jnp.where(up, mid_count, count),
             jnp.where(up[:, None], mid_words, words), step + 1)
 
-  lo, _, count, words, _ = lax.while_loop(
+  lo, hi, count, words, _ = lax.while_loop(
       too_many, bisect, (lo, hi, count, words, 0))
-  return lo, count, words
+  return lo, hi, count, words
+
+
+def _candidate_groups(group_max: jax.Array, words: jax.Array, lo: jax.Array,
+                      hi: jax.Array, count: jax.Array, slots: int) -> jax.Array:
+  """The ``slots`` candidate groups: every key reaching ``lo``, in position order.
+
+  Where ties at ``lo`` leave more than ``slots`` keys (a background of equal
+  magnitudes, exact zeros above all: embedding rows absent from the batch,
+  dead units, masked parameters), the keys reaching ``hi`` come first and the
+  tied band fills the slots left, so that no key above the tie is crowded
+  out by position.
+  """
+  def ranked():
+    above = _at_least(group_max, hi)
+    picked = _first_set(_pack(jnp.concatenate(
+        [above, _at_least(group_max, lo) - above], axis=1)), slots)
+    groups = group_max.shape[1]
+    return jnp.where(picked >= groups, picked - groups, picked)
+
+  return lax.cond(jnp.all(count <= slots), lambda: _first_set(words, slots), ranked)
 
 
 def _group_size(length: int, smallest: int) -> int:
@@ -285,8 +318,9 @@ def threshold_magnitudes(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array]
   group_max = _group_keys(rows, groups, per_group)
 
   slots = -(-min(CANDIDATES_PER_ENTRY * k, groups) // 32) * 32
-  bound, reached, words = _candidates(group_max, k, slots)
-  candidate = _first_set(words, slots)  # group ids, valid up to `reached`
+  bound, bound_hi, reached, words = _candidates(group_max, k, slots)
+  # Group ids, valid up to `reached`.
+  candidate = _candidate_groups(group_max, words, bound, bound_hi, reached, slots)
   keys = jnp.where(jnp.arange(slots) < reached[:, None],
                    jnp.take_along_axis(group_max, jnp.clip(candidate, 0, groups - 1),
                                        axis=1), -1)
@@ -311,4 +345,31 @@ def threshold_magnitudes(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array]
   within = jnp.take_along_axis(keys, slot, axis=1) & jnp.int32(
       (1 << per_group.bit_length()) - 1)
   indices = within * groups + group
-  return jnp.take_along_axis(rows, indices, axis=1), indices
+  values = jnp.take_along_axis(rows, indices, axis=1)
+  return lax.cond(_falls_short(rows, values), lambda: top_magnitudes(rows, k),
+                  lambda: (values, indices))
+
+
+def _falls_short(rows: jax.Array, values: jax.Array) -> jax.Array:
+  """Whether some row's selection may keep less than exact top-k would.
+
+  A group yields its largest entry only, so entries that share a group with
+  a larger one are never candidates; where a row's structure aligns with the
+  groups' stride (a large column of a matrix whose width divides it), many
+  do. One pass over the rows bounds what exact top-k keeps: with ``t`` the
+  smallest selected magnitude, exact top-k's magnitude sum is at most
+  ``k t + sum(max(|x| - t, 0))``. A row falls short where the selection
+  keeps less than :data:`MASS_KEPT` of that bound, or where ``t`` is zero
+  (fewer than ``k`` nonzero entries) and some nonzero entry is left out.
+  """
+  k = values.shape[1]
+  magnitudes = jnp.abs(values).astype(jnp.float32)
+  t = jnp.min(magnitudes, axis=1, keepdims=True)
+  bound = k * t[:, 0] + jnp.sum(jnp.maximum(jnp.abs(rows) - t, 0.0), axis=1)
+  short = jnp.any(jnp.sum(magnitudes, axis=1) < MASS_KEPT * bound)
+
+  def nonzero_left_out():  # recomputes |rows|: an operand would be written out
+    count = lambda m: jnp.sum(jnp.sign(jnp.abs(m)), axis=1)  # exact up to 2**24
+    return jnp.any(count(rows) > count(values))
+
+  return lax.cond(jnp.any(t == 0), lambda: short | nonzero_left_out(), lambda: short)

@@ -199,8 +199,9 @@ def topka2a(
     selection: ``"auto"`` (the default: the fastest for the backend,
       :func:`topka2a_jax.collectives.auto_magnitudes`), ``"exact"`` top-k (a
       sort), ``"threshold"`` (a magnitude threshold found in a few passes,
-      many times faster on large buckets and typically within 1% of exact
-      top-k's magnitude mass, less close at densities near 0.05;
+      many times faster on large buckets; where it may keep less than 99%
+      of exact top-k's magnitude mass, or miss a nonzero entry over a
+      background of zeros, it sorts exactly instead;
       :mod:`topka2a_jax.threshold`) or ``"approx"`` (``lax.approx_max_k``).
     warmup_steps: exchange densely (``lax.pmean``) for this many applied
       steps, then sparsely. The switch happens at run time inside the one
