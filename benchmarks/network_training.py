@@ -3,11 +3,12 @@
 Starts P processes (one CPU device each, gloo over TCP) inside the shaped
 network namespace of ``benchmarks/network.py`` (loopback at 1 Gbit/s by
 default) and trains the same model from the same initialisation and batches
-once per configuration: dense ``lax.pmean``, the defaults
-(``topka2a(density)``), the defaults after 50 dense steps (``warmup_steps``),
-TopKA2A as the paper runs it (exact selection), TopKA2A-sparse and TopkA
-(the threshold search). Every step is forward,
-backward, exchange and Adam, through :func:`topka2a_jax.train_step`.
+once per configuration (:data:`RUNS`). By default: dense ``lax.pmean``; the
+gradient compressed, ``optax.chain(topka2a(density), optax.adam(...))``;
+Adam's updates compressed, ``compress_updates(optax.adam(...), density)``;
+and the same through TopKA2A-sparse, whose owners hold back part of each
+summed shard. Every step is forward, backward, exchange and Adam, through
+:func:`topka2a_jax.train_step`.
 
 The model is a byte-level transformer on the examples' data (the Python
 standard library's source, ``examples/train_charlm.py``), made wide (width
@@ -16,8 +17,10 @@ process): its dense exchange then takes several times its compute on this
 link, as the paper's models' exchanges did on theirs. (The examples' digits
 CNN, 73k parameters, is bound by its compute.)
 
-Reports seconds per step (median), the training time to reach a fixed
-validation loss (evaluations excluded), and the final validation loss.
+Reports seconds per step (median), the training time to reach each of
+``--targets`` (validation losses; evaluations excluded), the final and the
+highest validation loss. ``--seed`` changes the initialisation and the
+batches, ``--batch`` the windows per process and step.
 
 ``--local`` trains the same way in one process on as many emulated CPU
 devices, with no link: the losses come out as on the link (to float
@@ -26,8 +29,8 @@ Adam's first-moment decay.
 
 Run:
   python benchmarks/network_training.py [--rate 1gbit] [--processes 4]
-      [--steps 300] [--density 0.01] [--target 2.6] [--runs RUN ...]
-      [--b1 0.9] [--local] [--json out.json]
+      [--steps 300] [--density 0.01] [--targets 2.6 2.5 2.4] [--runs RUN ...]
+      [--seed 0] [--batch 2] [--b1 0.9] [--local] [--json out.json]
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ WIDTH, LAYERS, HEADS, CONTEXT, BATCH_PER_DEVICE = 384, 4, 6, 64, 2
 RUNS = {
     "dense": {"algorithm": "dense"},
     "defaults": {},
+    "updates": {"form": "updates"},
+    "updates, topka2a_sparse": {"form": "updates", "algorithm": "topka2a_sparse"},
+    "updates, all sent": {"form": "updates", "algorithm": "dense"},
     "defaults, 50 dense steps": {"warmup_steps": 50},
     "topka2a (paper)": {"algorithm": "topka2a", "selection": "exact"},
     "topka2a_sparse": {"algorithm": "topka2a_sparse", "selection": "threshold"},
@@ -55,9 +61,15 @@ RUNS = {
 }
 """Configurations: name -> options of ``topka2a`` besides the density.
 
-Any ``"defaults, N dense steps"`` is a run too: the defaults with
-``warmup_steps=N``.
+``"form": "updates"`` compresses Adam's updates,
+``topka2a_jax.compress_updates(optax.adam(...), density, **options)``; the
+others compress the gradient, ``optax.chain(topka2a(density, **options),
+optax.adam(...))``. Any ``"defaults, N dense steps"`` is a run too: the
+defaults with ``warmup_steps=N``.
 """
+
+DEFAULT_RUNS = ["dense", "defaults", "updates", "updates, topka2a_sparse"]
+"""What a run of the benchmark compares unless ``--runs`` says otherwise."""
 
 
 def run_options(name: str) -> dict:
@@ -71,6 +83,20 @@ def run_options(name: str) -> dict:
   raise ValueError(
       f"unknown run {name!r}; choose among {', '.join(map(repr, RUNS))} or "
       "'defaults, N dense steps'")
+
+
+def optimizer(name: str, density: float, mesh, schedule, b1: float):
+  """The optimizer of the run called ``name``: the gradient or the updates compressed."""
+  import optax
+
+  import topka2a_jax
+
+  options = dict(run_options(name))
+  if options.pop("form", "gradient") == "updates":
+    return topka2a_jax.compress_updates(optax.adam(schedule, b1=b1), density,
+                                        mesh=mesh, **options)
+  return optax.chain(topka2a_jax.topka2a(density, mesh=mesh, **options),
+                     optax.adam(schedule, b1=b1))
 
 
 def init(key):
@@ -137,29 +163,27 @@ def worker(args: argparse.Namespace) -> None:
 
   train, valid = load_text()
   mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: d.id)), ("data",))
-  rng = np.random.default_rng(0)
-  size = BATCH_PER_DEVICE * mesh.size
+  rng = np.random.default_rng(args.seed)
+  size = args.batch * mesh.size
   starts = rng.integers(0, len(train) - CONTEXT - 1, (args.steps, size))
   batches = [np.stack([train[s:s + CONTEXT + 1] for s in row]) for row in starts]
   valid_windows = np.lib.stride_tricks.sliding_window_view(valid, CONTEXT + 1)[::CONTEXT][:64]
   validation = jax.jit(loss)
   rows = []
   for name in args.runs:
-    options = run_options(name)
     warmup = min(30, args.steps // 4)
     schedule = optax.warmup_cosine_decay_schedule(0.0, 2e-3, warmup,
                                                   max(args.steps, warmup + 1))
-    tx = optax.chain(topka2a_jax.topka2a(args.density, mesh=mesh, **options),
-                     optax.adam(schedule, b1=args.b1))
+    tx = optimizer(name, args.density, mesh, schedule, args.b1)
     params = jax.tree.map(lambda v: jax.make_array_from_callback(
         v.shape, NamedSharding(mesh, P()), lambda index, v=v: np.asarray(v)[index]),
-        init(jax.random.key(0)))
+        init(jax.random.key(args.seed)))
     state, step = tx.init(params), topka2a_jax.train_step(loss, tx, mesh)
     params, state, _ = step(params, state, batches[0])  # compiles
     jax.block_until_ready(params)
     params = jax.tree.map(lambda v: jax.make_array_from_callback(
         v.shape, NamedSharding(mesh, P()), lambda index, v=v: np.asarray(v)[index]),
-        init(jax.random.key(0)))
+        init(jax.random.key(args.seed)))
     state = tx.init(params)
     seconds, evals = [], []
     for i, batch in enumerate(batches, 1):
@@ -178,31 +202,43 @@ def worker(args: argparse.Namespace) -> None:
     Path(args.worker).write_text(json.dumps(rows))
 
 
-def report(rows: list[dict], target: float) -> list[dict]:
-  """Prints the table; returns the rows with their summary figures."""
+def report(rows: list[dict], targets: list[float]) -> list[dict]:
+  """Prints the table; returns the rows with their summary figures.
+
+  For every target: the steps and the training time (the steps' seconds
+  summed up to the first evaluation at or below it) to reach it, and that
+  time as a share of the first row's.
+  """
   import numpy as np
 
   dense = rows[0]
-  print(f"\n{'run':24s} {'s/step':>7s} {'vs dense':>8s} {'steps to':>8s} "
-        f"{'time to':>8s} {'vs dense':>8s} {'final':>7s} {'highest':>7s}")
-  print(f"{'':24s} {'':>7s} {'':>8s} {target:>8.2f} {target:>8.2f} {'':>8s} "
-        f"{'loss':>7s} {'loss':>7s}")
   for row in rows:
     seconds = np.asarray(row["seconds"])
-    reached = next((i for i, value in row["evals"] if value <= target), None)
     row.update(step_s=float(np.median(seconds)), final=row["evals"][-1][1],
-               highest=max(value for _, value in row["evals"]),
-               steps_to_target=reached,
-               time_to_target=None if reached is None else float(seconds[:reached].sum()))
+               highest=max(value for _, value in row["evals"]), targets={})
+    for target in targets:
+      reached = next((i for i, value in row["evals"] if value <= target), None)
+      row["targets"][str(target)] = {
+          "steps": reached,
+          "seconds": None if reached is None else float(seconds[:reached].sum())}
   for row in rows:
-    ratio = (row["time_to_target"] / dense["time_to_target"]
-             if row["time_to_target"] and dense["time_to_target"] else None)
-    row["time_ratio"] = ratio
+    for target, figures in row["targets"].items():
+      mine, base = figures["seconds"], dense["targets"][target]["seconds"]
+      figures["ratio"] = mine / base if mine and base else None
+  head = " ".join(f"{'to ' + str(t):>17s}" for t in targets)
+  print(f"\n{'run':24s} {'s/step':>7s} {'vs dense':>8s} {head}  {'final':>7s} "
+        f"{'highest':>7s}")
+  print(f"{'':24s} {'':>7s} {'':>8s} "
+        + " ".join(f"{'steps':>5s} {'s':>5s} {'ratio':>5s}" for _ in targets))
+  for row in rows:
+    cells = []
+    for target in targets:
+      figures = row["targets"][str(target)]
+      ratio = "-" if figures["ratio"] is None else f"{figures['ratio']:.2f}"
+      cells.append(f"{figures['steps'] or '-':>5} "
+                   f"{figures['seconds'] or float('nan'):5.0f} {ratio:>5s}")
     print(f"{row['run']:24s} {row['step_s']:7.3f} {row['step_s'] / dense['step_s']:7.3f}x "
-          f"{row['steps_to_target'] or '-':>8} "
-          f"{row['time_to_target'] or float('nan'):8.1f} "
-          f"{'-' if ratio is None else f'{ratio:.3f}x':>8s} {row['final']:7.4f} "
-          f"{row['highest']:7.2f}")
+          + " ".join(cells) + f"  {row['final']:7.4f} {row['highest']:7.2f}")
   return rows
 
 
@@ -213,9 +249,13 @@ def main() -> int:
   parser.add_argument("--steps", type=int, default=300)
   parser.add_argument("--eval-every", type=int, default=10)
   parser.add_argument("--density", type=float, default=0.01)
-  parser.add_argument("--target", type=float, default=2.6,
-                      help="validation loss (nats per byte) whose time to reach is shown")
-  parser.add_argument("--runs", nargs="+", default=list(RUNS), metavar="RUN",
+  parser.add_argument("--targets", type=float, nargs="+", default=[2.6, 2.5, 2.4],
+                      help="validation losses (nats per byte) whose time to reach is shown")
+  parser.add_argument("--seed", type=int, default=0,
+                      help="seed of the initialisation and of the batches")
+  parser.add_argument("--batch", type=int, default=BATCH_PER_DEVICE,
+                      help="windows of CONTEXT bytes per process and step")
+  parser.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, metavar="RUN",
                       help=f"runs among {', '.join(map(repr, RUNS))} or 'defaults, "
                       "N dense steps' (the first is the baseline of the ratios)")
   parser.add_argument("--b1", type=float, default=0.9, help="Adam's b1")
@@ -239,33 +279,36 @@ def main() -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     args.worker = str(out)
     print(f"{args.processes} emulated devices in one process, no link; Adam b1 "
-          f"{args.b1}; density {args.density}; {args.steps} steps per run")
+          f"{args.b1}; density {args.density}; {args.steps} steps per run; seed "
+          f"{args.seed}; {args.batch} x {CONTEXT} bytes per device and step")
     worker(args)
   else:
     status = train_on_the_link(args, out)
     if status:
       return status
-  rows = report(json.loads(out.read_text()), args.target)
+  rows = report(json.loads(out.read_text()), args.targets)
   if args.json:
     Path(args.json).write_text(json.dumps(
         {"rate": None if args.local else args.rate, "processes": args.processes,
-         "density": args.density, "b1": args.b1, "target": args.target,
-         "rows": rows}, indent=1))
+         "density": args.density, "b1": args.b1, "seed": args.seed,
+         "batch": args.batch, "targets": args.targets, "rows": rows}, indent=1))
   return 0
 
 
 def train_on_the_link(args: argparse.Namespace, out: Path) -> int:
   """Runs the worker on every process inside the shaped namespace; its status."""
   print(f"{args.processes} processes on loopback at {args.rate}; transformer of "
-        f"{WIDTH} x {LAYERS} layers, {BATCH_PER_DEVICE} x {CONTEXT} bytes per "
-        f"process and step; density {args.density}; {args.steps} steps per run")
+        f"{WIDTH} x {LAYERS} layers, {args.batch} x {CONTEXT} bytes per "
+        f"process and step; density {args.density}; {args.steps} steps per run; "
+        f"seed {args.seed}")
   try:
     with network.ShapedNamespace(args.rate, 0.0) as namespace:
       launch = namespace.command(
           sys.executable, "-m", "topka2a_jax.launch", "-n", str(args.processes),
           __file__, "--worker", str(out), "--steps", str(args.steps),
           "--eval-every", str(args.eval_every), "--density", str(args.density),
-          "--b1", str(args.b1), "--runs", *args.runs)
+          "--b1", str(args.b1), "--seed", str(args.seed), "--batch", str(args.batch),
+          "--runs", *args.runs)
       status = subprocess.run(launch, cwd=ROOT, check=False).returncode
   except network.NetworkUnavailable as error:
     print(f"cannot make a shaped network namespace here: {error}", file=sys.stderr)

@@ -36,19 +36,23 @@ def test_time_to_target_sums_the_steps_before_the_first_evaluation_below_it():
       # Never reaches it.
       {"run": "never", "seconds": [0.1] * 6, "evals": [(2, 3.0), (4, 2.9), (6, 2.8)]},
   ]
-  dense, sparse, never = network_training.report(rows, target=2.0)
-  assert (dense["steps_to_target"], dense["time_to_target"]) == (4, 4.0)
-  assert (sparse["steps_to_target"], sparse["time_to_target"]) == (2, 0.75)
-  assert sparse["time_ratio"] == pytest.approx(0.75 / 4.0)
+  dense, sparse, never = network_training.report(rows, targets=[2.0, 1.5])
+  assert dense["targets"]["2.0"] == {"steps": 4, "seconds": 4.0, "ratio": 1.0}
+  assert dense["targets"]["1.5"] == {"steps": 6, "seconds": 6.0, "ratio": 1.0}
+  assert (sparse["targets"]["2.0"]["steps"], sparse["targets"]["2.0"]["seconds"]) == (
+      2, 0.75)
+  assert sparse["targets"]["2.0"]["ratio"] == pytest.approx(0.75 / 4.0)
+  assert sparse["targets"]["1.5"] == {"steps": None, "seconds": None, "ratio": None}
   assert sparse["step_s"] == 0.25 and sparse["final"] == 2.2
   assert sparse["highest"] == 2.5
-  assert never["steps_to_target"] is None and never["time_ratio"] is None
+  assert never["targets"]["2.0"]["steps"] is None
 
 
 def test_training_runs_take_any_dense_warm_up_and_name_the_choices():
   network_training = load("network_training")
   assert network_training.run_options("defaults, 20 dense steps") == {"warmup_steps": 20}
   assert network_training.run_options("dense") == {"algorithm": "dense"}
+  assert network_training.run_options("updates") == {"form": "updates"}
   with pytest.raises(ValueError, match="unknown run 'defaults, some dense steps'"):
     network_training.run_options("defaults, some dense steps")
 
@@ -100,13 +104,14 @@ def test_training_benchmark_runs_locally_without_a_link(tmp_path):
   result = subprocess.run(
       [sys.executable, str(BENCHMARKS / "network_training.py"), "--local",
        "--processes", "2", "--steps", "3", "--eval-every", "1", "--b1", "0.5",
-       "--runs", "dense", "defaults, 50 dense steps", "--json", str(out)],
+       "--runs", "dense", "defaults, 50 dense steps", "updates", "--json", str(out)],
       env=env, capture_output=True, text=True, timeout=600, check=False)
   assert result.returncode == 0, result.stderr[-3000:]
   written = json.loads(out.read_text())
   assert (written["rate"], written["b1"]) == (None, 0.5)
-  assert [row["run"] for row in written["rows"]] == ["dense", "defaults, 50 dense steps"]
-  dense, warm = written["rows"]
+  assert [row["run"] for row in written["rows"]] == [
+      "dense", "defaults, 50 dense steps", "updates"]
+  dense, warm, _ = written["rows"]
   np.testing.assert_allclose(warm["evals"], dense["evals"], rtol=1e-5)  # dense in both
   assert all(len(row["seconds"]) == 3 for row in written["rows"])
 

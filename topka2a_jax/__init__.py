@@ -14,6 +14,9 @@ Read it top-down:
 * :mod:`topka2a_jax.transform`: the optax transform users chain first, with
   its options (:mod:`topka2a_jax.options`) and the per-device exchange
   (:mod:`topka2a_jax.exchange`).
+* :mod:`topka2a_jax.update_compression`: ``compress_updates``, the
+  optimizer run on every device's own gradient and its updates exchanged
+  sparsely: what converges with Adam.
 * :mod:`topka2a_jax.sharded_optimizer`: the optimizer run on the shards
   TopKA2A's first phase leaves each device, its state divided among them.
 * :mod:`topka2a_jax.layout`: parameter specs and the residuals' layout.
@@ -65,10 +68,12 @@ from topka2a_jax.sharded_optimizer import ShardedOptimizerState, sharded_optimiz
 from topka2a_jax.step import TrainStep, train_step
 from topka2a_jax.transform import TopKA2AState, topka2a
 from topka2a_jax.tuning import time_call, tune_fusion
+from topka2a_jax.update_compression import CompressedUpdatesState, compress_updates
 
 __all__ = [
   "NETWORKS",
   "CommReport",
+  "CompressedUpdatesState",
   "Exchange",
   "FusionPlan",
   "Network",
@@ -81,6 +86,7 @@ __all__ = [
   "checkpoint",
   "collectives",
   "comm_report",
+  "compress_updates",
   "exchange_cost",
   "init",
   "nnx_train_step",

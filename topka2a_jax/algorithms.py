@@ -126,6 +126,9 @@ class Algorithm:
     traffic: ``Counts -> its phases``, in order (:class:`Phase`).
     reads: ``(d, P) -> elements its selections read``.
     selects: ``Counts -> entries it selects``.
+    holds_back: whether owners hold back part of the summed selection (it
+      waits in their residuals), so that the mean lacks some of what the
+      devices selected.
   """
 
   name: str
@@ -139,6 +142,7 @@ class Algorithm:
   traffic: Callable[[Counts], tuple[Phase, ...]]
   reads: Callable[[int, int], int]
   selects: Callable[[Counts], float]
+  holds_back: bool = False
 
   def index_bytes(self, length: float, devices: int) -> int:
     """Bytes of one index on the wire, as the collective sends it."""
@@ -255,7 +259,7 @@ TOPKA2A_SPARSE = Algorithm(
     unsent_at="the sender, and the owner for its summed shard",
     compresses_values=True, global_indices=False, traffic=_to_owners_then_pairs,
     reads=lambda length, devices: length + -(-length // devices),
-    selects=lambda c: (c.devices + 1) * c.per_shard)
+    selects=lambda c: (c.devices + 1) * c.per_shard, holds_back=True)
 
 REGISTRY: dict[str, Algorithm] = {
     algorithm.name: algorithm for algorithm in (DENSE, ALLGATHER, TOPKA2A, TOPKA2A_SPARSE)}

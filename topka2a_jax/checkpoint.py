@@ -43,14 +43,17 @@ from jax.sharding import PartitionSpec as P
 from topka2a_jax.axis import axis_names, check_on_mesh, devices_per_node, mesh_axis_size
 from topka2a_jax.sharded_optimizer import ShardedOptimizerState
 from topka2a_jax.transform import TopKA2AState
+from topka2a_jax.update_compression import CompressedUpdatesState
 
 LAYOUT_FILE = "topka2a_layout.json"
 """Written beside Orbax's files: devices, axis, pytree structure and shapes."""
 
 
-RESIDUAL, SHARD = "residual", "shard"
-"""How a per-device leaf is laid out: a residual (:func:`resize_residual`), or
-a shard of :func:`topka2a_jax.sharded_optimizer`'s state (:func:`reshard`)."""
+RESIDUAL, SHARD, REPLICA = "residual", "shard", "replica"
+"""How a per-device leaf is laid out: a residual (:func:`resize_residual`), a
+shard of :func:`topka2a_jax.sharded_optimizer`'s state (:func:`reshard`), or
+one device's copy of :func:`topka2a_jax.compress_updates`' optimizer state
+(:func:`average_replicas`)."""
 
 
 def _per_device(state: Any) -> list[str | bool]:
@@ -62,9 +65,12 @@ def _per_device(state: Any) -> list[str | bool]:
     if isinstance(node, ShardedOptimizerState):
       return ShardedOptimizerState(mark(node.exchange),
                                    jax.tree.map(lambda _: SHARD, node.inner))
+    if isinstance(node, CompressedUpdatesState):
+      return CompressedUpdatesState(mark(node.exchange),
+                                    jax.tree.map(lambda _: REPLICA, node.inner))
     return False
 
-  kinds = (TopKA2AState, ShardedOptimizerState)
+  kinds = (TopKA2AState, ShardedOptimizerState, CompressedUpdatesState)
   return jax.tree.leaves(jax.tree.map(mark, state,
                                       is_leaf=lambda node: isinstance(node, kinds)))
 
@@ -146,6 +152,30 @@ def reshard(leaf: jax.Array, shape: tuple[int, ...], pieces: int = 1) -> jax.Arr
   kept = min(by_piece.shape[1], size)
   laid = jnp.zeros((pieces, size), leaf.dtype).at[:, :kept].set(by_piece[:, :kept])
   return laid.reshape(pieces, new, -1).transpose(1, 0, 2).reshape(shape)
+
+
+def average_replicas(leaf: jax.Array, devices: int) -> jax.Array:
+  """Per-device copies of an optimizer's state, ``(old, ...)``, for ``devices``.
+
+  Each device's copy (Adam's moments of its own gradients) is its own, and
+  no device of a new layout corresponds to an old one, so every new device
+  starts from the mean of the old copies: for moments, those of the mean
+  gradient. Integer leaves (step counts) are the same on every device and
+  are taken from the first.
+
+  Example:
+    >>> average_replicas(jnp.array([[1.0, 2.0], [3.0, 6.0]]), 3)
+    Array([[2., 4.],
+           [2., 4.],
+           [2., 4.]], dtype=float32)
+  """
+  if jnp.issubdtype(leaf.dtype, jnp.inexact):
+    with jax.enable_x64():
+      one = jnp.mean(leaf.astype(jnp.promote_types(leaf.dtype, jnp.float64)),
+                     axis=0).astype(leaf.dtype)
+  else:
+    one = leaf[0]
+  return jnp.broadcast_to(one[None], (devices, *leaf.shape[1:]))
 
 
 def _saved_shape(shape: list[int], old: int, new: int) -> list[int]:
@@ -369,6 +399,9 @@ def _resized(leaf: jax.Array, described: dict[str, Any], old: Devices, new: Devi
   if described["per_device"] == RESIDUAL:
     return jax.jit(resize_residual, static_argnums=(1, 2), out_shardings=sharding)(
         leaf, old.nodes, new.nodes)
+  if described["per_device"] == REPLICA:
+    return jax.jit(average_replicas, static_argnums=1, out_shardings=sharding)(
+        leaf, described["shape"][0])
   if described["per_device"] == SHARD:
     spec = tuple(sharding.spec) + (None,) * (leaf.ndim - len(sharding.spec))
     last = () if leaf.ndim < 2 or spec[-1] is None else (
@@ -405,6 +438,8 @@ def _check_same_configuration(saved: dict[str, Any], wanted: dict[str, Any],
       shape = _saved_slices_shape(was["shape"], shape, old, new, want["pieces"])
     elif want["per_device"] == RESIDUAL:
       shape = _saved_shape(shape, old.nodes, new.nodes)
+    elif want["per_device"] == REPLICA:  # (devices, *shape): one copy each
+      shape = [saved["devices"], *shape[1:]]
     elif want["per_device"] == SHARD:  # (devices, 1, ..., 1, entries per device)
       shape = ([old.nodes, *shape[1:-1], was["shape"][-1]] if len(shape) > 1
                else [old.nodes])

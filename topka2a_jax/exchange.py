@@ -68,7 +68,8 @@ def plan(options: Options, sizes: Sequence[int],
                      min_size=options.min_size,
                      backward_seconds=options.backward_seconds,
                      value_bytes=options.value_bytes,
-                     residual_slices=options.error_feedback)
+                     residual_slices=options.error_feedback,
+                     whole_selection=options.whole_selection)
   threshold = (model.best_threshold(options.algorithm) if options.fusion == "auto"
                else options.fusion)
   return [planned.bucket for planned in model.layout(options.algorithm, threshold)]

@@ -257,6 +257,18 @@ class StepModel:
   selection_seconds_per_entry: float = DEFAULT_SELECTION_SECONDS_PER_ENTRY
   cluster: Cluster | None = None
   residual_slices: bool = True
+  whole_selection: bool = False
+
+  def candidates(self, algorithm: str) -> list[str]:
+    """The exchanges a bucket labelled ``algorithm`` may take.
+
+    ``"auto"`` takes any, or with ``whole_selection`` only those whose mean
+    holds every device's whole selection.
+    """
+    if algorithm != AUTO:
+      return [algorithm]
+    return [name for name, exchange in REGISTRY.items()
+            if not (self.whole_selection and exchange.holds_back)]
 
   def routes(self) -> tuple[str, ...]:
     """The routes a bucket may take: two-level too on a cluster."""
@@ -289,8 +301,8 @@ class StepModel:
     labels = [DENSE.name if s < self.min_size else algorithm for s in self.sizes]
     chosen = []
     for bucket in plan_buckets(self.sizes, labels, threshold):
-      names = REGISTRY if bucket.algorithm == AUTO else [bucket.algorithm]
-      best, route = min(((a, r) for a in names for r in self.routes()),
+      best, route = min(((a, r) for a in self.candidates(bucket.algorithm)
+                         for r in self.routes()),
                         key=lambda choice: self.seconds(choice[0], bucket.size,
                                                         choice[1]))
       chosen.append(bucket._replace(algorithm=best, route=route))
@@ -317,6 +329,7 @@ def step_model(
     selection_seconds_per_entry: float = DEFAULT_SELECTION_SECONDS_PER_ENTRY,
     cluster: Cluster | None = None,
     residual_slices: bool = True,
+    whole_selection: bool = False,
 ) -> StepModel:
   """Validates the inputs and builds a :class:`StepModel`.
 
@@ -341,7 +354,7 @@ def step_model(
   return StepModel(tuple(sizes), num_devices, density, net, min_size,
                    backward_seconds, selection_seconds_per_element, value_bytes,
                    index_bytes, selection_seconds_per_entry, cluster,
-                   residual_slices)
+                   residual_slices, whole_selection)
 
 
 def check_plan_options(algorithm: str, threshold: int | str) -> None:

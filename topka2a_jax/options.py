@@ -138,6 +138,8 @@ class Options:
     warmup_steps: applied steps exchanged densely first.
     skip_nonfinite: whether a non-finite gradient skips the step everywhere.
     mesh: the mesh ``init`` lays the state out for, or None.
+    whole_selection: whether ``"auto"`` takes only exchanges whose mean holds
+      every device's whole selection (:func:`topka2a_jax.compress_updates`).
   """
 
   density: float
@@ -153,6 +155,7 @@ class Options:
   warmup_steps: int = 0
   skip_nonfinite: bool = True
   mesh: Mesh | None = None
+  whole_selection: bool = False
 
   @classmethod
   def create(cls, density: Any, **options: Any) -> Options:
@@ -173,7 +176,7 @@ class Options:
     if fusion != "auto":
       normalised["fusion"] = _count("fusion", fusion, 1)
     check_plan_options(normalised.get("algorithm", DEFAULT_ALGORITHM), fusion)
-    for name in ("error_feedback", "skip_nonfinite"):
+    for name in ("error_feedback", "skip_nonfinite", "whole_selection"):
       if name in normalised:
         _flag(name, normalised[name])
     for name, minimum in (("min_size", 0), ("warmup_steps", 0)):

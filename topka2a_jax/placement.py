@@ -33,6 +33,7 @@ from topka2a_jax.algorithms import DENSE
 from topka2a_jax.axis import check_on_mesh
 from topka2a_jax.sharded_optimizer import ShardedOptimizerState, inner_specs
 from topka2a_jax.transform import TopKA2AState, laid_out_for
+from topka2a_jax.update_compression import CompressedUpdatesState, replica_specs
 
 
 def _is_topka2a_state(node: Any) -> bool:
@@ -88,7 +89,9 @@ def check_chain(opt_state: Any, *, require_exchange: bool = False) -> None:
     ValueError: the optimizer keeps per-parameter state (ScaleByAdamState, at [0][0].mu['w']) before the topka2a exchange ...
   """
   fix = ("Put the exchange first: optax.chain(topka2a_jax.topka2a(...), "
-         "<the other transforms>).")
+         "<the other transforms>); or, to exchange the optimizer's updates "
+         "rather than the gradients, topka2a_jax.compress_updates(<the "
+         "optimizer>, density), which keeps its state per device.")
   with_paths = jax.tree_util.tree_flatten_with_path(opt_state,
                                                     is_leaf=_is_topka2a_state)[0]
   exchanges = [i for i, (_, leaf) in enumerate(with_paths) if _is_topka2a_state(leaf)]
@@ -139,7 +142,8 @@ def state_specs(opt_state: optax.OptState, axis_name: Hashable = "data",
 
   Residuals of :func:`topka2a_jax.topka2a` (wherever it sits in a chain) are
   per device (:func:`topka2a_jax.layout.residual_spec`), and so is the inner
-  state of :func:`topka2a_jax.sharded_optimizer`. With
+  state of :func:`topka2a_jax.sharded_optimizer` and of
+  :func:`topka2a_jax.compress_updates`. With
   ``param_specs``, every part of the state shaped like the parameters (Adam's
   moments, momentum) is sharded like them. Everything else is replicated,
   ``P()``.
@@ -190,14 +194,20 @@ def state_specs(opt_state: optax.OptState, axis_name: Hashable = "data",
       return ShardedOptimizerState(spec_for(node.exchange), inner_specs(
           node.inner, params_structure,
           jax.tree.leaves(param_specs, is_leaf=_is_spec), axis_name))
+    if isinstance(node, CompressedUpdatesState):
+      return CompressedUpdatesState(spec_for(node.exchange), replica_specs(
+          node.inner, axis_name, params_structure,
+          None if param_specs is None else
+          jax.tree.leaves(param_specs, is_leaf=_is_spec)))
     if shaped_like_params(node):
       return param_specs
     return P()
 
+  kinds = (ShardedOptimizerState, CompressedUpdatesState)
   return jax.tree.map(
       spec_for, opt_state,
       is_leaf=lambda node: (_is_topka2a_state(node) or shaped_like_params(node)
-                            or isinstance(node, ShardedOptimizerState)))
+                            or isinstance(node, kinds)))
 
 
 def _check_param_specs(param_specs: Any, axis_name: Hashable) -> None:

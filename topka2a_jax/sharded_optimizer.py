@@ -68,6 +68,7 @@ from topka2a_jax.transform import (
     flatten,
     given_specs,
     init_state,
+    laid_out_for,
     layout_mesh,
     matching_residuals,
     shard_specs,
@@ -238,13 +239,27 @@ def _own_shard(leaf: jax.Array, num_devices: int, axis_name: Hashable) -> jax.Ar
                   leaf.ndim)
 
 
+def _without_exchange(state: Any) -> Any:
+  """``state``, unless it holds an exchange of its own."""
+  is_exchange = lambda node: isinstance(node, TopKA2AState)
+  if any(map(is_exchange, jax.tree.leaves(state, is_leaf=is_exchange))):
+    raise ValueError(
+        "sharded_optimizer's inner optimizer holds a topka2a exchange "
+        "(topka2a, compress_updates or sharded_optimizer): the shards it "
+        "gets are averaged already. Pass the plain optimizer, "
+        "sharded_optimizer(optax.adam(...), density); to exchange the "
+        "optimizer's updates instead, use compress_updates(optax.adam(...), "
+        "density) alone.")
+  return state
+
+
 def _local_inner_init(opts: Options, inner: optax.GradientTransformation,
                       leaves: Sequence[jax.Array], treedef: Any) -> Any:
   """Inside shard_map: ``inner``'s state for this device's shards, per device."""
   num_devices = bound_axis_size(opts.axis_name)
   shards = treedef.unflatten([_own_shard(leaf, num_devices, opts.axis_name)
                               for leaf in leaves])
-  state = inner.init(shards)
+  state = _without_exchange(inner.init(shards))
   return jax.tree.map(lambda x: _varying(x, opts.axis_name)[None], state)
 
 
@@ -269,7 +284,8 @@ def _init_inner(opts: Options, inner: optax.GradientTransformation,
   shards = [jax.ShapeDtypeStruct(_present_shape(shard_length(
       math.prod(layout.local_shape(leaf.shape, spec, others)), num_devices),
       leaf.ndim), leaf.dtype) for leaf, spec in zip(leaves, specs)]
-  local = jax.eval_shape(inner.init, treedef.unflatten(shards))
+  with laid_out_for(mesh):  # an exchange inside is refused, not asked for a mesh
+    local = _without_exchange(jax.eval_shape(inner.init, treedef.unflatten(shards)))
   out_specs = inner_specs(
       jax.tree.map(lambda x: jax.ShapeDtypeStruct((1, *x.shape), x.dtype), local),
       treedef, specs, opts.axis_name)
