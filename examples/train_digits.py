@@ -5,8 +5,9 @@ scikit-learn (1,797 images, nothing downloaded), data-parallel over 8
 emulated CPU devices, several ways from the same seeds: dense ``lax.pmean``,
 TopKA2A at 1% and 5% density, TopKA2A without error feedback, the TopkA
 allgather baseline, TopKA2A with weight decay before the exchange instead of
-after it, TopKA2A with a sparse second phase and threshold selection, and
-TopKA2A after 50 dense warm-up steps.
+after it, TopKA2A with a sparse second phase and threshold selection, TopKA2A after
+50 dense warm-up steps, and the momentum step compressed instead of the
+gradient (:func:`topka2a_jax.compress_updates`).
 Prints final test accuracy (mean and spread over seeds), the bytes each
 device sends per step (read from the compiled step) and the time per seed;
 writes a PNG of test accuracy and training loss against step, and the
@@ -96,7 +97,7 @@ def make_task() -> Task:
 
 
 def optimizer(weight_decay: float, decay_first: bool = False, sharded: bool = False,
-              **options) -> optax.GradientTransformation:
+              updates: bool = False, **options) -> optax.GradientTransformation:
   """Momentum SGD with weight decay around the sparse exchange.
 
   The recommended order is exchange, then weight decay, then momentum:
@@ -105,10 +106,14 @@ def optimizer(weight_decay: float, decay_first: bool = False, sharded: bool = Fa
   ``decay_first=True`` adds it to the gradient before the exchange instead,
   where it competes for the ``density`` slots and waits in the residual.
   ``sharded=True`` runs decay and momentum on each device's shard only
-  (:func:`topka2a_jax.sharded_optimizer`).
+  (:func:`topka2a_jax.sharded_optimizer`); ``updates=True`` runs them on
+  every device's own gradient and exchanges their updates
+  (:func:`topka2a_jax.compress_updates`).
   """
   decay = optax.add_decayed_weights(weight_decay)
   sgd = optax.sgd(LEARNING_RATE, momentum=MOMENTUM)
+  if updates:
+    return topka2a_jax.compress_updates(optax.chain(decay, sgd), **options)
   if sharded:
     return topka2a_jax.sharded_optimizer(optax.chain(decay, sgd), **options)
   exchange = topka2a_jax.topka2a(**options)
@@ -128,6 +133,7 @@ RUNS = {
     "topka2a 1%, a bucket per leaf": {"density": 0.01, "fusion": 1, **PAPER},
     "topka2a 1%, a bucket per leaf, optimizer sharded": {"density": 0.01,
                                                          "sharded": True, **PAPER},
+    "updates 1%": {"density": 0.01, "updates": True},
 }
 
 

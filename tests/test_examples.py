@@ -25,7 +25,8 @@ def digits_results():
   runs = {name: (lambda options=options, **mesh: train_digits.optimizer(
       train_digits.WEIGHT_DECAY, **options, **mesh))
           for name, options in train_digits.RUNS.items()
-          if name in ("dense (pmean)", "topka2a 1%", "topka2a 1%, no error feedback")}
+          if name in ("dense (pmean)", "topka2a 1%", "topka2a 1%, no error feedback",
+                      "updates 1%")}
   results = compare(runs, train_digits.make_task(), steps=400, seeds=(0, 1, 2),
                     batch_per_device=train_digits.BATCH_PER_DEVICE,
                     mesh=jax.make_mesh((8,), ("data",)))
@@ -38,6 +39,13 @@ def test_sparse_digits_within_a_point_of_dense(digits_results):
   assert dense.final.mean() > 0.95
   assert sparse.final.mean() > dense.final.mean() - 0.01
   assert sparse.bytes_per_step < 0.55 * dense.bytes_per_step
+
+
+def test_digits_with_the_momentum_step_compressed_within_a_point_of_dense(
+    digits_results):
+  dense = digits_results["dense (pmean)"]
+  updates = digits_results["updates 1%"]
+  assert updates.final.mean() > dense.final.mean() - 0.01
 
 
 def test_digits_without_error_feedback_is_worse(digits_results):
@@ -53,7 +61,7 @@ def test_charlm_quick_run_writes_its_table_and_plot(tmp_path):
       [sys.executable, str(EXAMPLES / "train_charlm.py"), "--quick", "--out", str(out)],
       capture_output=True, text=True, timeout=600, check=False)
   assert done.returncode == 0, done.stderr[-3000:]
-  assert "topka2a 1%" in done.stdout and "valid loss" in done.stdout
+  assert "updates 1%" in done.stdout and "valid loss" in done.stdout
   assert out.with_suffix(".png").stat().st_size > 10_000
   runs = json.loads(out.with_suffix(".json").read_text())["runs"]
   assert runs[0]["name"] == "dense (pmean)"

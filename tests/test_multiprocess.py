@@ -1,8 +1,10 @@
 """Several processes (gloo over loopback) against one, and the launcher itself."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -73,3 +75,70 @@ def test_environment_names_the_processes(monkeypatch):
   monkeypatch.setenv("TOPKA2A_PROCESS_ID", "one")
   with pytest.raises(ValueError, match="TOPKA2A_PROCESS_ID='one'.*integers"):
     from_environment()
+
+
+FAILING_WORKER = """
+import os, sys, time
+import topka2a_jax.distributed
+topka2a_jax.distributed.initialize()
+import jax, jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+print("pid", os.getpid(), flush=True)
+mesh = jax.make_mesh((jax.device_count(),), ("data",))
+total = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh,
+                              in_specs=P("data"), out_specs=P()))
+x = jax.make_array_from_callback((jax.device_count(),), jax.NamedSharding(mesh, P("data")),
+                                 lambda index: jnp.ones(1))
+for step in range(1, 10_000):
+  if step == 3 and jax.process_index() == 1 and sys.argv[1] == "raise":
+    print("raising at", time.time(), flush=True)
+    raise RuntimeError("a worker's bug")
+  jax.block_until_ready(total(x))
+  time.sleep(0.05)
+"""
+
+
+def _pids(stdout):
+  return [int(line.split()[-1]) for line in stdout.splitlines() if " pid " in line]
+
+
+def _gone(pid):
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return True
+  return False
+
+
+@pytest.mark.slow
+def test_a_worker_that_raises_ends_the_run_within_seconds_naming_its_rank(tmp_path):
+  script = tmp_path / "worker.py"
+  script.write_text(FAILING_WORKER)
+  done = run([sys.executable, "-m", "topka2a_jax.launch", "-n", "2",
+              "--devices-per-process", "2", str(script), "raise"])
+  ended = time.time()
+  assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+  assert "process 1 of 2 failed with status 1" in done.stderr
+  assert "RuntimeError: a worker's bug" in done.stdout
+  raised = float(next(line.split()[-1] for line in done.stdout.splitlines()
+                      if "raising at" in line))
+  assert ended - raised < 10
+  pids = _pids(done.stdout)
+  assert len(pids) == 2 and all(map(_gone, pids))
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
+  script = tmp_path / "worker.py"
+  script.write_text(FAILING_WORKER)
+  launcher = subprocess.Popen(
+      [sys.executable, "-m", "topka2a_jax.launch", "-n", "2", str(script), "run"],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  lines = []
+  while len(_pids("\n".join(lines))) < 2:
+    line = launcher.stdout.readline()
+    assert line, launcher.stderr.read()[-2000:]
+    lines.append(line)
+  launcher.send_signal(signal.SIGTERM)
+  assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
+  assert all(map(_gone, _pids("\n".join(lines))))

@@ -22,6 +22,7 @@ already used JAX):
 from __future__ import annotations
 
 import os
+import sys
 
 import jax
 
@@ -71,7 +72,31 @@ def from_environment() -> tuple[str, int, int] | None:
   return None
 
 
-def initialize() -> None:
+FAILED_STATUS = 1
+"""The exit status of a process that :func:`initialize` ends on an uncaught
+exception (Python's own for one)."""
+
+
+def _exit_at_once(previous):
+  """An excepthook: ``previous`` prints the traceback, then the process ends.
+
+  Without it, an uncaught exception after ``jax.distributed.initialize``
+  runs JAX's shutdown at exit, a barrier that waits (5 minutes by default)
+  for the peers, which meanwhile wait in a collective for this process: the
+  whole job hangs, then aborts with another status.
+  """
+  def hook(kind, value, traceback):
+    previous(kind, value, traceback)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(FAILED_STATUS)
+
+  return hook
+
+
+def initialize(*, fail_fast: bool = True,
+               heartbeat_timeout_seconds: int | None = None,
+               shutdown_timeout_seconds: int | None = None) -> None:
   """Joins the multi-process runtime; call it before any other JAX call.
 
   CPU collectives across processes use gloo (JAX's default CPU client has
@@ -79,19 +104,42 @@ def initialize() -> None:
   detect, ``jax.distributed.initialize`` raises: call this only when you
   mean to run several processes.
 
+  Args:
+    fail_fast: an uncaught exception ends this process at once, with status
+      :data:`FAILED_STATUS` after its traceback, instead of waiting in JAX's
+      shutdown barrier for peers that wait for it. Then
+      ``python -m topka2a_jax.launch`` stops the others within seconds and
+      names the failed rank; under another launcher (SLURM, torchrun-style),
+      the peers stop when JAX's coordination service misses this process's
+      heartbeats, after ``heartbeat_timeout_seconds``. A ``sys.exit(n)``
+      runs the shutdown barrier as usual: leave through an exception, or
+      ``os._exit(n)``, where the peers may be blocked.
+    heartbeat_timeout_seconds: seconds after which the coordination service
+      counts a silent process as dead and stops the job (JAX's default:
+      100). Lower it to end a job whose process died (killed, out of memory)
+      sooner.
+    shutdown_timeout_seconds: how long a finishing process waits at exit for
+      the others to finish (JAX's default: 300).
+
   Raises:
     ValueError: the process count or rank in the environment is malformed.
 
   Example:
-    >>> initialize()  # doctest: +SKIP
+    >>> initialize(heartbeat_timeout_seconds=20)  # doctest: +SKIP
     >>> jax.process_count()  # doctest: +SKIP
     4
   """
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  timeouts = {name: value for name, value in (
+      ("heartbeat_timeout_seconds", heartbeat_timeout_seconds),
+      ("shutdown_timeout_seconds", shutdown_timeout_seconds)) if value is not None}
   settings = from_environment()
   if settings is None:
-    jax.distributed.initialize()
-    return
-  address, num_processes, process_id = settings
-  jax.distributed.initialize(coordinator_address=address,
-                             num_processes=num_processes, process_id=process_id)
+    jax.distributed.initialize(**timeouts)
+  else:
+    address, num_processes, process_id = settings
+    jax.distributed.initialize(coordinator_address=address,
+                               num_processes=num_processes, process_id=process_id,
+                               **timeouts)
+  if fail_fast:
+    sys.excepthook = _exit_at_once(sys.excepthook)

@@ -9,8 +9,9 @@ the process count in the environment (read by
 :func:`topka2a_jax.distributed.initialize`), ``devices-per-process`` emulated
 CPU devices, and gloo collectives over TCP. Output lines are forwarded with a
 ``[rank]`` prefix. When a process fails the others are stopped, and the
-launcher exits with the failing process's status; it exits 0 when all
-succeed.
+launcher says which rank failed and exits with its status; it exits 0 when
+all succeed. SIGTERM, SIGINT or SIGHUP to the launcher stop every process
+before it exits (with 128 + the signal's number).
 
 Example:
   $ python -m topka2a_jax.launch -n 2 --devices-per-process 2 train.py --steps 5
@@ -33,7 +34,12 @@ from collections.abc import Sequence
 from topka2a_jax.distributed import COORDINATOR, NUM_PROCESSES, PROCESS_ID
 
 GRACE_SECONDS = 5.0
-"""How long a stopped process gets to exit before it is killed."""
+"""How long a process stopped by a signal to the launcher gets to exit before
+it is killed (JAX catches SIGTERM, for saving on preemption)."""
+
+FAILURE_GRACE_SECONDS = 1.0
+"""How long the others get when a process failed: their collectives wait for
+it, so there is nothing left for them to finish."""
 
 
 def free_port() -> int:
@@ -67,11 +73,11 @@ def _forward(rank: int, stream, lock: threading.Lock) -> None:
       sys.stdout.flush()
 
 
-def _stop(processes: Sequence[subprocess.Popen]) -> None:
+def _stop(processes: Sequence[subprocess.Popen], grace: float) -> None:
   for process in processes:
     if process.poll() is None:
       process.send_signal(signal.SIGTERM)
-  deadline = time.monotonic() + GRACE_SECONDS
+  deadline = time.monotonic() + grace
   for process in processes:
     try:
       process.wait(max(0.0, deadline - time.monotonic()))
@@ -105,6 +111,8 @@ def launch(command: Sequence[str], num_processes: int, devices_per_process: int,
   port = free_port()
   lock = threading.Lock()
   processes, readers = [], []
+  failed_rank = None
+  previous = _stop_on_signals()
   try:
     for rank in range(num_processes):
       prefix = list(prefixes[rank]) if prefixes else []
@@ -117,20 +125,54 @@ def launch(command: Sequence[str], num_processes: int, devices_per_process: int,
                                 daemon=True)
       reader.start()
       readers.append(reader)
-    status = 0
-    while status == 0 and any(p.poll() is None for p in processes):
-      failed = [p.returncode for p in processes if p.poll() not in (None, 0)]
-      status = failed[0] if failed else 0
+    while failed_rank is None and any(p.poll() is None for p in processes):
+      failed_rank = next((rank for rank, p in enumerate(processes)
+                          if p.poll() not in (None, 0)), None)
       time.sleep(0.05)
-    if status == 0:
-      status = next((p.returncode for p in processes if p.returncode), 0)
-  except KeyboardInterrupt:
-    status = 128 + signal.SIGINT
+    if failed_rank is None:
+      failed_rank = next((rank for rank, p in enumerate(processes) if p.returncode),
+                         None)
+    status = 0 if failed_rank is None else _status(processes[failed_rank].returncode)
+  except _Stopped as stopped:
+    status = 128 + stopped.signal
   finally:
-    _stop(processes)
+    _stop(processes, GRACE_SECONDS if failed_rank is None else FAILURE_GRACE_SECONDS)
     for reader in readers:
       reader.join(timeout=GRACE_SECONDS)
-  return 128 - status if status < 0 else status
+    for number, handler in previous.items():
+      signal.signal(number, handler)
+  if failed_rank is not None:
+    others = sum(1 for rank in range(len(processes)) if rank != failed_rank)
+    print(f"topka2a_jax.launch: process {failed_rank} of {len(processes)} failed "
+          f"with status {status}; stopped the other {others}", file=sys.stderr,
+          flush=True)
+  return status
+
+
+class _Stopped(Exception):
+  """The launcher got a signal that stops the whole job."""
+
+  def __init__(self, number: int):
+    super().__init__(f"signal {number}")
+    self.signal = number
+
+
+def _stop_on_signals() -> dict[int, object]:
+  """Turns SIGTERM, SIGINT and SIGHUP into :class:`_Stopped`; the old handlers."""
+  def handler(number, frame):
+    del frame
+    raise _Stopped(number)
+
+  previous = {}
+  if threading.current_thread() is threading.main_thread():
+    for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+      previous[number] = signal.signal(number, handler)
+  return previous
+
+
+def _status(returncode: int) -> int:
+  """An exit status: a process killed by signal N counts as 128 + N."""
+  return 128 - returncode if returncode < 0 else returncode
 
 
 def main(argv: Sequence[str] | None = None) -> int:
