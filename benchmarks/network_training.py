@@ -54,6 +54,7 @@ RUNS = {
     "updates": {"form": "updates"},
     "updates, topka2a_sparse": {"form": "updates", "algorithm": "topka2a_sparse"},
     "updates, all sent": {"form": "updates", "algorithm": "dense"},
+    "momentum, variance frozen at 30": {"form": "momentum", "freeze_after": 30},
     "defaults, 50 dense steps": {"warmup_steps": 50},
     "topka2a (paper)": {"algorithm": "topka2a", "selection": "exact"},
     "topka2a_sparse": {"algorithm": "topka2a_sparse", "selection": "threshold"},
@@ -62,13 +63,16 @@ RUNS = {
 """Configurations: name -> options of ``topka2a`` besides the density.
 
 ``"form": "updates"`` compresses Adam's updates,
-``topka2a_jax.compress_updates(optax.adam(...), density, **options)``; the
-others compress the gradient, ``optax.chain(topka2a(density, **options),
+``topka2a_jax.compress_updates(optax.adam(...), density, **options)``;
+``"form": "momentum"`` compresses Adam's momentum and freezes its variance
+after ``freeze_after`` dense steps (1-bit Adam's form,
+``topka2a_jax.frozen_variance_adam``); the others compress the gradient, ``optax.chain(topka2a(density, **options),
 optax.adam(...))``. Any ``"defaults, N dense steps"`` is a run too: the
 defaults with ``warmup_steps=N``.
 """
 
-DEFAULT_RUNS = ["dense", "defaults", "updates", "updates, topka2a_sparse"]
+DEFAULT_RUNS = ["dense", "defaults", "updates", "updates, topka2a_sparse",
+                "momentum, variance frozen at 30"]
 """What a run of the benchmark compares unless ``--runs`` says otherwise."""
 
 
@@ -92,9 +96,13 @@ def optimizer(name: str, density: float, mesh, schedule, b1: float):
   import topka2a_jax
 
   options = dict(run_options(name))
-  if options.pop("form", "gradient") == "updates":
+  form = options.pop("form", "gradient")
+  if form == "updates":
     return topka2a_jax.compress_updates(optax.adam(schedule, b1=b1), density,
                                         mesh=mesh, **options)
+  if form == "momentum":
+    return topka2a_jax.frozen_variance_adam(schedule, density, b1=b1, mesh=mesh,
+                                            **options)
   return optax.chain(topka2a_jax.topka2a(density, mesh=mesh, **options),
                      optax.adam(schedule, b1=b1))
 

@@ -1,17 +1,20 @@
 """Checkpoints: bitwise resume in a fresh process, restarts on other device counts."""
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 import resumable
 
 import topka2a_jax
+from topka2a_jax import checkpoint
 
 SCRIPT = Path(resumable.__file__)
 
@@ -131,3 +134,93 @@ def test_save_never_overwrites_and_restore_needs_a_checkpoint(tmp_path, mesh):
     topka2a_jax.save(tmp_path / "ckpt", state, mesh)
   with pytest.raises(FileNotFoundError, match="no checkpoint"):
     topka2a_jax.restore(tmp_path, state, mesh)
+
+
+def _flip_byte(path, at=None):
+  data = bytearray(path.read_bytes())
+  at = len(data) // 2 if at is None else at
+  data[at] ^= 0xFF
+  path.write_bytes(bytes(data))
+
+
+def test_a_flipped_byte_in_any_file_is_refused_naming_it(tmp_path, mesh):
+  state = resumable.fresh(mesh)
+  saved = tmp_path / "ckpt"
+  topka2a_jax.save(saved, state, mesh)
+  files = sorted(p.relative_to(saved) for p in saved.rglob("*") if p.is_file())
+  assert len(files) > 5 and Path(checkpoint.MANIFEST_FILE) in files
+  for i, name in enumerate(files):
+    copy = tmp_path / f"copy{i}"
+    shutil.copytree(saved, copy)
+    if (copy / name).stat().st_size == 0:
+      continue
+    _flip_byte(copy / name)
+    with pytest.raises(ValueError, match="corrupted") as refused:
+      topka2a_jax.restore(copy, state, mesh)
+    assert str(name.name) in str(refused.value), (name, refused.value)
+  restored = topka2a_jax.restore(saved, state, mesh)  # the intact one still loads
+  chex.assert_trees_all_equal(jax.tree.map(np.asarray, restored),
+                              jax.tree.map(np.asarray, state))
+
+
+def test_a_lost_manifest_still_leaves_every_array_checked(tmp_path, mesh):
+  # Random floats, which compression leaves as they are: the data file holds
+  # the array's bytes, as the issue's corrupted residual did.
+  weights = np.random.default_rng(0).normal(size=(256, 256)).astype(np.float32)
+  state = {"w": jax.device_put(weights)}
+  saved = tmp_path / "ckpt"
+  topka2a_jax.save(saved, state, mesh)
+  (saved / checkpoint.MANIFEST_FILE).unlink()
+  data = max((p for p in saved.rglob("*") if p.is_file() and "d" == p.parent.name),
+             key=lambda p: p.stat().st_size)  # the OCDBT data file of w
+  _flip_byte(data)
+  with pytest.warns(UserWarning, match="cannot be checked"), pytest.raises(
+      ValueError, match=r"leaf \['w'\] reads back other bytes"):
+    topka2a_jax.restore(saved, state, mesh)
+
+
+def test_fingerprint_changes_with_any_byte():
+  rng = np.random.default_rng(0)
+  for dtype in (np.float32, np.float16, np.int32, np.uint8, np.bool_):
+    array = rng.normal(size=(37, 5)).astype(dtype)
+    base = int(checkpoint.fingerprint(jnp.asarray(array)))
+    raw = array.view(np.uint8).reshape(-1)
+    for at in rng.choice(raw.size, 16, replace=False):
+      changed = raw.copy()
+      changed[at] ^= 1 << int(rng.integers(8))
+      flipped = changed.view(array.dtype).reshape(array.shape)
+      if dtype == np.bool_:
+        continue  # not every byte is a valid bool
+      assert int(checkpoint.fingerprint(jnp.asarray(flipped))) != base
+
+
+def test_a_save_that_fails_leaves_nothing_and_can_be_retried(tmp_path, mesh, monkeypatch):
+  import orbax.checkpoint as ocp
+
+  state = resumable.fresh(mesh)
+  real_save = ocp.StandardCheckpointer.save
+
+  def disk_full(self, directory, *args, **kwargs):
+    partial = Path(str(directory) + ".orbax-checkpoint-tmp-1")
+    partial.mkdir(parents=True)
+    (partial / "part").write_bytes(b"half")
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(ocp.StandardCheckpointer, "save", disk_full)
+  with pytest.raises(OSError, match="No space left"):
+    topka2a_jax.save(tmp_path / "ckpt", state, mesh)
+  assert not (tmp_path / "ckpt").exists()
+  monkeypatch.setattr(ocp.StandardCheckpointer, "save", real_save)
+  topka2a_jax.save(tmp_path / "ckpt", state, mesh)
+  topka2a_jax.restore(tmp_path / "ckpt", state, mesh)
+
+
+def test_a_corrupted_layout_file_is_named(tmp_path, mesh):
+  state = resumable.fresh(mesh)
+  saved = tmp_path / "ckpt"
+  topka2a_jax.save(saved, state, mesh)
+  (saved / checkpoint.MANIFEST_FILE).unlink()  # a copy that lost it, then
+  _flip_byte(saved / checkpoint.LAYOUT_FILE, at=0)  # a bad first byte
+  with pytest.warns(UserWarning), pytest.raises(
+      ValueError, match="layout description .*topka2a_layout.json is corrupted"):
+    topka2a_jax.restore(saved, state, mesh)

@@ -267,3 +267,27 @@ def test_auto_never_takes_an_exchange_that_holds_back(mesh):
                           sizes, 8)
   assert [b.algorithm for b in gradient] == ["topka2a_sparse"]
   assert [b.algorithm for b in updates] in (["topka2a"], ["allgather"])
+
+
+def test_frozen_variance_adam_is_adam_of_the_mean_until_it_freezes(mesh, exchange_steps):
+  lr = 0.01
+  tx = topka2a_jax.frozen_variance_adam(lr, 0.05, freeze_after=4, min_size=0,
+                                        algorithm="topka2a")
+  steps = [random_grads(seed) for seed in range(6)]
+  adam = NumpyAdam(SHAPES)
+  history = exchange_steps(tx, mesh, steps)
+  for i, (grads, (updates, state)) in enumerate(zip(steps[:4], history)):
+    mean = {k: np.broadcast_to(g.mean(0, keepdims=True), g.shape) for k, g in
+            grads.items()}
+    adam.count = i  # NumpyAdam's moments of the mean gradient, eps 1e-8
+    want = {}
+    for k, g in mean.items():
+      adam.mu[k] = 0.9 * adam.mu[k] + 0.1 * g
+      adam.nu[k] = 0.999 * adam.nu[k] + 0.001 * g.astype(np.float64) ** 2
+      want[k] = -lr * (adam.mu[k] / (1 - 0.9 ** (i + 1))) / (
+          np.sqrt(adam.nu[k] / (1 - 0.999 ** (i + 1))) + 1e-8)
+    for k in SHAPES:
+      _close(updates[k], want[k], f"step {i} {k}")
+  frozen = [np.asarray(state[1].nu["a"]) for _, state in history[3:]]
+  np.testing.assert_array_equal(frozen[0], frozen[-1])  # frozen after step 4
+  assert all(np.isfinite(updates["a"]).all() for updates, _ in history)

@@ -16,7 +16,8 @@ Read it top-down:
   (:mod:`topka2a_jax.exchange`).
 * :mod:`topka2a_jax.update_compression`: ``compress_updates``, the
   optimizer run on every device's own gradient and its updates exchanged
-  sparsely: what converges with Adam.
+  sparsely: what converges with Adam; :mod:`topka2a_jax.frozen_variance`:
+  Adam's momentum compressed and its variance frozen (1-bit Adam's form).
 * :mod:`topka2a_jax.sharded_optimizer`: the optimizer run on the shards
   TopKA2A's first phase leaves each device, its state divided among them.
 * :mod:`topka2a_jax.layout`: parameter specs and the residuals' layout.
@@ -60,6 +61,7 @@ from topka2a_jax import checkpoint, collectives
 from topka2a_jax.checkpoint import restore, save
 from topka2a_jax.collectives import Exchange
 from topka2a_jax.cost import NETWORKS, Network, breakeven_density, exchange_cost
+from topka2a_jax.frozen_variance import frozen_variance_adam, scale_by_frozen_rms
 from topka2a_jax.fusion import FusionPlan, plan_fusion
 from topka2a_jax.nonfinite import SkipNonFiniteState, skip_nonfinite
 from topka2a_jax.placement import init, state_specs
@@ -88,11 +90,13 @@ __all__ = [
   "comm_report",
   "compress_updates",
   "exchange_cost",
+  "frozen_variance_adam",
   "init",
   "nnx_train_step",
   "plan_fusion",
   "restore",
   "save",
+  "scale_by_frozen_rms",
   "sharded_optimizer",
   "skip_nonfinite",
   "state_specs",

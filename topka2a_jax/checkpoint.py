@@ -28,8 +28,11 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import shutil
+import warnings
 from collections.abc import Hashable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -46,7 +49,12 @@ from topka2a_jax.transform import TopKA2AState
 from topka2a_jax.update_compression import CompressedUpdatesState
 
 LAYOUT_FILE = "topka2a_layout.json"
-"""Written beside Orbax's files: devices, axis, pytree structure and shapes."""
+"""Written beside Orbax's files: devices, axis, pytree structure, shapes, and
+each leaf's fingerprint (:func:`fingerprint`)."""
+
+MANIFEST_FILE = "topka2a_manifest.json"
+"""Written last: the SHA-256 of every other file of the checkpoint, and of
+itself (its ``"files"`` as written), so that any changed byte is found."""
 
 
 RESIDUAL, SHARD, REPLICA = "residual", "shard", "replica"
@@ -84,6 +92,44 @@ def _pieces(leaf: Any, axis_name: Hashable) -> int:
   axes = first if isinstance(first, tuple) else (first,)
   return math.prod(sharding.mesh.shape[a] for a in axes
                    if a is not None and a not in axis_names(axis_name))
+
+
+def fingerprint(leaf: jax.Array) -> jax.Array:
+  """A uint32 digest of an array's bytes that changes with any one byte.
+
+  Byte ``j`` counts ``b_j * m_j`` modulo 2^32 with an odd ``m_j``: a byte
+  that changes by ``d`` (``0 < |d| < 256``) moves the sum by ``d * m_j``,
+  never a multiple of 2^32. Computed where the array lives, on every
+  process alike, without gathering it.
+
+  Example:
+    >>> int(fingerprint(jnp.zeros(3))) == int(fingerprint(jnp.zeros(3).at[1].set(1e-38)))
+    False
+  """
+  data = jnp.ravel(leaf)
+  if data.dtype == jnp.bool_:
+    data = data.astype(jnp.uint8)
+  raw = jnp.ravel(jax.lax.bitcast_convert_type(data, jnp.uint8)).astype(jnp.uint32)
+  position = jnp.arange(raw.size, dtype=jnp.uint32)
+  odd = position * jnp.uint32(2654435761) * jnp.uint32(2) + jnp.uint32(1)
+  return jnp.sum(raw * odd, dtype=jnp.uint32)
+
+
+_fingerprints = jax.jit(lambda leaves: [fingerprint(leaf) for leaf in leaves])
+
+
+def _leaf_fingerprints(leaves: list[Any]) -> list[int]:
+  """Every leaf's :func:`fingerprint` as a Python int, one program per device set."""
+  groups: dict[Any, list[int]] = {}
+  for i, leaf in enumerate(leaves):
+    devices = getattr(getattr(leaf, "sharding", None), "device_set", None)
+    groups.setdefault(frozenset(d.id for d in devices or ()), []).append(i)
+  found = [0] * len(leaves)
+  for members in groups.values():
+    digests = _fingerprints([leaves[i] for i in members])
+    for i, digest in zip(members, digests):
+      found[i] = int(jax.device_get(digest.addressable_shards[0].data))
+  return found
 
 
 def _layout(state: Any, mesh: Mesh, axis_name: Hashable) -> dict[str, Any]:
@@ -200,9 +246,88 @@ def _saved_slices_shape(saved: list[int], shape: list[int], old: Devices,
   return list(saved) if lowest <= highest else shape
 
 
+def _digest(path: Path) -> str:
+  """The SHA-256 of a file, read in pieces."""
+  sha = hashlib.sha256()
+  with path.open("rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+      sha.update(block)
+  return sha.hexdigest()
+
+
+def _files(directory: Path) -> list[str]:
+  """Every file under ``directory`` but the manifest, as sorted relative paths."""
+  return sorted(str(path.relative_to(directory)) for path in directory.rglob("*")
+                if path.is_file() and path.name != MANIFEST_FILE)
+
+
+def _write_manifest(directory: Path) -> None:
+  files = {name: _digest(directory / name) for name in _files(directory)}
+  listed = json.dumps(files, sort_keys=True)
+  (directory / MANIFEST_FILE).write_text(json.dumps(
+      {"files": files, "self": hashlib.sha256(listed.encode()).hexdigest()}))
+
+
+def _read_json(path: Path, what: str) -> Any:
+  """A JSON file of the checkpoint, or a ValueError that names it."""
+  try:
+    return json.loads(path.read_bytes().decode("utf-8"))
+  except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    raise ValueError(f"the checkpoint's {what} {path} is corrupted ({error}); "
+                     "restore an intact copy. Nothing was loaded.") from None
+
+
+def verify(directory: str | Path) -> None:
+  """Checks every file of a checkpoint written by :func:`save` against its manifest.
+
+  Raises:
+    ValueError: naming the first file that is missing, added, or whose
+      SHA-256 differs from the one saved (a corrupted or partial copy), or a
+      corrupted manifest.
+
+  Example:
+    >>> import tempfile
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> directory = Path(tempfile.mkdtemp()) / "ckpt"
+    >>> save(directory, {"w": jnp.ones(4)}, mesh)
+    >>> verify(directory)
+    >>> with (directory / LAYOUT_FILE).open("r+b") as f:
+    ...   _ = f.write(b"X")
+    >>> verify(directory)
+    Traceback (most recent call last):
+    ValueError: checkpoint file .../topka2a_layout.json is corrupted: its SHA-256 differs from the one saved. Restore an intact copy; nothing was loaded.
+  """
+  directory = Path(directory).absolute()
+  manifest = _read_json(directory / MANIFEST_FILE, "manifest")
+  files = manifest.get("files") if isinstance(manifest, dict) else None
+  listed = json.dumps(files, sort_keys=True)
+  if (not isinstance(files, dict)
+      or manifest.get("self") != hashlib.sha256(listed.encode()).hexdigest()):
+    raise ValueError(f"the checkpoint's manifest {directory / MANIFEST_FILE} is "
+                     "corrupted: its digest does not match what it lists. Restore "
+                     "an intact copy; nothing was loaded.")
+  found = _files(directory)
+  for name in sorted(set(files) | set(found)):
+    if name not in found:
+      problem = "is missing"
+    elif name not in files:
+      problem = "was not written by save (the copy holds an extra file)"
+    elif _digest(directory / name) != files[name]:
+      problem = "is corrupted: its SHA-256 differs from the one saved"
+    else:
+      continue
+    raise ValueError(f"checkpoint file {directory / name} {problem}. Restore an "
+                     "intact copy; nothing was loaded.")
+
+
 def save(directory: str | Path, state: Any, mesh: Mesh,
          axis_name: Hashable = "data") -> None:
   """Writes the whole training state, every device's residuals included.
+
+  Each leaf's :func:`fingerprint` goes into the layout description, and a
+  manifest of every file's SHA-256 is written last, so :func:`restore`
+  refuses a corrupted or partial copy. A save that fails removes what it
+  wrote, so that it can be retried into the same directory.
 
   Args:
     directory: a new directory (it must not exist; nothing is overwritten).
@@ -231,10 +356,19 @@ def save(directory: str | Path, state: Any, mesh: Mesh,
     raise FileExistsError(f"{directory} exists; save each checkpoint to a new "
                           "directory (nothing was written)")
   layout = _layout(state, mesh, axis_name)
-  with ocp.StandardCheckpointer() as checkpointer:
-    checkpointer.save(directory / "state", state)
-  if jax.process_index() == 0:
-    (directory / LAYOUT_FILE).write_text(json.dumps(layout, indent=1))
+  layout["fingerprints"] = _leaf_fingerprints(jax.tree.leaves(state))
+  try:
+    with ocp.StandardCheckpointer() as checkpointer:
+      checkpointer.save(directory / "state", state)
+    if jax.process_count() > 1:  # every process's files are written
+      multihost_utils.sync_global_devices(f"topka2a_jax.save {directory} written")
+    if jax.process_index() == 0:
+      (directory / LAYOUT_FILE).write_text(json.dumps(layout, indent=1))
+      _write_manifest(directory)
+  except BaseException:
+    if jax.process_index() == 0:
+      shutil.rmtree(directory, ignore_errors=True)
+    raise
 
 
 def resize_residual(residual: jax.Array, old_devices: int,
@@ -339,10 +473,12 @@ def restore(directory: str | Path, like: Any, mesh: Mesh,
 
   Raises:
     FileNotFoundError: no checkpoint written by :func:`save` there.
-    ValueError: the checkpoint holds another model or configuration (pytree
-      structure, shapes or dtypes differ from ``like``'s), or was saved on one
-      data axis and is restored onto a pair (or the other way round);
-      nothing is loaded.
+    ValueError: a file of the checkpoint is missing, added or corrupted
+      (:func:`verify`), or an array read back differs from the one saved
+      (naming its path); the checkpoint holds another model or
+      configuration (pytree structure, shapes or dtypes differ from
+      ``like``'s), or was saved on one data axis and is restored onto a
+      pair (or the other way round). Nothing is returned.
 
   Example:
     >>> import tempfile
@@ -361,7 +497,12 @@ def restore(directory: str | Path, like: Any, mesh: Mesh,
   if not (directory / LAYOUT_FILE).is_file():
     raise FileNotFoundError(f"{directory} holds no checkpoint written by "
                             f"topka2a_jax.save (no {LAYOUT_FILE})")
-  saved = json.loads((directory / LAYOUT_FILE).read_text())
+  if (directory / MANIFEST_FILE).is_file():
+    verify(directory)
+  else:
+    warnings.warn(f"{directory} has no {MANIFEST_FILE} (saved by an older "
+                  "topka2a_jax): its files cannot be checked", stacklevel=2)
+  saved = _read_json(directory / LAYOUT_FILE, "layout description")
   wanted = _layout(like, mesh, axis_name)
   old, new = Devices.of(saved), Devices.of(wanted)
   _check_same_configuration(saved, wanted, directory)
@@ -379,6 +520,7 @@ def restore(directory: str | Path, like: Any, mesh: Mesh,
   treedef = jax.tree.structure(like)
   with ocp.StandardCheckpointer() as checkpointer:
     loaded = checkpointer.restore(directory / "state", treedef.unflatten(targets))
+  _check_fingerprints(loaded, saved, directory)
   if old == new:
     return loaded
   shardings = [leaf.sharding for leaf in jax.tree.leaves(like)]
@@ -410,6 +552,19 @@ def _resized(leaf: jax.Array, described: dict[str, Any], old: Devices, new: Devi
     return jax.jit(reshard, static_argnums=(1, 2), out_shardings=sharding)(
         leaf, tuple(described["shape"]), pieces)
   return leaf
+
+
+def _check_fingerprints(loaded: Any, saved: dict[str, Any], directory: Path) -> None:
+  """Raises unless every array read back has the fingerprint it was saved with."""
+  if "fingerprints" not in saved:
+    return
+  found = _leaf_fingerprints(jax.tree.leaves(loaded))
+  for got, want, described in zip(found, saved["fingerprints"], saved["leaves"]):
+    if got != want:
+      raise ValueError(
+          f"the checkpoint in {directory} is corrupted: leaf {described['path']} "
+          "reads back other bytes than were saved. Restore an intact copy; "
+          "nothing was returned.")
 
 
 def _check_same_configuration(saved: dict[str, Any], wanted: dict[str, Any],
