@@ -101,3 +101,38 @@ def test_wrapper_state_specs_and_init(mesh):
   assert specs.nonfinite_steps == P()
   assert specs.inner_state[0].residuals["w"] == P("data")
   assert specs.inner_state[0].count == P()
+
+
+@pytest.mark.parametrize("value_dtype, scale", [
+    (jnp.float16, 1e5),  # beyond float16's 65,504
+    (jnp.float8_e4m3fn, 1e3),  # beyond float8_e4m3fn's 448
+])
+def test_values_beyond_the_wire_dtype_wait_in_the_residual(mesh, exchange_steps,
+                                                           value_dtype, scale):
+  rng = np.random.default_rng(0)
+  grads = [{"w": (scale * rng.normal(size=(8, 4096))).astype(np.float32)}
+           for _ in range(3)]
+  zeros = {"w": np.zeros((8, 4096), np.float32)}
+  tx = optax.chain(topka2a_jax.topka2a(0.05, algorithm="topka2a", min_size=0,
+                                       value_dtype=value_dtype))
+  history = exchange_steps(tx, mesh, grads + [zeros] * 400)
+  for updates, state in history:
+    assert np.isfinite(updates["w"]).all()
+    assert np.isfinite(np.asarray(state[0].residuals["w"])).all()
+    assert int(state[0].nonfinite_steps) == 0
+  delivered = sum(np.asarray(u["w"][0], np.float64) for u, _ in history)
+  owed = np.asarray(history[-1][1][0].residuals["w"], np.float64).reshape(8, -1).sum(0)
+  total = sum(g["w"].astype(np.float64).sum(0) for g in grads)
+  # Nothing lost: what arrived and what is still owed add up to every gradient
+  # (float32 sums of values of `scale`, rounded to the wire dtype, fed back).
+  np.testing.assert_allclose(8 * delivered + owed, total, rtol=0,
+                             atol=1e-4 * scale)
+
+
+def test_float16_parameters_survive_error_feedbacks_bursts(mesh, exchange_steps):
+  grads = {"w": np.full((8, 4096), 2000.0, np.float16)}
+  tx = optax.chain(topka2a_jax.topka2a(0.01, algorithm="topka2a", min_size=0))
+  for step, (updates, state) in enumerate(exchange_steps(tx, mesh, [grads] * 40)):
+    assert updates["w"].dtype == np.float16
+    assert np.isfinite(updates["w"].astype(np.float32)).all(), f"step {step}"
+    assert state[0].residuals["w"].dtype == jnp.float32  # accumulates in float32

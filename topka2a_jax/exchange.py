@@ -111,6 +111,20 @@ def _accumulator(grad: jax.Array, residual: Any, per_node: int,
   return collectives.add_to_own_row(rows, inner_axis, jnp.ravel(residual))
 
 
+def wire_limit(options: Options, dtypes: Sequence[jnp.dtype]) -> float | None:
+  """The largest magnitude a sparse bucket of ``dtypes`` may send, or None.
+
+  What a device sends must fit the values' wire dtype (``value_dtype``:
+  float16 ends at 65,504, float8_e4m3fn at 448) and, once averaged, the
+  leaves' own dtype (a float16 parameter's mean update). Error feedback's
+  bursts, many steps' gradients summed, can exceed both; they are clipped
+  to this limit and the excess stays in the residual.
+  """
+  wire = [*dtypes, *([options.value_dtype] if options.value_dtype is not None else [])]
+  limit = min(float(jnp.finfo(dtype).max) for dtype in wire)
+  return None if limit >= float(jnp.finfo(jnp.float32).max) else limit
+
+
 def _split_columns(rows: jax.Array, widths: Sequence[int]) -> list[jax.Array]:
   """``(L, sum of widths)`` split into ``(L, width)`` pieces, left to right."""
   return [rows[:, start - width:start]
@@ -127,7 +141,9 @@ def exchange(options: Options, grads: Sequence[jax.Array],
   slice ``j`` of every leaf), so what the outer exchange leaves unsent splits
   into the leaves' slices. A sparse bucket routed flat reduce-scatters what
   it leaves unsent inside the node, which puts each slice's node sum on the
-  device that keeps it; nothing is lost either way.
+  device that keeps it; nothing is lost either way. Over one data axis,
+  sparse buckets send at most :func:`wire_limit` per entry; the excess waits
+  in the residual.
 
   Args:
     options: the transform's options.
@@ -154,6 +170,12 @@ def exchange(options: Options, grads: Sequence[jax.Array],
     rows = [_accumulator(grads[i], residuals[i] if keep else None, per_node,
                          inner_axis, dtype) for i, keep in zip(members, keeps)]
     algorithm = REGISTRY[bucket.algorithm] if sparse else DENSE
+    limit = wire_limit(options, [grads[i].dtype for i in members])
+    excess = [None] * len(rows)
+    if algorithm.sparse and per_node == 1 and limit is not None:
+      clipped = [jnp.clip(r, -limit, limit) for r in rows]
+      excess = [r - c for r, c in zip(rows, clipped)]
+      rows = clipped
     options_kw = {"value_dtype": options.value_dtype, "selection": options.selection}
     if bucket.route == TWO_LEVEL:
       result = collectives.two_level(
@@ -169,9 +191,11 @@ def exchange(options: Options, grads: Sequence[jax.Array],
       mean_pieces = buckets.unpack(result.mean, sizes)
       unsent = unsent_slices(buckets.unpack(result.unsent, sizes), widths,
                              per_node, inner_axis, algorithm.sparse and any(keeps))
-    for i, keep, mean, left in zip(members, keeps, mean_pieces, unsent):
+    for i, keep, mean, left, over in zip(members, keeps, mean_pieces, unsent, excess):
       means[i] = mean.reshape(grads[i].shape).astype(grads[i].dtype)
       if keep:
+        if over is not None:
+          left = left + over.ravel()[:left.size]
         new_residuals[i] = left.reshape(residuals[i].shape).astype(residuals[i].dtype)
   return means, new_residuals
 
@@ -238,7 +262,8 @@ def step(options: Options, grads: list, residuals: list, count: jax.Array,
     nonfinite_steps: skipped steps so far.
     bad: whether some device's gradient is non-finite, decided already by
       :func:`topka2a_jax.skip_nonfinite`; None to decide here (when
-      ``options.skip_nonfinite``).
+      ``options.skip_nonfinite``). With a decision, a step whose means come
+      out non-finite (an overflow in the leaves' dtype) is skipped too.
 
   Returns:
     ``(means, residuals, count, nonfinite_steps)`` after the step.
@@ -247,7 +272,18 @@ def step(options: Options, grads: list, residuals: list, count: jax.Array,
     bad = nonfinite_on_any_device(grads, options.axis_name)
   if bad is None:
     return (*_applied(options, grads, residuals, count), nonfinite_steps)
-  means, residuals, count = jax.lax.cond(
+  means, new, new_count = jax.lax.cond(
       bad, lambda *a: _skipped(options, *a), lambda *a: _applied(options, *a),
       grads, residuals, count)
-  return means, residuals, count, nonfinite_steps + bad.astype(jnp.int32)
+  # The means are identical on every device, so every device decides alike.
+  broke = jnp.zeros((), bool)
+  for mean in means:
+    if mean.size:
+      broke = broke | jnp.any(~jnp.isfinite(mean))
+  shards = tuple(sorted(varying_axes(broke), key=str))  # pieces over "model"
+  if shards:
+    broke = jax.lax.pmax(broke.astype(jnp.int32), shards) > 0
+  keep = lambda old, made: jax.tree.map(lambda o, m: jnp.where(broke, o, m), old, made)
+  means = [jnp.where(broke, jnp.zeros_like(m), m) for m in means]
+  skipped = (bad | broke).astype(jnp.int32)
+  return means, keep(residuals, new), keep(count, new_count), nonfinite_steps + skipped
