@@ -224,3 +224,34 @@ def test_a_corrupted_layout_file_is_named(tmp_path, mesh):
   with pytest.warns(UserWarning), pytest.raises(
       ValueError, match="layout description .*topka2a_layout.json is corrupted"):
     topka2a_jax.restore(saved, state, mesh)
+
+
+def test_the_manager_keeps_the_last_steps_and_restores_onto_fewer_devices(tmp_path, mesh):
+  small = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+  state = resumable.fresh(mesh)
+  with topka2a_jax.CheckpointManager(tmp_path, mesh, max_to_keep=2) as manager:
+    for step in (1, 2, 3):
+      manager.save(step, state)
+    manager.wait_until_finished()
+    assert manager.all_steps() == [2, 3] and manager.latest_step() == 3
+  # After a restart on 4 devices: the latest complete step, residuals resized.
+  with topka2a_jax.CheckpointManager(tmp_path, small) as manager:
+    restored = manager.restore(resumable.fresh(small))
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint of step 1"):
+      manager.restore(resumable.fresh(small), step=1)
+  np.testing.assert_allclose(owed(restored, 4), owed(state, 8), rtol=0, atol=0)
+  chex.assert_trees_all_equal(jax.tree.map(np.asarray, restored["params"]),
+                              jax.tree.map(np.asarray, state["params"]))
+
+
+def test_the_manager_never_lists_a_partial_step(tmp_path, mesh):
+  state = resumable.fresh(mesh)
+  with topka2a_jax.CheckpointManager(tmp_path, mesh, async_save=False) as manager:
+    manager.save(1, state)
+  # A crash in the middle of step 2's save leaves Orbax's temporary directory.
+  partial = tmp_path / "2.orbax-checkpoint-tmp-1234"
+  partial.mkdir()
+  (partial / "state").mkdir()
+  with topka2a_jax.CheckpointManager(tmp_path, mesh) as manager:
+    assert manager.latest_step() == 1
+    manager.restore(state)

@@ -28,7 +28,8 @@ Read it top-down:
 * :mod:`topka2a_jax.axis`: trace-time checks of the mesh axis.
 * :mod:`topka2a_jax.nonfinite`: skipping steps with NaN or infinite gradients.
 * :mod:`topka2a_jax.placement`: laying the optimizer state out on a mesh.
-* :mod:`topka2a_jax.checkpoint`: saving and restoring it, on any device count.
+* :mod:`topka2a_jax.checkpoint`: saving and restoring it, on any device count;
+  :mod:`topka2a_jax.checkpoint_manager`: every N steps, the last few kept.
 * :mod:`topka2a_jax.distributed`, :mod:`topka2a_jax.launch`: several processes
   (hosts), and the local launcher that starts them.
 * :mod:`topka2a_jax.fusion`: planning buckets with the cost model; the
@@ -59,6 +60,7 @@ Example:
 
 from topka2a_jax import checkpoint, collectives
 from topka2a_jax.checkpoint import restore, save
+from topka2a_jax.checkpoint_manager import CheckpointManager
 from topka2a_jax.collectives import Exchange
 from topka2a_jax.cost import NETWORKS, Network, breakeven_density, exchange_cost
 from topka2a_jax.frozen_variance import frozen_variance_adam, scale_by_frozen_rms
@@ -74,6 +76,7 @@ from topka2a_jax.update_compression import CompressedUpdatesState, compress_upda
 
 __all__ = [
   "NETWORKS",
+  "CheckpointManager",
   "CommReport",
   "CompressedUpdatesState",
   "Exchange",

@@ -132,6 +132,18 @@ def _leaf_fingerprints(leaves: list[Any]) -> list[int]:
   return found
 
 
+def describe(state: Any, mesh: Mesh, axis_name: Hashable = "data") -> dict[str, Any]:
+  """What :func:`restore` needs to read ``state`` onto another mesh, as JSON.
+
+  The devices along the data axis, the pytree's structure, every leaf's
+  path, shape, dtype and layout (per device or replicated), and every
+  leaf's :func:`fingerprint`.
+  """
+  layout = _layout(state, mesh, axis_name)
+  layout["fingerprints"] = _leaf_fingerprints(jax.tree.leaves(state))
+  return layout
+
+
 def _layout(state: Any, mesh: Mesh, axis_name: Hashable) -> dict[str, Any]:
   with_paths, treedef = jax.tree_util.tree_flatten_with_path(state)
   return {
@@ -355,8 +367,7 @@ def save(directory: str | Path, state: Any, mesh: Mesh,
   if exists:
     raise FileExistsError(f"{directory} exists; save each checkpoint to a new "
                           "directory (nothing was written)")
-  layout = _layout(state, mesh, axis_name)
-  layout["fingerprints"] = _leaf_fingerprints(jax.tree.leaves(state))
+  layout = describe(state, mesh, axis_name)
   try:
     with ocp.StandardCheckpointer() as checkpointer:
       checkpointer.save(directory / "state", state)
@@ -503,10 +514,24 @@ def restore(directory: str | Path, like: Any, mesh: Mesh,
     warnings.warn(f"{directory} has no {MANIFEST_FILE} (saved by an older "
                   "topka2a_jax): its files cannot be checked", stacklevel=2)
   saved = _read_json(directory / LAYOUT_FILE, "layout description")
+
+  def read(targets: Any) -> Any:
+    with ocp.StandardCheckpointer() as checkpointer:
+      return checkpointer.restore(directory / "state", targets)
+
+  return restore_laid_out(saved, read, like, mesh, axis_name, directory)
+
+
+def restore_laid_out(saved: dict[str, Any], read: Any, like: Any, mesh: Mesh,
+                      axis_name: Hashable, where: Any) -> Any:
+  """Reads a state described by ``saved`` through ``read(targets)``, laid out like ``like``.
+
+  Checks the configuration before reading, every array's fingerprint after,
+  and resizes the per-device leaves when the device count changed.
+  """
   wanted = _layout(like, mesh, axis_name)
   old, new = Devices.of(saved), Devices.of(wanted)
-  _check_same_configuration(saved, wanted, directory)
-
+  _check_same_configuration(saved, wanted, where)
   targets = []
   for leaf, described, was in zip(jax.tree.leaves(like), wanted["leaves"],
                                   saved["leaves"]):
@@ -518,9 +543,8 @@ def restore(directory: str | Path, like: Any, mesh: Mesh,
       targets.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
                                           sharding=leaf.sharding))
   treedef = jax.tree.structure(like)
-  with ocp.StandardCheckpointer() as checkpointer:
-    loaded = checkpointer.restore(directory / "state", treedef.unflatten(targets))
-  _check_fingerprints(loaded, saved, directory)
+  loaded = read(treedef.unflatten(targets))
+  _check_fingerprints(loaded, saved, where)
   if old == new:
     return loaded
   shardings = [leaf.sharding for leaf in jax.tree.leaves(like)]
@@ -554,7 +578,7 @@ def _resized(leaf: jax.Array, described: dict[str, Any], old: Devices, new: Devi
   return leaf
 
 
-def _check_fingerprints(loaded: Any, saved: dict[str, Any], directory: Path) -> None:
+def _check_fingerprints(loaded: Any, saved: dict[str, Any], directory: Any) -> None:
   """Raises unless every array read back has the fingerprint it was saved with."""
   if "fingerprints" not in saved:
     return
@@ -568,7 +592,7 @@ def _check_fingerprints(loaded: Any, saved: dict[str, Any], directory: Path) -> 
 
 
 def _check_same_configuration(saved: dict[str, Any], wanted: dict[str, Any],
-                              directory: Path) -> None:
+                              directory: Any) -> None:
   """Raises unless the saved state is the same pytree as the wanted one."""
   fix = ("Restore into a state made for the same model and topka2a options "
          "(density aside); nothing was loaded.")

@@ -82,7 +82,7 @@ def scale_by_frozen_rms(b1: float, b2: float = 0.999, eps: float = 1e-8, *,
     >>> tx = scale_by_frozen_rms(0.9, freeze_after=2)
     >>> state = tx.init({"w": jnp.zeros(3)})
     >>> step, state = tx.update({"w": jnp.array([0.1, -0.1, 0.0])}, state)
-    >>> step["w"]  # first step: m_hat / sqrt(v_hat) is the sign
+    >>> jnp.round(step["w"], 4)  # first step: m_hat / sqrt(v_hat), the sign
     Array([ 1., -1.,  0.], dtype=float32)
   """
   if freeze_after < 1:

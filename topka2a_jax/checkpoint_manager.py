@@ -1,0 +1,143 @@
+"""Checkpoints every N steps with Orbax's ``CheckpointManager``: keep the last few, find the latest.
+
+:func:`topka2a_jax.save` and :func:`topka2a_jax.restore` write and read one
+directory. A training loop wants more: a step number per checkpoint, only
+the last few kept, the latest complete one found after a crash (a partial
+save is never listed), saving in the background. :class:`CheckpointManager`
+puts that on ``orbax.checkpoint.CheckpointManager`` and keeps, beside every
+step's state, the layout description that :func:`topka2a_jax.restore` needs
+to read it onto another number of devices (each array's fingerprint
+included, checked at restore).
+
+When is plain Orbax enough? When every restart has the same mesh: then
+Orbax's own manager restores the residuals as the per-device arrays they
+are. It cannot resize them onto another device count, and restoring with
+``strict=False`` into a state whose residual shapes differ (or that has
+none) drops what error feedback still owed without a word.
+
+Example:
+  >>> import tempfile
+  >>> mesh = jax.make_mesh((8,), ("data",))
+  >>> tx = topka2a_jax.compress_updates(optax.adam(1e-3), 0.1, min_size=0, mesh=mesh)
+  >>> params = {"w": jnp.ones((4, 3))}
+  >>> state = {"params": params, "opt_state": tx.init(params)}
+  >>> with CheckpointManager(tempfile.mkdtemp(), mesh, max_to_keep=2) as manager:
+  ...   for step in (10, 20, 30):
+  ...     _ = manager.save(step, state)
+  ...   manager.wait_until_finished()
+  ...   manager.all_steps(), manager.latest_step()
+  ([20, 30], 30)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from pathlib import Path
+from typing import Any
+
+from jax.sharding import Mesh
+
+from topka2a_jax import checkpoint
+from topka2a_jax.axis import check_on_mesh
+
+STATE, LAYOUT = "state", "layout"
+"""The two items of every step: the state (Orbax's standard format) and its
+layout description (JSON)."""
+
+
+class CheckpointManager:
+  """Saves the training state every step asked, keeps the last few, restores anywhere.
+
+  Args:
+    directory: the root; every step is a subdirectory Orbax names.
+    mesh: the mesh the saved states live on.
+    axis_name: the data-parallel mesh axis, or a pair of them.
+    max_to_keep: how many of the latest steps to keep (None: all).
+    async_save: write in the background (Orbax's asynchronous checkpointing);
+      :meth:`wait_until_finished` or closing waits for it.
+
+  Example:
+    >>> manager = CheckpointManager("/ckpt", mesh, max_to_keep=3)  # doctest: +SKIP
+    >>> manager.save(step, {"params": params, "opt_state": opt_state})  # doctest: +SKIP
+    >>> state = manager.restore(like)  # the latest step  # doctest: +SKIP
+  """
+
+  def __init__(self, directory: str | Path, mesh: Mesh, *,
+               axis_name: Hashable = "data", max_to_keep: int | None = None,
+               async_save: bool = True):
+    import orbax.checkpoint as ocp
+
+    check_on_mesh(mesh, axis_name)
+    self._mesh, self._axis_name = mesh, axis_name
+    self._manager = ocp.CheckpointManager(
+        Path(directory).absolute(), item_names=(STATE, LAYOUT),
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=True))
+
+  def save(self, step: int, state: Any) -> bool:
+    """Saves ``state`` as ``step`` (in the background with ``async_save``).
+
+    Returns:
+      Whether Orbax saved it (it skips a step it has already).
+    """
+    import orbax.checkpoint as ocp
+
+    layout = checkpoint.describe(state, self._mesh, self._axis_name)
+    return self._manager.save(step, args=ocp.args.Composite(**{
+        STATE: ocp.args.StandardSave(state), LAYOUT: ocp.args.JsonSave(layout)}))
+
+  def restore(self, like: Any, step: int | None = None) -> Any:
+    """Reads ``step`` (the latest complete one by default) laid out like ``like``.
+
+    ``like`` is a fresh state for the mesh of this manager, whose data axis
+    may have another size than at saving: per-device leaves are resized as
+    :func:`topka2a_jax.restore` does.
+
+    Raises:
+      FileNotFoundError: no complete step, or not ``step``.
+      ValueError: another model or configuration, or an array that reads
+        back other bytes than were saved (naming it); nothing is returned.
+    """
+    import orbax.checkpoint as ocp
+
+    steps = self.all_steps()
+    if step is None:
+      step = self.latest_step()
+    if step is None or step not in steps:
+      raise FileNotFoundError(
+          f"{self._manager.directory} holds no complete checkpoint of step {step} "
+          f"(complete steps: {steps}); nothing was loaded")
+    saved = self._manager.restore(step, args=ocp.args.Composite(**{
+        LAYOUT: ocp.args.JsonRestore()}))[LAYOUT]
+
+    def read(targets: Any) -> Any:
+      return self._manager.restore(step, args=ocp.args.Composite(**{
+          STATE: ocp.args.StandardRestore(targets)}))[STATE]
+
+    return checkpoint.restore_laid_out(
+        saved, read, like, self._mesh, self._axis_name,
+        f"step {step} of {self._manager.directory}")
+
+  def latest_step(self) -> int | None:
+    """The latest step whose save completed, or None."""
+    return self._manager.latest_step()
+
+  def all_steps(self) -> Sequence[int]:
+    """Every step kept whose save completed, in order."""
+    return sorted(self._manager.all_steps())
+
+  def wait_until_finished(self) -> None:
+    """Waits for a background save to finish."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    """Waits for saves in flight and releases Orbax's resources."""
+    self._manager.close()
+
+  def __enter__(self) -> CheckpointManager:
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.close()
+
