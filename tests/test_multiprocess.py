@@ -130,9 +130,10 @@ def test_a_worker_that_raises_ends_the_run_within_seconds_naming_its_rank(tmp_pa
 @pytest.mark.slow
 def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
   script = tmp_path / "worker.py"
-  script.write_text(FAILING_WORKER)
+  script.write_text("import os, time\nprint('pid', os.getpid(), flush=True)\n"
+                    "time.sleep(120)\n")
   launcher = subprocess.Popen(
-      [sys.executable, "-m", "topka2a_jax.launch", "-n", "2", str(script), "run"],
+      [sys.executable, "-m", "topka2a_jax.launch", "-n", "2", str(script)],
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   lines = []
   while len(_pids("\n".join(lines))) < 2:
