@@ -67,6 +67,7 @@ from topka2a_jax.transform import (
     check_per_device,
     flatten,
     given_specs,
+    holds_exchange,
     init_state,
     laid_out_for,
     layout_mesh,
@@ -241,8 +242,7 @@ def _own_shard(leaf: jax.Array, num_devices: int, axis_name: Hashable) -> jax.Ar
 
 def _without_exchange(state: Any) -> Any:
   """``state``, unless it holds an exchange of its own."""
-  is_exchange = lambda node: isinstance(node, TopKA2AState)
-  if any(map(is_exchange, jax.tree.leaves(state, is_leaf=is_exchange))):
+  if holds_exchange(state):
     raise ValueError(
         "sharded_optimizer's inner optimizer holds a topka2a exchange "
         "(topka2a, compress_updates or sharded_optimizer): the shards it "

@@ -107,6 +107,17 @@ class TopKA2AState(NamedTuple):
   nonfinite_steps: jax.Array
 
 
+def holds_exchange(state: Any) -> bool:
+  """Whether an optimizer state holds a :class:`TopKA2AState` anywhere.
+
+  Example:
+    >>> holds_exchange(optax.adam(1e-3).init({"w": jnp.zeros(2)}))
+    False
+  """
+  is_exchange = lambda node: isinstance(node, TopKA2AState)
+  return any(map(is_exchange, jax.tree.leaves(state, is_leaf=is_exchange)))
+
+
 _LAYOUT_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar(
     "topka2a_layout_mesh", default=None)
 

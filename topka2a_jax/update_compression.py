@@ -69,11 +69,11 @@ from topka2a_jax.axis import (
 )
 from topka2a_jax.nonfinite import NONFINITE, nonfinite_on_any_device
 from topka2a_jax.options import Options
-from topka2a_jax.sharded_optimizer import ShardedOptimizerState
 from topka2a_jax.transform import (
     TopKA2AState,
     check_per_device,
     flatten,
+    holds_exchange,
     init_state,
     laid_out_for,
     layout_mesh,
@@ -168,12 +168,6 @@ def compress_updates(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _holds_exchange(state: Any) -> bool:
-  kinds = (TopKA2AState, CompressedUpdatesState, ShardedOptimizerState)
-  return any(isinstance(node, kinds)
-             for node in jax.tree.leaves(state, is_leaf=lambda n: isinstance(n, kinds)))
-
-
 def _varying(x: jax.Array, axis_name: Hashable) -> jax.Array:
   """``x`` typed as differing along the data axis: per-device state."""
   if not tracks_varying_axes(axis_name) or all(
@@ -254,7 +248,7 @@ def _init_inner(opts: Options, inner: optax.GradientTransformation,
 
 
 def _checked(state: Any) -> Any:
-  if _holds_exchange(state):
+  if holds_exchange(state):
     raise ValueError(
         "compress_updates exchanges the inner optimizer's updates itself, but "
         "the inner optimizer holds a topka2a exchange (topka2a, "
