@@ -206,8 +206,7 @@ def worker(args: argparse.Namespace) -> None:
     if jax.process_index() == 0:
       print(f"{name:20s} {np.median(seconds):.3f} s/step, valid loss "
             f"{evals[-1][1]:.4f}", flush=True)
-  if jax.process_index() == 0:
-    Path(args.worker).write_text(json.dumps(rows))
+      Path(args.worker).write_text(json.dumps(rows))  # each run kept as it ends
 
 
 def report(rows: list[dict], targets: list[float]) -> list[dict]:
@@ -277,6 +276,7 @@ def main() -> int:
       run_options(name)
     except ValueError as error:
       parser.error(str(error))
+  status = 0
   if args.worker:
     worker(args)
     return 0
@@ -292,7 +292,7 @@ def main() -> int:
     worker(args)
   else:
     status = train_on_the_link(args, out)
-    if status:
+    if status and not out.exists():
       return status
   rows = report(json.loads(out.read_text()), args.targets)
   if args.json:
@@ -300,7 +300,7 @@ def main() -> int:
         {"rate": None if args.local else args.rate, "processes": args.processes,
          "density": args.density, "b1": args.b1, "seed": args.seed,
          "batch": args.batch, "targets": args.targets, "rows": rows}, indent=1))
-  return 0
+  return status
 
 
 def train_on_the_link(args: argparse.Namespace, out: Path) -> int:

@@ -90,8 +90,8 @@ def scale_by_frozen_rms(b1: float, b2: float = 0.999, eps: float = 1e-8, *,
                      "one dense step to learn from")
 
   def init_fn(params: optax.Params) -> FrozenRmsState:
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    return FrozenRmsState(jnp.zeros((), jnp.int32), zeros, zeros)
+    zeros = lambda: jax.tree.map(jnp.zeros_like, params)  # two buffers: both donated
+    return FrozenRmsState(jnp.zeros((), jnp.int32), zeros(), zeros())
 
   def update_fn(momenta: optax.Updates, state: FrozenRmsState,
                 params: optax.Params | None = None) -> tuple[Any, FrozenRmsState]:
