@@ -301,3 +301,11 @@ def test_entries_the_warm_up_never_saw_get_bounded_steps(mesh, exchange_steps):
   history = exchange_steps(tx, mesh, [seen] * 3 + [later])
   first = history[-1][0]["b"][0, 0]
   assert 0 < -first < 100 * lr
+
+
+def test_frozen_variance_adam_trains_through_a_donating_step(mesh, train_steps):
+  params, batches = _problem(8)
+  tx = topka2a_jax.frozen_variance_adam(1e-2, 0.05, freeze_after=3, min_size=0)
+  history = train_steps(tx, mesh, _loss, params, batches, donate=True)
+  losses = [float(loss) for _, _, loss in history]
+  assert losses[-1] < losses[0] and np.isfinite(losses).all()
