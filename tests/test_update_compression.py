@@ -249,11 +249,11 @@ def test_an_inner_optimizer_with_an_exchange_is_refused(mesh):
 
 def test_adam_before_the_exchange_names_compress_updates(mesh):
   tx = optax.chain(optax.adam(1e-3), topka2a_jax.topka2a(0.01, mesh=mesh))
+  params, batches = _problem(1)
+  params = jax.device_put(params, NamedSharding(mesh, P()))
+  step = topka2a_jax.train_step(_loss, tx, mesh)
   with pytest.raises(ValueError, match="compress_updates"):
-    topka2a_jax.train_step(_loss, tx, mesh)(
-        *(lambda p: (p, tx.init(p)))(jax.device_put(_problem(1)[0],
-                                                    NamedSharding(mesh, P()))),
-        _problem(1)[1][0])
+    step(params, tx.init(params), batches[0])
 
 
 def test_auto_never_takes_an_exchange_that_holds_back(mesh):

@@ -33,12 +33,14 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from jax.sharding import Mesh
 
 from topka2a_jax import checkpoint
 from topka2a_jax.axis import check_on_mesh
+
+_Manager = TypeVar("_Manager", bound="CheckpointManager")
 
 STATE, LAYOUT = "state", "layout"
 """The two items of every step: the state (Orbax's standard format) and its
@@ -135,9 +137,9 @@ class CheckpointManager:
     """Waits for saves in flight and releases Orbax's resources."""
     self._manager.close()
 
-  def __enter__(self) -> CheckpointManager:
+  def __enter__(self: _Manager) -> _Manager:
     return self
 
-  def __exit__(self, *exc: Any) -> None:
+  def __exit__(self, *exc: object) -> None:
     self.close()
 
