@@ -33,14 +33,15 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from jax.sharding import Mesh
 
 from topka2a_jax import checkpoint
 from topka2a_jax.axis import check_on_mesh
 
-_Manager = TypeVar("_Manager", bound="CheckpointManager")
+if TYPE_CHECKING:  # typing.Self from Python 3.11
+  from typing_extensions import Self
 
 STATE, LAYOUT = "state", "layout"
 """The two items of every step: the state (Orbax's standard format) and its
@@ -137,7 +138,7 @@ class CheckpointManager:
     """Waits for saves in flight and releases Orbax's resources."""
     self._manager.close()
 
-  def __enter__(self: _Manager) -> _Manager:
+  def __enter__(self) -> Self:
     return self
 
   def __exit__(self, *exc: object) -> None:
