@@ -262,8 +262,9 @@ def step(options: Options, grads: list, residuals: list, count: jax.Array,
     nonfinite_steps: skipped steps so far.
     bad: whether some device's gradient is non-finite, decided already by
       :func:`topka2a_jax.skip_nonfinite`; None to decide here (when
-      ``options.skip_nonfinite``). With a decision, a step whose means come
-      out non-finite (an overflow in the leaves' dtype) is skipped too.
+      ``options.skip_nonfinite``). With a decision, and leaves or wire
+      values narrower than float32, a step whose means come out non-finite
+      (an overflow) is skipped too.
 
   Returns:
     ``(means, residuals, count, nonfinite_steps)`` after the step.
@@ -275,7 +276,10 @@ def step(options: Options, grads: list, residuals: list, count: jax.Array,
   means, new, new_count = jax.lax.cond(
       bad, lambda *a: _skipped(options, *a), lambda *a: _applied(options, *a),
       grads, residuals, count)
-  # The means are identical on every device, so every device decides alike.
+  if all(wire_limit(options, [g.dtype]) is None for g in grads):
+    return means, new, new_count, nonfinite_steps + bad.astype(jnp.int32)
+  # Narrow dtypes may overflow in the means. The means are identical on every
+  # device, so every device decides alike.
   broke = jnp.zeros((), bool)
   for mean in means:
     if mean.size:
