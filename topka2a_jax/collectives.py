@@ -99,8 +99,8 @@ def auto_magnitudes(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   * TPU: ``approx_max_k``, the one backend its documentation says it is
     optimised for (unmeasured here: the repo has no TPU runs).
   * Other backends: the threshold search (:mod:`topka2a_jax.threshold`). On
-    a CPU, ``benchmarks/selection.py`` measures it 2 to 34 times faster than
-    the exact sort on rows of 1M to 100M entries (19 to 34 from 25M up),
+    a CPU, ``benchmarks/selection.py`` measures it 2 to 22 times faster than
+    the exact sort on rows of 1M to 100M entries (5 to 22 from 25M up),
     and ``approx_max_k`` no faster than the sort. On GPUs it is the choice
     until ``benchmarks/gpu.py`` measures otherwise. Rows too short for it
     to gain, and selections of more than a quarter of a row, sort
