@@ -85,6 +85,8 @@ def test_nodes_take_the_route_their_two_links_favour(capsys, network, inner, wan
   out = run(capsys, "--model", "gpt2", "--devices", "64", "--density", "0.01",
             "--devices-per-node", "8", "--network", network, "--inner-network", inner)
   assert f"; 8 nodes of 8 devices, {inner} inside a node" in out
+  header = next(line for line in out.splitlines() if line.split()[:2] == ["bucket", "leaves"])
+  assert header.split()[-1] == "route"  # every column has its heading
   rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()
           and len(line.split()) >= 8]
   assert {row[-1] for row in rows if row[-4] != "dense"} == want

@@ -133,9 +133,9 @@ class FusionPlan:
     width = max(len("first .. last leaf"), *map(len, spans))  # whole names
     columns = (f"{'bucket':>6s} {'leaves':>6s} {'first .. last leaf':{width}s} "
                f"{'elements':>12s} {'algorithm':>14s} {'ms':>9s} {'ends at ms':>10s}")
-    lines = [header, columns]
     if self.cluster is not None:
       columns += f" {'route':>9s}"
+    lines = [header, columns]
     for i, (planned, span) in enumerate(zip(self.buckets, spans)):
       lines.append(
           f"{i:6d} {len(planned.bucket.leaves):6d} {span:{width}s} "
