@@ -55,7 +55,6 @@ RUNS = {
     "updates, topka2a_sparse": {"form": "updates", "algorithm": "topka2a_sparse"},
     "updates, all sent": {"form": "updates", "algorithm": "dense"},
     "momentum, variance frozen at 30": {"form": "momentum", "freeze_after": 30},
-    "defaults, 50 dense steps": {"warmup_steps": 50},
     "topka2a (paper)": {"algorithm": "topka2a", "selection": "exact"},
     "topka2a_sparse": {"algorithm": "topka2a_sparse", "selection": "threshold"},
     "allgather (TopkA)": {"algorithm": "allgather", "selection": "threshold"},
@@ -67,8 +66,8 @@ RUNS = {
 ``"form": "momentum"`` compresses Adam's momentum and freezes its variance
 after ``freeze_after`` dense steps (1-bit Adam's form,
 ``topka2a_jax.frozen_variance_adam``); the others compress the gradient, ``optax.chain(topka2a(density, **options),
-optax.adam(...))``. Any ``"defaults, N dense steps"`` is a run too: the
-defaults with ``warmup_steps=N``.
+optax.adam(...))``. Any run followed by ``", N dense steps"`` is a run too,
+with ``warmup_steps=N``: ``"updates, 30 dense steps"``.
 """
 
 DEFAULT_RUNS = ["dense", "defaults", "updates", "updates, topka2a_sparse",
@@ -80,13 +79,13 @@ def run_options(name: str) -> dict:
   """The options of ``topka2a`` of the run called ``name``."""
   if name in RUNS:
     return RUNS[name]
-  prefix, _, rest = name.partition(", ")
+  base, _, rest = name.rpartition(", ")
   count, _, suffix = rest.partition(" ")
-  if prefix == "defaults" and suffix == "dense steps" and count.isdigit():
-    return {"warmup_steps": int(count)}
+  if base in RUNS and suffix == "dense steps" and count.isdigit():
+    return {**RUNS[base], "warmup_steps": int(count)}
   raise ValueError(
-      f"unknown run {name!r}; choose among {', '.join(map(repr, RUNS))} or "
-      "'defaults, N dense steps'")
+      f"unknown run {name!r}; choose among {', '.join(map(repr, RUNS))}, or one "
+      "of them and N dense steps first: 'updates, 30 dense steps'")
 
 
 def optimizer(name: str, density: float, mesh, schedule, b1: float):
@@ -263,8 +262,8 @@ def main() -> int:
   parser.add_argument("--batch", type=int, default=BATCH_PER_DEVICE,
                       help="windows of CONTEXT bytes per process and step")
   parser.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, metavar="RUN",
-                      help=f"runs among {', '.join(map(repr, RUNS))} or 'defaults, "
-                      "N dense steps' (the first is the baseline of the ratios)")
+                      help=f"runs among {', '.join(map(repr, RUNS))}, each may add ', N "
+                      "dense steps' (the first is the baseline of the ratios)")
   parser.add_argument("--b1", type=float, default=0.9, help="Adam's b1")
   parser.add_argument("--local", action="store_true",
                       help="one process of emulated CPU devices, no link: losses only")

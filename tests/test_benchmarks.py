@@ -53,6 +53,8 @@ def test_training_runs_take_any_dense_warm_up_and_name_the_choices():
   assert network_training.run_options("defaults, 20 dense steps") == {"warmup_steps": 20}
   assert network_training.run_options("dense") == {"algorithm": "dense"}
   assert network_training.run_options("updates") == {"form": "updates"}
+  assert network_training.run_options("updates, 30 dense steps") == {
+      "form": "updates", "warmup_steps": 30}
   with pytest.raises(ValueError, match="unknown run 'defaults, some dense steps'"):
     network_training.run_options("defaults, some dense steps")
 

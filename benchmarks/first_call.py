@@ -1,0 +1,149 @@
+"""The first call of a training step: tracing, planning and compiling, against plain pmean.
+
+Every configuration runs in a fresh process (no compilation cache shared), on
+8 emulated CPU devices, with an MLP of 11.5M weights (1024 -> 2048 -> 2048 ->
+2048 -> 512) and Adam. It times the first call of the step (what a user waits
+for when a run starts or a shape changes) and the median of the next ones:
+
+- ``pmean``: a jitted ``shard_map`` step written by hand, ``lax.pmean`` of the
+  gradient, then Adam: the baseline of the ratios;
+- ``topka2a``: ``train_step`` with ``optax.chain(topka2a(0.01), optax.adam(...))``;
+- ``compress_updates``: ``train_step`` with
+  ``compress_updates(optax.adam(...), 0.01)``;
+- the same two with ``backward_seconds=0.0`` (no estimate of the backward
+  pass) and with ``fusion=10**9`` (one bucket), which show what the planner's
+  inputs cost.
+
+Run:
+  python benchmarks/first_call.py [--runs NAME ...] [--repeats 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SIZES = (1024, 2048, 2048, 2048, 512)
+DEVICES = 8
+BATCH_PER_DEVICE = 32
+RUNS = {
+    "pmean": {},
+    "topka2a": {},
+    "topka2a, backward_seconds=0": {"backward_seconds": 0.0},
+    "topka2a, one bucket": {"fusion": 10**9},
+    "compress_updates": {},
+}
+"""Configurations: name -> options of the exchange besides the density."""
+
+
+def _model():
+  import jax
+  import jax.numpy as jnp
+
+  keys = jax.random.split(jax.random.key(0), len(SIZES) - 1)
+  params = {f"layer{i}": {"w": jax.random.normal(key, (m, n)) * m ** -0.5,
+                          "b": jnp.zeros(n)}
+            for i, (key, m, n) in enumerate(zip(keys, SIZES[:-1], SIZES[1:]))}
+
+  def loss(params, batch):
+    x = batch
+    for i in range(len(SIZES) - 1):
+      x = x @ params[f"layer{i}"]["w"] + params[f"layer{i}"]["b"]
+      x = jax.nn.relu(x) if i < len(SIZES) - 2 else x
+    return jnp.mean(x ** 2)
+
+  return params, loss
+
+
+def _step(name: str, mesh):
+  """``(step, params, state)``: ``step(params, state, batch)`` as a user calls it."""
+  import jax
+  import optax
+  from jax import lax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import topka2a_jax
+
+  params, loss = _model()
+  params = jax.device_put(params, NamedSharding(mesh, P()))
+  adam = optax.adam(1e-3)
+  if name == "pmean":
+    def body(params, state, batch):
+      value, grads = jax.value_and_grad(loss)(params, batch)
+      grads = lax.pmean(grads, "data")
+      updates, state = adam.update(grads, state, params)
+      return optax.apply_updates(params, updates), state, lax.pmean(value, "data")
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
+                                 out_specs=(P(), P(), P())), donate_argnums=(0, 1))
+    return step, params, adam.init(params)
+  options = RUNS[name]
+  if name.startswith("compress_updates"):
+    tx = topka2a_jax.compress_updates(adam, 0.01, mesh=mesh, **options)
+  else:
+    tx = optax.chain(topka2a_jax.topka2a(0.01, mesh=mesh, **options), adam)
+  return topka2a_jax.train_step(loss, tx, mesh), params, tx.init(params)
+
+
+def measure(name: str, repeats: int) -> dict:
+  """In this process: the first call's seconds and the median of ``repeats`` more."""
+  import jax
+  import numpy as np
+
+  mesh = jax.make_mesh((DEVICES,), ("data",))
+  step, params, state = _step(name, mesh)
+  batch = np.random.default_rng(0).normal(
+      size=(DEVICES * BATCH_PER_DEVICE, SIZES[0])).astype(np.float32)
+  start = time.perf_counter()
+  params, state, loss = step(params, state, batch)
+  jax.block_until_ready((params, state, loss))
+  first = time.perf_counter() - start
+  seconds = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    params, state, loss = step(params, state, batch)
+    jax.block_until_ready((params, state, loss))
+    seconds.append(time.perf_counter() - start)
+  return {"run": name, "first_s": first, "step_s": float(np.median(seconds))}
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS),
+                      metavar="RUN", help=f"among {', '.join(map(repr, RUNS))}")
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--json", help="also write the rows here")
+  parser.add_argument("--one", help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.one:
+    print(json.dumps(measure(args.one, args.repeats)))
+    return 0
+  env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
+             XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_"
+                        f"platform_device_count={DEVICES}").strip())
+  weights = sum(m * n + n for m, n in zip(SIZES[:-1], SIZES[1:]))
+  print(f"MLP of {weights:,} weights on {DEVICES} emulated devices, Adam, "
+        f"density 0.01; every run in a fresh process")
+  print(f"{'run':30s} {'first call s':>12s} {'vs pmean':>8s} {'step s':>8s}")
+  rows = []
+  for name in ["pmean", *[n for n in args.runs if n != "pmean"]]:
+    out = subprocess.run([sys.executable, __file__, "--one", name, "--repeats",
+                          str(args.repeats)], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    rows.append(json.loads(out.strip().splitlines()[-1]))
+    row = rows[-1]
+    print(f"{name:30s} {row['first_s']:12.2f} {row['first_s'] / rows[0]['first_s']:7.2f}x "
+          f"{row['step_s']:8.3f}", flush=True)
+  if args.json:
+    Path(args.json).write_text(json.dumps({"weights": weights, "rows": rows}, indent=1))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
