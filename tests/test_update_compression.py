@@ -77,6 +77,28 @@ def test_ten_steps_match_the_numpy_model(mesh, exchange_steps, algorithm):
     np.testing.assert_array_equal(np.asarray(state.inner[0].count), [i + 1] * DEVICES)
 
 
+def test_a_dense_start_applies_the_mean_step_then_compresses(mesh, exchange_steps):
+  """``warmup_steps=3``: the exact mean of the devices' Adam steps three times,
+  nothing owed, then the sparse exchange from empty residuals (NumPy model)."""
+  tx = topka2a_jax.compress_updates(optax.adam(LR, b1=B1, b2=B2, eps=EPS), 0.1,
+                                    algorithm="topka2a", selection="exact",
+                                    min_size=0, fusion=1, warmup_steps=3)
+  steps = [random_grads(seed) for seed in range(6)]
+  adam, residuals = NumpyAdam(SHAPES), {}
+  for i, (grads, (updates, state)) in enumerate(zip(steps, exchange_steps(tx, mesh,
+                                                                            steps))):
+    local = adam.update(grads)
+    if i < 3:
+      want = {k: v.mean(0) for k, v in local.items()}
+    else:
+      want, residuals = reference.leafwise("topka2a", local, residuals, 0.1)
+    got_residuals = residuals_of((state.exchange,))
+    for k in SHAPES:
+      _close(updates[k], np.broadcast_to(want[k], updates[k].shape), f"step {i} {k}")
+      _close(got_residuals[k], residuals.get(k, np.zeros_like(got_residuals[k])),
+             f"step {i} residual {k}")
+
+
 def test_density_one_is_the_mean_of_every_devices_adam_step(mesh, exchange_steps):
   inner = optax.adam(LR)
   tx = topka2a_jax.compress_updates(inner, 1.0, min_size=0)
