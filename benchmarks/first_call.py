@@ -21,6 +21,7 @@ Run:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -36,6 +37,7 @@ RUNS = {
     "topka2a": {},
     "topka2a, backward_seconds=0": {"backward_seconds": 0.0},
     "topka2a, one bucket": {"fusion": 10**9},
+    "topka2a, one bucket, exact selection": {"fusion": 10**9, "selection": "exact"},
     "compress_updates": {},
 }
 """Configurations: name -> options of the exchange besides the density."""
@@ -80,8 +82,14 @@ def _step(name: str, mesh):
       updates, state = adam.update(grads, state, params)
       return optax.apply_updates(params, updates), state, lax.pmean(value, "data")
 
-    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
-                                 out_specs=(P(), P(), P())), donate_argnums=(0, 1))
+    mapped = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
+                                   out_specs=(P(), P(), P())), donate_argnums=(0, 1))
+    batch_sharding = NamedSharding(mesh, P("data"))
+
+    def step(params, state, batch):  # as train_step does: the batch split over data
+      return mapped(params, state, jax.device_put(batch, batch_sharding))
+    step.lower = lambda params, state, batch: mapped.lower(
+        params, state, jax.device_put(batch, batch_sharding))
     return step, params, adam.init(params)
   options = RUNS[name]
   if name.startswith("compress_updates"):
@@ -127,7 +135,7 @@ def main() -> int:
   env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
              XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_"
                         f"platform_device_count={DEVICES}").strip())
-  weights = sum(m * n + n for m, n in zip(SIZES[:-1], SIZES[1:]))
+  weights = sum(m * n + n for m, n in itertools.pairwise(SIZES))
   print(f"MLP of {weights:,} weights on {DEVICES} emulated devices, Adam, "
         f"density 0.01; every run in a fresh process")
   print(f"{'run':30s} {'first call s':>12s} {'vs pmean':>8s} {'step s':>8s}")

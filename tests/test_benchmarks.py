@@ -135,3 +135,25 @@ def test_gpu_script_runs_small_on_cpu(tmp_path):
       "dense (nothing to send)", "defaults", "topka2a, exact", "topka2a, threshold",
       "topka2a, approx"]
   assert all(row["seconds"] > 0 for row in written["steps"])
+
+
+def test_step_benchmark_fits_the_link_and_bounds_the_flat_update_by_its_alpha_beta_time():
+  """Dense rows made from a known α and bandwidth: the fit recovers both, and the
+  flat buffer's limit is the planned exchange's α-β time at that link."""
+  from topka2a_jax.cost import exchange_cost
+
+  network_step = load("network_step")
+  alpha, bandwidth, processes = 200e-6, 30e6, 4
+  seconds = lambda c: c.messages * alpha + c.bytes / bandwidth
+  rows = [{"gradient": f"fit {n}", "run": "dense", "elements": n,
+           "seconds": seconds(exchange_cost("dense", n, processes, 1.0))}
+          for n in network_step.FIT_SIZES]
+  flat = network_step.FIT_SIZES[-1]
+  rows += [{"gradient": "flat", "run": "dense", "elements": flat, "seconds": 6.0},
+           {"gradient": "flat", "run": "defaults", "elements": flat, "seconds": 0.9}]
+  result = network_step.report(rows, processes, 0.01)
+  assert result["alpha"] == pytest.approx(alpha, rel=1e-6)
+  assert result["bandwidth"] == pytest.approx(bandwidth, rel=1e-6)
+  sparse = exchange_cost("topka2a_sparse", flat, processes, 0.01)
+  assert result["flat_limit_s"] == pytest.approx(seconds(sparse), rel=1e-6)
+  assert [r["ratio"] for r in result["rows"]] == pytest.approx([1.0, 0.15])

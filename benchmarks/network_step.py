@@ -1,0 +1,274 @@
+"""What a training step's update costs on a real link: state kept, real models' leaves.
+
+Inside the shaped namespace of ``benchmarks/network.py`` (loopback at
+1 Gbit/s by default, P processes with one CPU device each, gloo over TCP),
+times the update of three gradients, each against the dense exchange of the
+same leaves:
+
+- ``flat``: one buffer of 25M floats;
+- ``gpt2``: GPT-2 small's leaf shapes with a 12,000-byte vocabulary and two
+  blocks (24.2M floats; ``topka2a_jax.plan.gpt2_small``);
+- ``resnet50``: ResNet-50's leaf shapes (25.6M floats).
+
+Every leaf's gradient has its own scale (a 20x spread, as real models'
+layers do). Rows, for each gradient:
+
+- ``dense``: ``lax.pmean`` of every leaf;
+- ``defaults, state dropped``: ``topka2a(density)``'s update, only the means
+  returned, so XLA may drop the residual's computation (what a benchmark
+  that forgets the state measures);
+- ``defaults``: the same update returning its new state, donated and
+  carried into the next call, as a training step does;
+- ``dense + adam`` and ``compress_updates``: a step's whole optimizer, dense
+  ``pmean`` then Adam against ``compress_updates(optax.adam(...), density)``,
+  both with their state kept.
+
+It also fits the link's α and bandwidth to the dense rows of flat buffers
+of 1M, 8M and 25M floats and prints, for the flat buffer, the α-β time of the
+exchange the defaults plan (the physical limit of that exchange on this link)
+beside the measured update.
+
+Run (as root):
+  python benchmarks/network_step.py [--rate 1gbit] [--processes 4]
+      [--density 0.01] [--repeats 5] [--gradients flat gpt2 resnet50] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import network  # benchmarks/network.py: the shaped namespace
+
+ROOT = Path(__file__).resolve().parent.parent
+FIT_SIZES = (1_000_000, 8_000_000, 25_000_000)
+GRADIENTS = ("flat", "gpt2", "resnet50")
+ROWS = ("dense", "defaults, state dropped", "defaults", "dense + adam", "compress_updates")
+
+
+def leaf_shapes(gradient: str) -> list[tuple[int, ...]]:
+  """The leaves' shapes of one of :data:`GRADIENTS`."""
+  from topka2a_jax.plan import gpt2_small, resnet50
+
+  if gradient == "flat":
+    return [(FIT_SIZES[-1],)]
+  shapes = gpt2_small(vocab=12_000, layers=2) if gradient == "gpt2" else resnet50()
+  return [shape for _, shape in shapes]
+
+
+def _timed(run, repeats: int, name: str) -> float:
+  """Median seconds of ``run()``, every call started together on every process."""
+  import jax
+  import numpy as np
+  from jax.experimental import multihost_utils
+
+  jax.block_until_ready(run())  # compiles
+  seconds = []
+  for _ in range(repeats):
+    multihost_utils.sync_global_devices(name)
+    start = time.perf_counter()
+    jax.block_until_ready(run())
+    seconds.append(time.perf_counter() - start)
+  return float(np.median(seconds))
+
+
+def _runs(mesh, shapes, density: float) -> dict:
+  """Row name -> a zero-argument callable doing one update, its state carried."""
+  import jax
+  import numpy as np
+  import optax
+  from jax import lax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import topka2a_jax
+
+  rng = np.random.default_rng(0)
+  scales = 10.0 ** rng.uniform(-0.65, 0.65, len(shapes))  # a 20x spread
+
+  def gradient(shape, scale, seed):
+    return jax.make_array_from_callback(
+        (mesh.size, *shape), NamedSharding(mesh, P("data")),
+        lambda index: (scale * np.random.default_rng(seed + (index[0].start or 0))
+                       .normal(size=(1, *shape))).astype(np.float32))
+
+  grads = [gradient(shape, scale, 1000 * i) for i, (shape, scale)
+           in enumerate(zip(shapes, scales))]
+  params = jax.device_put([np.zeros(shape, np.float32) for shape in shapes],
+                          NamedSharding(mesh, P()))
+  first = lambda g: [x[0] for x in g]
+  runs = {}
+
+  dense = jax.jit(jax.shard_map(lambda g: [lax.pmean(x, "data") for x in first(g)],
+                                mesh=mesh, in_specs=(P("data"),), out_specs=P()))
+  runs["dense"] = lambda: dense(grads)
+
+  def carried(tx, with_params: bool):
+    """A jitted update whose state is donated and kept, like a training step's."""
+    state = [topka2a_jax.init(tx, params, mesh)]
+    specs = topka2a_jax.state_specs(state[0])
+    update = jax.jit(jax.shard_map(
+        lambda g, s, p: tx.update(first(g), s, p if with_params else None),
+        mesh=mesh, in_specs=(P("data"), specs, P()), out_specs=(P(), specs)),
+        donate_argnums=1)
+
+    def run():
+      means, state[0] = update(grads, state[0], params)
+      return means, state[0]
+    return run
+
+  defaults = topka2a_jax.topka2a(density, mesh=mesh)
+  dropped_state = topka2a_jax.init(defaults, params, mesh)
+  dropped = jax.jit(jax.shard_map(
+      lambda g, s: defaults.update(first(g), s)[0], mesh=mesh,
+      in_specs=(P("data"), topka2a_jax.state_specs(dropped_state)), out_specs=P()))
+  runs["defaults, state dropped"] = lambda: dropped(grads, dropped_state)
+  runs["defaults"] = carried(defaults, with_params=False)
+  runs["dense + adam"] = _dense_adam(mesh, grads, params)
+  runs["compress_updates"] = carried(
+      topka2a_jax.compress_updates(optax.adam(1e-3), density, mesh=mesh),
+      with_params=True)
+  return runs
+
+
+def _dense_adam(mesh, grads, params):
+  """``pmean`` of every leaf, then Adam, its state donated and kept."""
+  import jax
+  import optax
+  from jax import lax
+  from jax.sharding import PartitionSpec as P
+
+  adam = optax.adam(1e-3)
+  state = [adam.init(params)]
+  update = jax.jit(jax.shard_map(
+      lambda g, s, p: adam.update([lax.pmean(x[0], "data") for x in g], s, p),
+      mesh=mesh, in_specs=(P("data"), P(), P()), out_specs=(P(), P())),
+      donate_argnums=1)
+
+  def run():
+    updates, state[0] = update(grads, state[0], params)
+    return updates, state[0]
+  return run
+
+
+def worker(args: argparse.Namespace) -> None:
+  """On every process inside the namespace: time every row."""
+  import topka2a_jax.distributed
+
+  topka2a_jax.distributed.initialize()
+  import jax
+  import numpy as np
+  from jax import lax
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = Mesh(np.array(sorted(jax.devices(), key=lambda d: d.id)), ("data",))
+  dense = jax.jit(jax.shard_map(lambda b: lax.pmean(b, "data"), mesh=mesh,
+                                in_specs=P("data"), out_specs=P()))
+  rows = []
+  for size in FIT_SIZES:  # the link's fit
+    buffer = jax.make_array_from_callback(
+        (mesh.size * size,), NamedSharding(mesh, P("data")),
+        lambda index, size=size: np.ones(size, np.float32))
+    run = functools.partial(dense, buffer)
+    rows.append({"gradient": f"fit {size}", "run": "dense", "elements": size,
+                 "seconds": _timed(run, args.repeats, "fit")})
+  for gradient in args.gradients:
+    shapes = leaf_shapes(gradient)
+    for name, run in _runs(mesh, shapes, args.density).items():
+      rows.append({"gradient": gradient, "run": name,
+                   "elements": int(sum(np.prod(s) for s in shapes)),
+                   "seconds": _timed(run, args.repeats, name)})
+      if jax.process_index() == 0:
+        print(f"{gradient:9s} {name:24s} {rows[-1]['seconds']:.4f} s", flush=True)
+  if jax.process_index() == 0:
+    Path(args.worker).write_text(json.dumps(rows))
+
+
+def report(rows: list[dict], processes: int, density: float) -> dict:
+  """Prints the tables; returns the rows, the fitted link and the flat limit."""
+  import numpy as np
+
+  from topka2a_jax.cost import Network, exchange_cost
+  from topka2a_jax.fusion import plan_fusion
+
+  fits = [r for r in rows if r["gradient"].startswith("fit")]
+  costs = [exchange_cost("dense", r["elements"], processes, 1.0) for r in fits]
+  design = np.array([[c.messages, c.bytes] for c in costs], float)
+  times = np.array([r["seconds"] for r in fits])
+  alpha, per_byte = np.linalg.lstsq(design / times[:, None], np.ones(len(fits)),
+                                    rcond=None)[0]
+  alpha, per_byte = max(float(alpha), 0.0), max(float(per_byte), 1e-15)
+  link = Network(alpha, 1 / per_byte, "fitted")
+  print(f"\n{processes} processes; link fitted to the dense rows: α = "
+        f"{alpha * 1e6:.0f} µs, bandwidth = {1e-6 / per_byte:.1f} MB/s; density "
+        f"{density}")
+  print(f"{'gradient':9s} {'run':24s} {'seconds':>8s} {'vs dense':>9s}")
+  rows = [r for r in rows if not r["gradient"].startswith("fit")]
+  for r in rows:
+    dense = next(o for o in rows if o["gradient"] == r["gradient"]
+                 and o["run"] == ("dense + adam" if r["run"] == "compress_updates"
+                                  else "dense"))
+    r["ratio"] = r["seconds"] / dense["seconds"]
+    print(f"{r['gradient']:9s} {r['run']:24s} {r['seconds']:8.4f} {r['ratio']:8.3f}x"
+          + ("  (against dense + adam)" if r["run"] == "compress_updates" else ""))
+  limit = None
+  flat = next((r for r in rows if r["gradient"] == "flat" and r["run"] == "defaults"),
+              None)
+  if flat is not None:
+    plan = plan_fusion([flat["elements"]], processes, density, network=link)
+    planned = [exchange_cost(b.bucket.algorithm, b.bucket.size, processes, density)
+               for b in plan.buckets]
+    limit = sum(c.messages * alpha + c.bytes * per_byte for c in planned)
+    algorithms = ", ".join(b.bucket.algorithm for b in plan.buckets)
+    print(f"\nflat: the defaults plan {algorithms}; its α-β time at the fitted "
+          f"link is {limit:.4f} s; the update with its state took "
+          f"{flat['seconds']:.4f} s, {flat['seconds'] / limit:.2f}x that")
+  return {"alpha": alpha, "bandwidth": 1 / per_byte, "flat_limit_s": limit,
+          "rows": rows}
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--rate", default="1gbit")
+  parser.add_argument("--processes", type=int, default=4)
+  parser.add_argument("--density", type=float, default=0.01)
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--gradients", nargs="+", default=list(GRADIENTS),
+                      choices=GRADIENTS)
+  parser.add_argument("--json", help="also write the rows here")
+  parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.worker:
+    worker(args)
+    return 0
+  out = Path(tempfile.mkdtemp()) / "rows.json"
+  try:
+    with network.ShapedNamespace(args.rate, 0.0) as namespace:
+      launch = namespace.command(
+          sys.executable, "-m", "topka2a_jax.launch", "-n", str(args.processes),
+          __file__, "--worker", str(out), "--density", str(args.density),
+          "--repeats", str(args.repeats), "--gradients", *args.gradients)
+      status = subprocess.run(launch, cwd=ROOT, check=False).returncode
+  except network.NetworkUnavailable as error:
+    print(f"cannot make a shaped network namespace here: {error}", file=sys.stderr)
+    return 2
+  if status:
+    print(f"the processes failed (status {status})", file=sys.stderr)
+    return status
+  result = report(json.loads(out.read_text()), args.processes, args.density)
+  if args.json:
+    Path(args.json).write_text(json.dumps(
+        {"rate": args.rate, "processes": args.processes, "density": args.density,
+         **result}, indent=1))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
