@@ -134,7 +134,7 @@ def compare(
       scores, losses, eval_steps = [], [], []
       for i in range(1, steps + 1):
         loss = step(model, optimizer, next(batches))
-        losses.append(float(loss))  # waits for the step: see the README on CPU
+        losses.append(float(loss))  # waits for the step: see the usage guide on CPU
         if i % task.eval_every == 0 or i == steps:
           scores.append(task.evaluate(model))
           eval_steps.append(i)

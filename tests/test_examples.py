@@ -1,8 +1,8 @@
 """The real-data examples: accuracy evidence on digits, a smoke run of the LM.
 
-The digits comparison is the README's main command; here three of its runs
+The digits comparison is the README's main command (docs/evidence/accuracy.md); here three of its runs
 train from the same three seeds and the same number of steps, and the test
-checks the claims the README makes from them.
+checks the claims the accuracy page makes from them.
 """
 
 import json

@@ -1,6 +1,6 @@
 """The jit-level step: the same as a hand-written shard_map step, and on a 2-D mesh.
 
-References: the README's hand-written shard_map step (written out here), the
+References: the usage guide's hand-written shard_map step (written out here), the
 dense mean gradient computed on one device, and NumPy sums of what was sent
 and what stays behind.
 """
@@ -34,7 +34,7 @@ def mlp_problem(seed=0):
 
 
 def hand_written(tx, mesh, params, batches, loss_fn=mlp_loss):
-  """The README's shard_map step: every step's (params, state, loss)."""
+  """The usage guide's shard_map step: every step's (params, state, loss)."""
   state = topka2a_jax.init(tx, params, mesh)
   specs = topka2a_jax.state_specs(state)
 

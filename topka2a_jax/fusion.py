@@ -59,7 +59,7 @@ see :func:`topka2a_jax.cost.selected_entries`): 1 G entries/s, an
 order-of-magnitude estimate for scattered accesses to accelerator memory.
 
 Pass a measured figure for other hardware: ``benchmarks/network.py`` fits it
-on a host (the README's network tables give its fits).
+on a host (docs/evidence/network.md gives its fits).
 """
 
 NO_BACKWARD = "not given: no overlap with the backward pass assumed"
@@ -98,12 +98,11 @@ class FusionPlan:
     density: the density planned for.
     network: the network planned for.
     backward_seconds: the backward pass time assumed.
-    backward_source: where that figure comes from.
+    backward_source: where ``backward_seconds`` comes from.
     step_seconds: predicted end of the last exchange, from the start of
       backward.
     dense_seconds: the same with every bucket dense (its own best threshold).
     allgather_seconds: the same with every sparse bucket TopkA.
-    backward_source: where ``backward_seconds`` comes from.
     cluster: the nodes and links planned for where the data axis is a pair.
   """
 

@@ -1,0 +1,29 @@
+"""Sphinx configuration of the topka2a-jax site: ``sphinx-build -W docs docs/_build``."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+project = "topka2a-jax"
+author = "The topka2a-jax maintainers"
+copyright = "2026, The topka2a-jax maintainers"
+
+extensions = [
+    "myst_parser",
+    "sphinx.ext.autodoc",
+    "sphinx.ext.autosummary",
+    "sphinx.ext.napoleon",
+]
+source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
+exclude_patterns = ["_build"]
+templates_path = ["_templates"]
+
+autosummary_generate = True
+autodoc_typehints = "description"
+autodoc_member_order = "bysource"
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+myst_heading_anchors = 3
+
+html_theme = "sphinx_book_theme"
+html_title = "topka2a-jax"
