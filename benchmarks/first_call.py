@@ -10,12 +10,17 @@ for when a run starts or a shape changes) and the median of the next ones:
 - ``topka2a``: ``train_step`` with ``optax.chain(topka2a(0.01), optax.adam(...))``;
 - ``compress_updates``: ``train_step`` with
   ``compress_updates(optax.adam(...), 0.01)``;
-- the same two with ``backward_seconds=0.0`` (no estimate of the backward
-  pass) and with ``fusion=10**9`` (one bucket), which show what the planner's
-  inputs cost.
+- ``topka2a`` with ``backward_seconds=0.0`` (no estimate of the backward
+  pass), with ``fusion=10**9`` (one bucket), and with one bucket and
+  ``selection="exact"``: what the planner's inputs and the selection cost.
+
+``--split`` times the parts instead, each configuration in a fresh process:
+the backward pass's estimate, ``step.lower(...)`` and ``.compile()``, and
+counts the sparse collectives (all-to-all and all-gather) compiled.
 
 Run:
-  python benchmarks/first_call.py [--runs NAME ...] [--repeats 3] [--json out.json]
+  python benchmarks/first_call.py [--runs NAME ...] [--repeats 3] [--split]
+      [--json out.json]
 """
 
 from __future__ import annotations
@@ -121,16 +126,43 @@ def measure(name: str, repeats: int) -> dict:
   return {"run": name, "first_s": first, "step_s": float(np.median(seconds))}
 
 
+def split(name: str) -> dict:
+  """In this process: the backward estimate, lowering and compiling, timed apart."""
+  import jax
+  import numpy as np
+
+  mesh = jax.make_mesh((DEVICES,), ("data",))
+  step, params, state = _step(name, mesh)
+  batch = np.random.default_rng(0).normal(
+      size=(DEVICES * BATCH_PER_DEVICE, SIZES[0])).astype(np.float32)
+  start = time.perf_counter()
+  if name != "pmean":
+    step.backward_seconds(params, batch)
+  estimate = time.perf_counter() - start
+  start = time.perf_counter()
+  lowered = step.lower(params, state, batch)
+  lower = time.perf_counter() - start
+  start = time.perf_counter()
+  compiled = lowered.compile()
+  compile_s = time.perf_counter() - start
+  buckets = compiled.as_text().count("all-to-all(") + compiled.as_text().count(
+      "all-gather(")
+  return {"run": name, "estimate_s": estimate, "lower_s": lower,
+          "compile_s": compile_s, "gathers_and_alltoalls": buckets}
+
+
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS),
                       metavar="RUN", help=f"among {', '.join(map(repr, RUNS))}")
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--split", action="store_true",
+                      help="time the backward estimate, lowering and compiling apart")
   parser.add_argument("--json", help="also write the rows here")
   parser.add_argument("--one", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.one:
-    print(json.dumps(measure(args.one, args.repeats)))
+    print(json.dumps(split(args.one) if args.split else measure(args.one, args.repeats)))
     return 0
   env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
              XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_"
@@ -138,16 +170,25 @@ def main() -> int:
   weights = sum(m * n + n for m, n in itertools.pairwise(SIZES))
   print(f"MLP of {weights:,} weights on {DEVICES} emulated devices, Adam, "
         f"density 0.01; every run in a fresh process")
-  print(f"{'run':30s} {'first call s':>12s} {'vs pmean':>8s} {'step s':>8s}")
+  if args.split:
+    print(f"{'run':38s} {'estimate s':>10s} {'lower s':>8s} {'compile s':>9s} "
+          f"{'collectives':>11s}")
+  else:
+    print(f"{'run':38s} {'first call s':>12s} {'vs pmean':>8s} {'step s':>8s}")
   rows = []
   for name in ["pmean", *[n for n in args.runs if n != "pmean"]]:
     out = subprocess.run([sys.executable, __file__, "--one", name, "--repeats",
-                          str(args.repeats)], env=env, check=True,
-                         capture_output=True, text=True).stdout
+                          str(args.repeats), *(["--split"] if args.split else [])],
+                         env=env, check=True, capture_output=True, text=True).stdout
     rows.append(json.loads(out.strip().splitlines()[-1]))
     row = rows[-1]
-    print(f"{name:30s} {row['first_s']:12.2f} {row['first_s'] / rows[0]['first_s']:7.2f}x "
-          f"{row['step_s']:8.3f}", flush=True)
+    if args.split:
+      print(f"{name:38s} {row['estimate_s']:10.2f} {row['lower_s']:8.2f} "
+            f"{row['compile_s']:9.2f} {row['gathers_and_alltoalls']:11d}", flush=True)
+    else:
+      print(f"{name:38s} {row['first_s']:12.2f} "
+            f"{row['first_s'] / rows[0]['first_s']:7.2f}x {row['step_s']:8.3f}",
+            flush=True)
   if args.json:
     Path(args.json).write_text(json.dumps({"weights": weights, "rows": rows}, indent=1))
   return 0
