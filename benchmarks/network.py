@@ -96,6 +96,28 @@ class ShapedNamespace:
     return ["ip", "netns", "exec", self.name, *argv]
 
 
+def run_workers(rate: str, delay_ms: float, processes: int, script: str,
+                *worker_args: str) -> int:
+  """Runs ``script --worker ...`` on ``processes`` processes in a shaped namespace.
+
+  Returns the launcher's status, or 2 (after saying why) where no shaped
+  namespace can be made here; the namespace is removed either way.
+  """
+  try:
+    with ShapedNamespace(rate, delay_ms) as namespace:
+      launch = namespace.command(sys.executable, "-m", "topka2a_jax.launch", "-n",
+                                 str(processes), script, "--worker", *worker_args)
+      status = subprocess.run(launch, cwd=ROOT, check=False).returncode
+  except NetworkUnavailable as error:
+    print(f"cannot make a shaped network namespace here: {error}. It needs "
+          "root (or CAP_NET_ADMIN) and the kernel's tbf qdisc (netem too for "
+          "a delay); nothing was left behind.", file=sys.stderr)
+    return 2
+  if status:
+    print(f"the worker processes failed (status {status})", file=sys.stderr)
+  return status
+
+
 DEFAULTS = "defaults"
 """The row of ``topka2a(density)`` with no other option, its exchange timed."""
 
@@ -295,21 +317,11 @@ def main() -> int:
     return 0
 
   out = Path(tempfile.mkdtemp()) / "rows.json"
-  try:
-    with ShapedNamespace(args.rate, args.delay_ms) as namespace:
-      launch = namespace.command(
-          sys.executable, "-m", "topka2a_jax.launch", "-n", str(args.processes),
-          __file__, "--worker", str(out), "--sizes", *map(str, args.sizes),
-          "--densities", *map(str, args.densities), "--repeats", str(args.repeats),
-          "--selection", args.selection)
-      status = subprocess.run(launch, cwd=ROOT, check=False).returncode
-  except NetworkUnavailable as error:
-    print(f"cannot make a shaped network namespace here: {error}. It needs "
-          "root (or CAP_NET_ADMIN) and the kernel's tbf qdisc (netem too for "
-          "--delay-ms); nothing was left behind.", file=sys.stderr)
-    return 2
+  status = run_workers(args.rate, args.delay_ms, args.processes, __file__, str(out),
+                       "--sizes", *map(str, args.sizes), "--densities",
+                       *map(str, args.densities), "--repeats", str(args.repeats),
+                       "--selection", args.selection)
   if status:
-    print(f"the exchange processes failed (status {status})", file=sys.stderr)
     return status
   rows = report(json.loads(out.read_text()), args.processes, args.rate)
   if args.json:

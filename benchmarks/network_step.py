@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,7 +45,6 @@ from pathlib import Path
 
 import network  # benchmarks/network.py: the shaped namespace
 
-ROOT = Path(__file__).resolve().parent.parent
 FIT_SIZES = (1_000_000, 8_000_000, 25_000_000)
 GRADIENTS = ("flat", "gpt2", "resnet50")
 ROWS = ("dense", "defaults, state dropped", "defaults", "dense + adam", "compress_updates")
@@ -249,18 +247,10 @@ def main() -> int:
     worker(args)
     return 0
   out = Path(tempfile.mkdtemp()) / "rows.json"
-  try:
-    with network.ShapedNamespace(args.rate, 0.0) as namespace:
-      launch = namespace.command(
-          sys.executable, "-m", "topka2a_jax.launch", "-n", str(args.processes),
-          __file__, "--worker", str(out), "--density", str(args.density),
-          "--repeats", str(args.repeats), "--gradients", *args.gradients)
-      status = subprocess.run(launch, cwd=ROOT, check=False).returncode
-  except network.NetworkUnavailable as error:
-    print(f"cannot make a shaped network namespace here: {error}", file=sys.stderr)
-    return 2
+  status = network.run_workers(args.rate, 0.0, args.processes, __file__, str(out),
+                               "--density", str(args.density), "--repeats",
+                               str(args.repeats), "--gradients", *args.gradients)
   if status:
-    print(f"the processes failed (status {status})", file=sys.stderr)
     return status
   result = report(json.loads(out.read_text()), args.processes, args.density)
   if args.json:

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -308,22 +307,11 @@ def train_on_the_link(args: argparse.Namespace, out: Path) -> int:
         f"{WIDTH} x {LAYERS} layers, {args.batch} x {CONTEXT} bytes per "
         f"process and step; density {args.density}; {args.steps} steps per run; "
         f"seed {args.seed}")
-  try:
-    with network.ShapedNamespace(args.rate, 0.0) as namespace:
-      launch = namespace.command(
-          sys.executable, "-m", "topka2a_jax.launch", "-n", str(args.processes),
-          __file__, "--worker", str(out), "--steps", str(args.steps),
-          "--eval-every", str(args.eval_every), "--density", str(args.density),
-          "--b1", str(args.b1), "--seed", str(args.seed), "--batch", str(args.batch),
-          "--runs", *args.runs)
-      status = subprocess.run(launch, cwd=ROOT, check=False).returncode
-  except network.NetworkUnavailable as error:
-    print(f"cannot make a shaped network namespace here: {error}", file=sys.stderr)
-    return 2
-  if status:
-    print(f"the training processes failed (status {status})", file=sys.stderr)
-  return status
-
+  return network.run_workers(
+      args.rate, 0.0, args.processes, __file__, str(out), "--steps", str(args.steps),
+      "--eval-every", str(args.eval_every), "--density", str(args.density),
+      "--b1", str(args.b1), "--seed", str(args.seed), "--batch", str(args.batch),
+      "--runs", *args.runs)
 
 if __name__ == "__main__":
   sys.exit(main())
