@@ -54,6 +54,8 @@ RUNS = {
     "updates, topka2a_sparse": {"form": "updates", "algorithm": "topka2a_sparse"},
     "updates, all sent": {"form": "updates", "algorithm": "dense"},
     "momentum, variance frozen at 30": {"form": "momentum", "freeze_after": 30},
+    "updates, EF21": {"form": "ef21"},
+    "normalised, momentum after": {"form": "normalised"},
     "topka2a (paper)": {"algorithm": "topka2a", "selection": "exact"},
     "topka2a_sparse": {"algorithm": "topka2a_sparse", "selection": "threshold"},
     "allgather (TopkA)": {"algorithm": "allgather", "selection": "threshold"},
@@ -64,7 +66,12 @@ RUNS = {
 ``topka2a_jax.compress_updates(optax.adam(...), density, **options)``;
 ``"form": "momentum"`` compresses Adam's momentum and freezes its variance
 after ``freeze_after`` dense steps (1-bit Adam's form,
-``topka2a_jax.frozen_variance_adam``); the others compress the gradient, ``optax.chain(topka2a(density, **options),
+``topka2a_jax.frozen_variance_adam``); two candidates measured and set aside:
+``"form": "ef21"`` compresses the change of each device's Adam step and
+applies the running sum of the mean changes (EF21 on the updates), and
+``"form": "normalised"`` compresses each device's gradient divided by its own
+RMS (Adam with b1 = 0) and applies the first moment and the learning rate to
+the mean; the others compress the gradient, ``optax.chain(topka2a(density, **options),
 optax.adam(...))``. Any run followed by ``", N dense steps"`` is a run too,
 with ``warmup_steps=N``: ``"updates, 30 dense steps"``.
 """
@@ -101,8 +108,46 @@ def optimizer(name: str, density: float, mesh, schedule, b1: float):
   if form == "momentum":
     return topka2a_jax.frozen_variance_adam(schedule, density, b1=b1, mesh=mesh,
                                             **options)
+  if form == "ef21":
+    return optax.chain(
+        topka2a_jax.compress_updates(optax.chain(optax.adam(schedule, b1=b1),
+                                                 _differences()),
+                                     density, mesh=mesh, **options),
+        _running_sum())
+  if form == "normalised":
+    return optax.chain(
+        topka2a_jax.compress_updates(optax.scale_by_adam(b1=0.0), density, mesh=mesh,
+                                     **options),
+        optax.ema(b1, debias=True), optax.scale_by_learning_rate(schedule))
   return optax.chain(topka2a_jax.topka2a(density, mesh=mesh, **options),
                      optax.adam(schedule, b1=b1))
+
+
+def _differences():
+  """Each update minus the previous one (the first minus zeros): EF21's input."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  def update(updates, previous, params=None):
+    del params
+    return jax.tree.map(jnp.subtract, updates, previous), updates
+
+  return optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p), update)
+
+
+def _running_sum():
+  """The sum of every update so far: EF21's estimate, applied every step."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  def update(updates, total, params=None):
+    del params
+    total = jax.tree.map(jnp.add, total, updates)
+    return total, total
+
+  return optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p), update)
 
 
 def init(key):
