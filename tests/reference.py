@@ -102,3 +102,30 @@ def leafwise(algorithm, grads, residuals, density):
     mean, rest = ALGORITHMS[algorithm](acc, density)
     means[k], unsent[k] = mean.reshape(g.shape[1:]), rest
   return means, unsent
+
+
+def orthonormal_columns(p: np.ndarray) -> np.ndarray:
+  """The columns of ``p`` orthonormalised in order: QR with a positive diagonal."""
+  q, r = np.linalg.qr(p)
+  return q * np.where(np.diag(r) < 0, -1.0, 1.0)
+
+
+def powersgd(grads: np.ndarray, residuals: np.ndarray, q: np.ndarray):
+  """One PowerSGD step of one matrix (Vogels et al. 2019, Algorithms 1 and 2).
+
+  Args:
+    grads: every device's gradient as a matrix, (P, m, n).
+    residuals: every device's error feedback, (P, m, n).
+    q: the warm-started factor, (n, r), the same on every device.
+
+  Returns:
+    ``(mean, residuals, q)``: the decompressed mean (m, n), every device's
+    new error ``M_w - P Q_w^T`` (P, m, n), and the averaged ``Q`` (n, r).
+  """
+  m = grads.astype(np.float64) + residuals
+  p = np.mean([m[w] @ q for w in range(len(m))], axis=0)
+  p = orthonormal_columns(p)
+  local_qs = [m[w].T @ p for w in range(len(m))]
+  q = np.mean(local_qs, axis=0)
+  errors = np.stack([m[w] - p @ local_qs[w].T for w in range(len(m))])
+  return p @ q.T, errors, q

@@ -22,7 +22,8 @@ Read it top-down:
   TopKA2A's first phase leaves each device, its state divided among them.
 * :mod:`topka2a_jax.layout`: parameter specs and the residuals' layout.
 * :mod:`topka2a_jax.buckets`: fusing gradient leaves into flat buffers.
-* :mod:`topka2a_jax.collectives`: the dense, TopkA and TopKA2A exchanges.
+* :mod:`topka2a_jax.collectives`: the dense, TopkA and TopKA2A exchanges;
+  :mod:`topka2a_jax.low_rank`: PowerSGD, matrices as rank-r products.
 * :mod:`topka2a_jax.selection`: how many entries to send, and which.
 * :mod:`topka2a_jax.wire`: values and indices packed into one message.
 * :mod:`topka2a_jax.axis`: trace-time checks of the mesh axis.

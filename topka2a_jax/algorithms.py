@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from topka2a_jax import collectives
@@ -263,7 +263,73 @@ TOPKA2A_SPARSE = Algorithm(
 
 REGISTRY: dict[str, Algorithm] = {
     algorithm.name: algorithm for algorithm in (DENSE, ALLGATHER, TOPKA2A, TOPKA2A_SPARSE)}
-"""Every exchange, by the name ``topka2a(algorithm=...)`` takes."""
+"""Every exchange of a flat buffer, by the name ``topka2a(algorithm=...)`` takes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LowRank:
+  """An exchange of matrix leaves as low-rank products (:mod:`topka2a_jax.low_rank`).
+
+  It works on each leaf's shape, not on a flat bucket, so it is priced per
+  step from the matrices' shapes; the leaves it does not compress go dense.
+
+  Attributes:
+    name: what ``topka2a(algorithm=...)`` takes.
+    title: its printable name.
+    summary: what it does, in one line.
+  """
+
+  name: str
+  title: str
+  summary: str
+
+  def phases(self, shapes: Sequence[tuple[int, int]], devices: int,
+             rank: int) -> tuple[Phase, ...]:
+    """The two all-reduces of one step: every ``P`` (``m x r``), then every ``Q`` (``n x r``).
+
+    Args:
+      shapes: the compressed leaves as matrices ``(m, n)``.
+      devices: P.
+      rank: r, at most each matrix's smaller side.
+
+    Example:
+      >>> [p.bytes for p in POWERSGD.phases([(100, 50)], 4, 2)]
+      [1200.0, 600.0]
+    """
+    ring = 2 * (devices - 1) / devices * 4
+    p = sum(m * min(rank, m, n) for m, n in shapes)
+    q = sum(n * min(rank, m, n) for m, n in shapes)
+    return (Phase(RING, 2 * (devices - 1), ring * p),
+            Phase(RING, 2 * (devices - 1), ring * q))
+
+  def cost(self, shapes: Sequence[tuple[int, int]], devices: int, rank: int) -> Cost:
+    """Messages and bytes of one step's two all-reduces.
+
+    Example:
+      >>> POWERSGD.cost([(5000, 5000)], 4, 4).bytes
+      240000.0
+    """
+    phases = self.phases(shapes, devices, rank)
+    return Cost(int(sum(phase.messages for phase in phases)),
+                float(sum(phase.bytes for phase in phases)))
+
+  def flops(self, shapes: Sequence[tuple[int, int]], rank: int) -> float:
+    """Multiply-adds one device runs: ``M Q``, ``M^T P``, and the two products ``P Q^T``.
+
+    Example:
+      >>> POWERSGD.flops([(100, 50)], 2)
+      40000.0
+    """
+    return float(sum(4 * m * n * min(rank, m, n) for m, n in shapes))
+
+
+POWERSGD = LowRank(
+    name="powersgd", title="PowerSGD",
+    summary="each large matrix as a rank-r product: two all-reduces (P, then Q)")
+"""PowerSGD (Vogels et al., NeurIPS 2019); ``topka2a(algorithm="powersgd", rank=r)``."""
+
+NAMES: tuple[str, ...] = (*REGISTRY, POWERSGD.name)
+"""Every name ``topka2a(algorithm=...)`` takes besides ``"auto"``."""
 
 
 def get(name: str) -> Algorithm:
@@ -276,7 +342,11 @@ def get(name: str) -> Algorithm:
   if name == AUTO:
     raise ValueError(f"no cost model for algorithm {AUTO!r}: it takes one exchange "
                      f"per bucket; name one of {', '.join(map(repr, REGISTRY))}")
+  if name == POWERSGD.name:
+    raise ValueError(f"{name!r} exchanges matrices, not flat buckets: its cost is "
+                     f"algorithms.POWERSGD.cost(shapes, devices, rank); the bucket "
+                     f"exchanges are {', '.join(map(repr, REGISTRY))}")
   if name not in REGISTRY:
     raise ValueError(f"unknown algorithm {name!r}; choose {AUTO!r} or one of "
-                     f"{', '.join(map(repr, REGISTRY))}")
+                     f"{', '.join(map(repr, NAMES))}")
   return REGISTRY[name]

@@ -69,7 +69,8 @@ def _per_device(state: Any) -> list[str | bool]:
   def mark(node: Any) -> Any:
     if isinstance(node, TopKA2AState):
       return node._replace(residuals=jax.tree.map(lambda _: RESIDUAL, node.residuals),
-                           count=False, nonfinite_steps=False)
+                           count=False, nonfinite_steps=False,
+                           factors=jax.tree.map(lambda _: False, node.factors))
     if isinstance(node, ShardedOptimizerState):
       return ShardedOptimizerState(mark(node.exchange),
                                    jax.tree.map(lambda _: SHARD, node.inner))

@@ -32,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -40,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from topka2a_jax import buckets, collectives, layout
+from topka2a_jax import buckets, collectives, layout, low_rank
 from topka2a_jax.algorithms import DENSE, REGISTRY
 from topka2a_jax.axis import (
     axis_names,
@@ -150,13 +151,16 @@ def exchange(options: Options, grads: Sequence[jax.Array],
     grads: this device's gradient leaves.
     residuals: for every leaf, its residual (shaped like the leaf, ``(1,)``
       for a scalar, or its slice over a pair of axes) or
-      ``optax.MaskedNode()`` where it keeps none.
+      ``optax.MaskedNode()`` where it keeps none; for a leaf that goes low
+      rank, a :class:`topka2a_jax.low_rank.Carry`.
     sparse: False sends every bucket dense (warm-up): nothing stays behind.
 
   Returns:
     ``(means, new residuals)``, leaf by leaf; the means are invariant along
     the axis.
   """
+  if options.is_low_rank:
+    return _exchange_low_rank(options, grads, residuals, sparse)
   num_devices = bound_axis_size(options.axis_name)
   per_node = devices_per_node(options.axis_name) or 1
   inner_axis = axis_names(options.axis_name)[-1]
@@ -198,6 +202,48 @@ def exchange(options: Options, grads: Sequence[jax.Array],
           left = left + over.ravel()[:left.size]
         new_residuals[i] = left.reshape(residuals[i].shape).astype(residuals[i].dtype)
   return means, new_residuals
+
+
+def _exchange_low_rank(options: Options, grads: Sequence[jax.Array],
+                       residuals: Sequence[Any], sparse: bool) -> tuple[list, list]:
+  """:func:`exchange` for ``algorithm="powersgd"``: matrices low rank, the rest dense.
+
+  The leaves whose state is a :class:`low_rank.Carry` go through
+  :func:`low_rank.exchange`; every other leaf goes through the dense
+  buckets. ``sparse=False`` (warm-up) sends the matrices dense as well,
+  which empties their residuals and keeps their ``Q``.
+  """
+  low = [i for i, carry in enumerate(residuals) if isinstance(carry, low_rank.Carry)]
+  rest = [i for i in range(len(grads)) if i not in set(low)]
+  means: list[Any] = list(grads)
+  new: list[Any] = list(residuals)
+  dense_options = dataclasses.replace(options, algorithm=DENSE.name, rank=None)
+  rest_means, _ = exchange(dense_options, [grads[i] for i in rest],
+                           [optax.MaskedNode()] * len(rest), sparse)
+  for i, mean in zip(rest, rest_means):
+    means[i] = mean
+  if not low:
+    return means, new
+  carries = [residuals[i] for i in low]
+  accumulators = []
+  for i, carry in zip(low, carries):
+    acc = grads[i].astype(residual_dtype(grads[i].dtype))
+    if not isinstance(carry.residual, optax.MaskedNode):
+      acc = acc + carry.residual
+    accumulators.append(acc)
+  if sparse:
+    low_means, left, factors = low_rank.exchange(
+        accumulators, [carry.factor for carry in carries], options.axis_name)
+  else:
+    low_means = jax.lax.pmean(accumulators, options.axis_name)
+    left = [jnp.zeros_like(acc) for acc in accumulators]
+    factors = [carry.factor for carry in carries]
+  for i, carry, mean, rest_left, factor in zip(low, carries, low_means, left, factors):
+    means[i] = mean.astype(grads[i].dtype)
+    kept = (carry.residual if isinstance(carry.residual, optax.MaskedNode)
+            else rest_left.astype(carry.residual.dtype))
+    new[i] = low_rank.Carry(kept, factor)
+  return means, new
 
 
 def unsent_slices(unsent: Sequence[jax.Array], widths: Sequence[int],

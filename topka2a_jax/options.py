@@ -21,7 +21,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from topka2a_jax import algorithms
+from topka2a_jax import algorithms, low_rank
 from topka2a_jax.axis import axis_names, bound_axis_size, check_on_mesh
 from topka2a_jax.collectives import get_selection
 from topka2a_jax.cost import AUTO_NETWORK, Cluster, Network, get_network
@@ -117,6 +117,21 @@ def _mesh(mesh: Any, axis_name: Hashable) -> Mesh | None:
   return mesh
 
 
+def _check_low_rank(options: dict[str, Any], axis_name: Hashable) -> None:
+  """Validates ``rank`` for ``algorithm="powersgd"`` (its default if None) and what it excludes."""
+  rank = options.get("rank")
+  options["rank"] = (low_rank.DEFAULT_RANK if rank is None else _count("rank", rank, 1))
+  if len(axis_names(axis_name)) > 1:
+    raise ValueError(
+        f"algorithm='powersgd' runs over one data axis, got axis_name={axis_name!r}. "
+        "Name the axis over all data-parallel devices (a mesh axis that spans "
+        "both levels), or use a top-k algorithm for the two-level exchange.")
+  if options.get("value_dtype") is not None:
+    raise ValueError(
+        "value_dtype narrows top-k values on the wire; algorithm='powersgd' "
+        "all-reduces its float32 factors as they are. Drop value_dtype=.")
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
   """What one :func:`topka2a_jax.topka2a` transform does; see its arguments.
@@ -156,6 +171,7 @@ class Options:
   skip_nonfinite: bool = True
   mesh: Mesh | None = None
   whole_selection: bool = False
+  rank: int | None = None
 
   @classmethod
   def create(cls, density: Any, **options: Any) -> Options:
@@ -175,7 +191,16 @@ class Options:
     fusion = normalised.get("fusion", "auto")
     if fusion != "auto":
       normalised["fusion"] = _count("fusion", fusion, 1)
-    check_plan_options(normalised.get("algorithm", DEFAULT_ALGORITHM), fusion)
+    algorithm = normalised.get("algorithm", DEFAULT_ALGORITHM)
+    if algorithm == algorithms.POWERSGD.name:
+      _check_low_rank(normalised, axis_name)
+    else:
+      check_plan_options(algorithm, fusion)
+      if normalised.get("rank") is not None:
+        raise ValueError(
+            f"rank={normalised['rank']!r} sets the rank of algorithm='powersgd'; "
+            f"algorithm={algorithm!r} sends a top-k selection of density entries. "
+            "Drop rank=, or pass algorithm='powersgd'.")
     for name in ("error_feedback", "skip_nonfinite", "whole_selection"):
       if name in normalised:
         _flag(name, normalised[name])
@@ -214,13 +239,27 @@ class Options:
     """Bytes per sparse value on the wire."""
     return 4 if self.value_dtype is None else self.value_dtype.itemsize
 
-  def keeps_residual(self, local_size: int) -> bool:
-    """Whether a leaf is sparsified with error feedback (else it goes dense).
+  @property
+  def is_low_rank(self) -> bool:
+    """Whether matrices go as low-rank products (``algorithm="powersgd"``)."""
+    return self.algorithm == algorithms.POWERSGD.name
+
+  def sends_low_rank(self, local_shape: tuple[int, ...]) -> bool:
+    """Whether a leaf goes as a low-rank product (:func:`low_rank.compresses`)."""
+    return self.is_low_rank and low_rank.compresses(local_shape, self.rank, self.min_size)
+
+  def keeps_residual(self, local_size: int, local_shape: tuple[int, ...] | None = None
+                     ) -> bool:
+    """Whether a leaf is compressed with error feedback (else it goes dense).
 
     Args:
       local_size: elements of the leaf on one device: the whole leaf, or its
         shard where parameters are sharded over other mesh axes.
+      local_shape: its shape there; decides for ``algorithm="powersgd"``.
     """
+    if self.is_low_rank:
+      return (self.error_feedback and local_shape is not None
+              and self.sends_low_rank(local_shape))
     sparse = self.algorithm == algorithms.AUTO or algorithms.get(self.algorithm).sparse
     return (self.error_feedback and sparse and local_size > 0
             and local_size >= self.min_size)

@@ -186,7 +186,8 @@ def state_specs(opt_state: optax.OptState, axis_name: Hashable = "data",
   def spec_for(node: Any) -> Any:
     if _is_topka2a_state(node):
       return TopKA2AState(_residual_specs(node.residuals, axis_name, param_specs),
-                          count=P(), nonfinite_steps=P())
+                          count=P(), nonfinite_steps=P(),
+                          factors=jax.tree.map(lambda _: P(), node.factors))
     if isinstance(node, ShardedOptimizerState):
       if params_structure is None:
         return ShardedOptimizerState(spec_for(node.exchange),

@@ -51,7 +51,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from topka2a_jax import exchange, layout
+from topka2a_jax import exchange, layout, low_rank
 from topka2a_jax.axis import (
   bound_axis_size,
   devices_per_node,
@@ -100,11 +100,16 @@ class TopKA2AState(NamedTuple):
       count. ``warmup_steps`` compares against it.
     nonfinite_steps: steps skipped because some device's gradient held a NaN
       or an infinity (int32, replicated).
+    factors: ``algorithm="powersgd"`` only (else None): mirrors the gradient
+      pytree, each low-rank leaf's ``Q`` (``(n, rank)`` float32, replicated,
+      warm-starting the next step; :mod:`topka2a_jax.low_rank`), and
+      ``optax.MaskedNode()`` for the leaves that go dense.
   """
 
   residuals: optax.Updates
   count: jax.Array
   nonfinite_steps: jax.Array
+  factors: optax.Updates = None
 
 
 def holds_exchange(state: Any) -> bool:
@@ -150,6 +155,7 @@ def topka2a(
     selection: str = DEFAULT_SELECTION,
     warmup_steps: int = 0,
     skip_nonfinite: bool = True,
+    rank: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Averages gradients across a mesh axis, sending only the top ``density``.
 
@@ -183,7 +189,10 @@ def topka2a(
       :data:`topka2a_jax.algorithms.REGISTRY` for every large bucket: the
       paper's TopKA2A; its sparse-second-phase variant, O(k) volume; TopkA,
       whose volume grows with the number of devices; dense ``lax.pmean``,
-      which ignores ``density``.
+      which ignores ``density``. Or ``"powersgd"``: every matrix leaf as a
+      rank-``rank`` product in two all-reduces, vectors and small matrices
+      dense (:mod:`topka2a_jax.low_rank`); it ignores ``density``, runs
+      over one data axis, and ``"auto"`` never picks it.
     error_feedback: keep what was not sent and add it to the next step's
       gradient. Without it the unsent mass is dropped and accuracy suffers.
     min_size: leaves with fewer elements on a device go dense.
@@ -224,6 +233,9 @@ def topka2a(
       updates; wrap the whole chain in :func:`topka2a_jax.skip_nonfinite` to
       skip it too (its decision is passed down, so the check runs once).
       False lets non-finite values through (and into the residuals).
+    rank: the rank of ``algorithm="powersgd"`` (default
+      :data:`topka2a_jax.low_rank.DEFAULT_RANK`, 4); refused with the others.
+      A matrix goes low rank where its factors are at most half its size.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state
@@ -245,7 +257,8 @@ def topka2a(
       density, axis_name=axis_name, mesh=mesh, algorithm=algorithm,
       error_feedback=error_feedback, min_size=min_size, fusion=fusion,
       network=network, backward_seconds=backward_seconds, value_dtype=value_dtype,
-      selection=selection, warmup_steps=warmup_steps, skip_nonfinite=skip_nonfinite)
+      selection=selection, warmup_steps=warmup_steps, skip_nonfinite=skip_nonfinite,
+      rank=rank)
 
   def init_fn(params: optax.Params) -> TopKA2AState:
     return init_state(options, params)
@@ -326,9 +339,10 @@ def init_state(options: Options, params: optax.Params) -> TopKA2AState:
     residuals = [
         jnp.zeros(residual_block_shape(options, leaf.shape),
                   exchange.residual_dtype(leaf.dtype))
-        if options.keeps_residual(leaf.size) else optax.MaskedNode()
+        if options.keeps_residual(leaf.size, leaf.shape) else optax.MaskedNode()
         for leaf in leaves]
-    return TopKA2AState(treedef.unflatten(residuals), zero, zero)
+    return TopKA2AState(treedef.unflatten(residuals), zero, zero,
+                        initial_factors(options, leaves, treedef))
   mesh = layout_mesh(options, leaves)
   if mesh is not None and not on_mesh(mesh, options.axis_name):
     raise ValueError(
@@ -343,6 +357,16 @@ def init_state(options: Options, params: optax.Params) -> TopKA2AState:
         f"(jax.device_put(params, NamedSharding(mesh, P()))), or make the "
         f"state with topka2a_jax.init(tx, params, mesh).")
   return _global_state(options, mesh, paths, leaves, treedef)
+
+
+def initial_factors(options: Options, leaves: Sequence[Any], treedef: Any) -> Any:
+  """Each low-rank leaf's first ``Q``, ``optax.MaskedNode()`` elsewhere; None unless PowerSGD."""
+  if not options.is_low_rank:
+    return None
+  return treedef.unflatten([
+      low_rank.initial_factor(leaf.shape, options.rank, position)
+      if options.sends_low_rank(leaf.shape) else optax.MaskedNode()
+      for position, leaf in enumerate(leaves)])
 
 
 def residual_block_shape(options: Options, shape: Sequence[int]) -> tuple[int, ...]:
@@ -370,8 +394,15 @@ def _global_state(options: Options, mesh: Mesh, paths: Sequence[str],
     given = layout.param_spec_of(leaf, mesh)
     layout.check_not_over_data(given, options.axis_name, path)
     spec = layout.restrict_spec(given, leaf.shape, others)
-    local_size = math.prod(layout.local_shape(leaf.shape, spec, others))
-    if options.keeps_residual(local_size):
+    local_shape = layout.local_shape(leaf.shape, spec, others)
+    local_size = math.prod(local_shape)
+    if options.is_low_rank and tuple(local_shape) != tuple(leaf.shape):
+      raise ValueError(
+          f"parameter {path} is sharded over {tuple(others)} "
+          f"({leaf.shape} split into {tuple(local_shape)} per device); "
+          "algorithm='powersgd' takes parameters whole on every device of the "
+          "other mesh axes. Replicate them there, or use a top-k algorithm.")
+    if options.keeps_residual(local_size, local_shape):
       kept.append(i)
       shapes.append(jax.ShapeDtypeStruct(
           layout.residual_shape(leaf.shape, num_devices, per_node=per_node,
@@ -393,7 +424,21 @@ def _global_state(options: Options, mesh: Mesh, paths: Sequence[str],
                                     out_shardings=shardings + [replicated] * 2)()
   for i, array in zip(kept, made):
     residuals[i] = array
-  return TopKA2AState(treedef.unflatten(residuals), count, skipped)
+  return TopKA2AState(treedef.unflatten(residuals), count, skipped,
+                      _replicated_factors(options, mesh, leaves, treedef, tracing))
+
+
+def _replicated_factors(options: Options, mesh: Mesh, leaves: Sequence[Any],
+                        treedef: Any, tracing: bool) -> Any:
+  """:func:`initial_factors` as global arrays, replicated over ``mesh``."""
+  if not options.is_low_rank:
+    return None
+  replicated = NamedSharding(mesh, P())
+  shapes = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
+  make = lambda: initial_factors(options, shapes, treedef)
+  if tracing:
+    return jax.tree.map(lambda f: layout.constrain(f, replicated), make())
+  return jax.jit(make, out_shardings=replicated)()
 
 
 def update_state(options: Options, updates: optax.Updates, state: TopKA2AState,
@@ -417,15 +462,68 @@ def update_state(options: Options, updates: optax.Updates, state: TopKA2AState,
   if not any(g.size for g in grads):
     return updates, state
   bad = extra_args.get(NONFINITE)  # decided already by skip_nonfinite(...)
+  carries = with_factors(options, treedef, state, grads, paths, residuals)
   others = layout.automatic_axes(jax.sharding.get_abstract_mesh(), options.axis_name)
   if not others:
     means, new, count, skipped = exchange.step(
-        options, grads, residuals, state.count, state.nonfinite_steps, bad)
+        options, grads, carries, state.count, state.nonfinite_steps, bad)
   else:
     means, new, count, skipped = _step_on_shards(
-        options, others, grads, residuals, state, bad,
+        options, others, grads, carries, state, bad,
         given_specs(treedef, extra_args.get(PARAM_SPECS)))
-  return full.unflatten(means), TopKA2AState(treedef.unflatten(new), count, skipped)
+  new, factors = without_factors(options, treedef, new)
+  return full.unflatten(means), TopKA2AState(treedef.unflatten(new), count, skipped,
+                                             factors)
+
+
+def with_factors(options: Options, treedef: Any, state: TopKA2AState,
+                 grads: Sequence[jax.Array], paths: Sequence[str],
+                 residuals: list[Any]) -> list[Any]:
+  """Every low-rank leaf's residual and ``Q`` as one :class:`low_rank.Carry`.
+
+  Raises:
+    ValueError: the state's factors do not match ``algorithm="powersgd"``
+      and these gradients (made with other options, or for another model).
+  """
+  fix = ("The state was made with other options; re-create it with "
+         "tx.init(params) for this transform.")
+  if not options.is_low_rank:
+    if state.factors is not None:
+      raise ValueError(f"the state holds PowerSGD factors but algorithm="
+                       f"{options.algorithm!r}. {fix}")
+    return residuals
+  if state.factors is None:
+    raise ValueError(f"algorithm='powersgd' needs the factors its init makes; the "
+                     f"state has none. {fix}")
+  factors = treedef.flatten_up_to(state.factors)
+  carries = []
+  for grad, path, residual, factor in zip(grads, paths, residuals, factors):
+    if not options.sends_low_rank(grad.shape):
+      if not isinstance(factor, optax.MaskedNode):
+        raise ValueError(f"the state holds a PowerSGD factor for leaf {path}, which "
+                         f"goes dense with these options. {fix}")
+      carries.append(residual)
+      continue
+    m, n = low_rank.matrix_shape(grad.shape)
+    expected = (n, low_rank.leaf_rank(grad.shape, options.rank))
+    if getattr(factor, "shape", None) != expected:
+      raise ValueError(
+          f"PowerSGD factor for leaf {path} has shape "
+          f"{getattr(factor, 'shape', type(factor).__name__)}, expected {expected} "
+          f"(its {m} x {n} matrix at rank {options.rank}). {fix}")
+    carries.append(low_rank.Carry(residual, factor))
+  return carries
+
+
+def without_factors(options: Options, treedef: Any, carries: list[Any]
+                    ) -> tuple[list[Any], Any]:
+  """The residuals and the factors' pytree (None unless PowerSGD), from :func:`with_factors`."""
+  if not options.is_low_rank:
+    return carries, None
+  is_carry = lambda node: isinstance(node, low_rank.Carry)
+  residuals = [c.residual if is_carry(c) else c for c in carries]
+  factors = [c.factor if is_carry(c) else optax.MaskedNode() for c in carries]
+  return residuals, treedef.unflatten(factors)
 
 
 def given_specs(treedef: Any, specs: Any) -> list[P | None]:
@@ -458,6 +556,10 @@ def _step_on_shards(options: Options, others: dict[Hashable, int],
   """
   specs = shard_specs(grads, given, others)
   blocks = [layout.residual_block_spec(options.axis_name, spec) for spec in specs]
+  blocks = [low_rank.Carry(block if not isinstance(r.residual, optax.MaskedNode)
+                           else optax.MaskedNode(), P())
+            if isinstance(r, low_rank.Carry) else block
+            for block, r in zip(blocks, residuals)]
 
   def on_shards(grads, residuals, count, skipped, bad):
     return exchange.step(options, grads, residuals, count, skipped, bad)
@@ -485,9 +587,9 @@ def matching_residuals(options: Options, treedef: Any, state: TopKA2AState,
         f"(topka2a built with mesh=...) or topka2a_jax.init(tx, params, mesh). "
         f"({error})") from None
   others = layout.automatic_axes(jax.sharding.get_abstract_mesh(), options.axis_name)
-  local_sizes = _local_sizes(grads, given_specs(treedef, param_specs), others)
-  for grad, residual, path, size in zip(grads, residuals, paths, local_sizes):
-    if options.keeps_residual(size):
+  local_shapes = _local_shapes(grads, given_specs(treedef, param_specs), others)
+  for grad, residual, path, shape in zip(grads, residuals, paths, local_shapes):
+    if options.keeps_residual(math.prod(shape), shape):
       expected = residual_block_shape(options, grad.shape)
       if getattr(residual, "shape", None) != expected:
         raise ValueError(
@@ -509,13 +611,13 @@ def matching_residuals(options: Options, treedef: Any, state: TopKA2AState,
   return residuals
 
 
-def _local_sizes(grads: Sequence[jax.Array], given: Sequence[P | None],
-                 others: dict[Hashable, int]) -> list[int]:
-  """Elements of each leaf on one device, after the split over ``others``."""
+def _local_shapes(grads: Sequence[jax.Array], given: Sequence[P | None],
+                  others: dict[Hashable, int]) -> list[tuple[int, ...]]:
+  """The shape of each leaf on one device, after the split over ``others``."""
   if not others:
-    return [g.size for g in grads]
+    return [tuple(g.shape) for g in grads]
   specs = shard_specs(grads, given, others)
-  return [math.prod(layout.local_shape(grad.shape, spec, others))
+  return [tuple(layout.local_shape(grad.shape, spec, others))
           for grad, spec in zip(grads, specs)]
 
 
