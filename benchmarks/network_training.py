@@ -59,6 +59,11 @@ RUNS = {
     "topka2a (paper)": {"algorithm": "topka2a", "selection": "exact"},
     "topka2a_sparse": {"algorithm": "topka2a_sparse", "selection": "threshold"},
     "allgather (TopkA)": {"algorithm": "allgather", "selection": "threshold"},
+    "powersgd rank 1": {"algorithm": "powersgd", "rank": 1},
+    "powersgd rank 4": {"algorithm": "powersgd", "rank": 4},
+    "updates, powersgd rank 4": {"form": "updates", "algorithm": "powersgd", "rank": 4},
+    "updates at 0.35%": {"form": "updates", "density": 0.0035},
+    "updates at 0.1%": {"form": "updates", "density": 0.001},
 }
 """Configurations: name -> options of ``topka2a`` besides the density.
 
@@ -73,7 +78,11 @@ applies the running sum of the mean changes (EF21 on the updates), and
 RMS (Adam with b1 = 0) and applies the first moment and the learning rate to
 the mean; the others compress the gradient, ``optax.chain(topka2a(density, **options),
 optax.adam(...))``. Any run followed by ``", N dense steps"`` is a run too,
-with ``warmup_steps=N``: ``"updates, 30 dense steps"``.
+with ``warmup_steps=N``: ``"updates, 30 dense steps"``. ``"density"`` overrides
+``--density`` for one run: the updates at 0.35% and at 0.1% send about the
+bytes of PowerSGD at rank 4 and at rank 1 on this model (the table's
+``MB/step``: what each process sends per step, read from the compiled step by
+:func:`topka2a_jax.comm_report`).
 """
 
 DEFAULT_RUNS = ["dense", "defaults", "updates", "updates, topka2a_sparse",
@@ -102,6 +111,7 @@ def optimizer(name: str, density: float, mesh, schedule, b1: float):
 
   options = dict(run_options(name))
   form = options.pop("form", "gradient")
+  density = options.pop("density", density)
   if form == "updates":
     return topka2a_jax.compress_updates(optax.adam(schedule, b1=b1), density,
                                         mesh=mesh, **options)
@@ -230,6 +240,7 @@ def worker(args: argparse.Namespace) -> None:
         v.shape, NamedSharding(mesh, P()), lambda index, v=v: np.asarray(v)[index]),
         init(jax.random.key(args.seed)))
     state, step = tx.init(params), topka2a_jax.train_step(loss, tx, mesh)
+    sent = topka2a_jax.comm_report(step.lower(params, state, batches[0])).total_bytes
     params, state, _ = step(params, state, batches[0])  # compiles
     jax.block_until_ready(params)
     params = jax.tree.map(lambda v: jax.make_array_from_callback(
@@ -245,7 +256,7 @@ def worker(args: argparse.Namespace) -> None:
       seconds.append(time.perf_counter() - start)
       if i % args.eval_every == 0 or i == args.steps:
         evals.append((i, float(validation(params, valid_windows))))
-    rows.append({"run": name, "seconds": seconds, "evals": evals})
+    rows.append({"run": name, "seconds": seconds, "evals": evals, "bytes": sent})
     if jax.process_index() == 0:
       print(f"{name:20s} {np.median(seconds):.3f} s/step, valid loss "
             f"{evals[-1][1]:.4f}", flush=True)
@@ -276,9 +287,9 @@ def report(rows: list[dict], targets: list[float]) -> list[dict]:
       mine, base = figures["seconds"], dense["targets"][target]["seconds"]
       figures["ratio"] = mine / base if mine and base else None
   head = " ".join(f"{'to ' + str(t):>17s}" for t in targets)
-  print(f"\n{'run':24s} {'s/step':>7s} {'vs dense':>8s} {head}  {'final':>7s} "
-        f"{'highest':>7s}")
-  print(f"{'':24s} {'':>7s} {'':>8s} "
+  print(f"\n{'run':24s} {'MB/step':>7s} {'s/step':>7s} {'vs dense':>8s} {head}  "
+        f"{'final':>7s} {'highest':>7s}")
+  print(f"{'':24s} {'':>7s} {'':>7s} {'':>8s} "
         + " ".join(f"{'steps':>5s} {'s':>5s} {'ratio':>5s}" for _ in targets))
   for row in rows:
     cells = []
@@ -287,7 +298,9 @@ def report(rows: list[dict], targets: list[float]) -> list[dict]:
       ratio = "-" if figures["ratio"] is None else f"{figures['ratio']:.2f}"
       cells.append(f"{figures['steps'] or '-':>5} "
                    f"{figures['seconds'] or float('nan'):5.0f} {ratio:>5s}")
-    print(f"{row['run']:24s} {row['step_s']:7.3f} {row['step_s'] / dense['step_s']:7.3f}x "
+    megabytes = f"{row['bytes'] / 1e6:7.3f}" if "bytes" in row else f"{'-':>7s}"
+    print(f"{row['run']:24s} {megabytes} {row['step_s']:7.3f} "
+          f"{row['step_s'] / dense['step_s']:7.3f}x "
           + " ".join(cells) + f"  {row['final']:7.4f} {row['highest']:7.2f}")
   return rows
 
