@@ -8,11 +8,16 @@ the median of repeated runs after a warm-up, each run started together on
 every process. All the traffic of the P processes crosses the one shaped
 loopback, so the link is shared like a switch with that capacity.
 
+Beside the top-k exchanges, PowerSGD (``algorithm="powersgd"``) at each of
+``--ranks`` on the buffer as a near-square matrix: its two all-reduces, the
+matmuls and Gram-Schmidt, with the residual and the next ``Q`` kept, as a
+step keeps them.
+
 From the measurements it fits the planner's model of an exchange (seconds =
 messages * α + bytes / bandwidth + elements read * selection + entries selected *
-per-entry cost, least squares over all rows,
-:class:`topka2a_jax.fusion.StepModel`) and prints, beside each measured ratio
-to dense, the ratio the fitted model predicts.
+per-entry cost + multiply-adds * per-flop cost, least squares over all rows,
+:class:`topka2a_jax.fusion.StepModel`; only PowerSGD multiplies) and prints,
+beside each measured ratio to dense, the ratio the fitted model predicts.
 
 Needs root (or CAP_NET_ADMIN) for ``ip netns`` and ``tc``, and the kernel's
 ``tbf`` qdisc (``netem`` too for ``--delay-ms``). Where any is missing it
@@ -21,7 +26,7 @@ says so and exits with status 2; the namespace is always removed afterwards.
 Run:
   python benchmarks/network.py [--rate 1gbit] [--delay-ms 0] [--processes 4]
       [--sizes 1000000 8000000 25000000] [--densities 0.01 0.05 0.1]
-      [--repeats 5] [--selection threshold] [--json out.json]
+      [--ranks 1 4] [--repeats 5] [--selection threshold] [--json out.json]
 
 Beside the exchanges, it times the defaults' whole update (``topka2a(density)``
 with no other option: the planner's algorithm, the backend's selection) on
@@ -42,7 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from topka2a_jax.algorithms import ALLGATHER, DENSE, REGISTRY, TOPKA2A
+from topka2a_jax.algorithms import ALLGATHER, DENSE, POWERSGD, REGISTRY, TOPKA2A
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -155,7 +160,57 @@ def defaults_seconds(mesh, buffer, density: float, repeats: int) -> float:
   return float(np.median(seconds))
 
 
-def worker(sizes: list[int], densities: list[float], repeats: int,
+def matrix_of(size: int) -> tuple[int, int]:
+  """``size`` elements as the squarest matrix ``(m, n)``, ``n <= m``.
+
+  Example:
+    >>> matrix_of(25_000_000), matrix_of(8_000_000)
+    ((5000, 5000), (3125, 2560))
+  """
+  n = max(d for d in range(1, math.isqrt(size) + 1) if size % d == 0)
+  return size // n, n
+
+
+def timed(run, *args, repeats: int, label: str) -> float:
+  """Median seconds of ``run(*args)`` after a warm-up, started together everywhere."""
+  import jax
+  import numpy as np
+  from jax.experimental import multihost_utils
+
+  jax.block_until_ready(run(*args))  # compile and warm up
+  seconds = []
+  for _ in range(repeats):
+    multihost_utils.sync_global_devices(label)
+    start = time.perf_counter()
+    jax.block_until_ready(run(*args))
+    seconds.append(time.perf_counter() - start)
+  return float(np.median(seconds))
+
+
+def powersgd_seconds(mesh, buffer, size: int, rank: int, repeats: int) -> float:
+  """Median time of one PowerSGD exchange of ``buffer`` as a matrix, everything kept."""
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from topka2a_jax import low_rank
+
+  shape = matrix_of(size)
+  first = np.asarray(low_rank.initial_factor(shape, rank, 0))
+  q = jax.make_array_from_callback(first.shape, NamedSharding(mesh, P()),
+                                   lambda index: first[index])
+
+  def one(row, q):
+    (mean,), (residual,), (new_q,) = low_rank.exchange([row.reshape(shape)], [q], "data")
+    return mean, residual.ravel(), new_q
+
+  run = jax.jit(jax.shard_map(one, mesh=mesh, in_specs=(P("data"), P()),
+                              out_specs=(P(), P("data"), P())))
+  return timed(run, buffer, q, repeats=repeats, label="powersgd")
+
+
+def worker(sizes: list[int], densities: list[float], ranks: list[int], repeats: int,
            selection: str, out: str) -> None:
   """Inside the namespace, on every process: time the exchanges."""
   import topka2a_jax.distributed
@@ -163,7 +218,6 @@ def worker(sizes: list[int], densities: list[float], repeats: int,
   topka2a_jax.distributed.initialize()
   import jax
   import numpy as np
-  from jax.experimental import multihost_utils
   from jax.sharding import Mesh, NamedSharding
   from jax.sharding import PartitionSpec as P
 
@@ -181,18 +235,18 @@ def worker(sizes: list[int], densities: list[float], repeats: int,
             lambda b, exchange=exchange, density=density: exchange(
                 b, "data", density, selection=selection).mean,
             mesh=mesh, in_specs=P("data"), out_specs=P()))
-        run(buffer).block_until_ready()  # compile and warm up
-        seconds = []
-        for _ in range(repeats):
-          multihost_utils.sync_global_devices("exchange")
-          start = time.perf_counter()
-          run(buffer).block_until_ready()
-          seconds.append(time.perf_counter() - start)
         rows.append({"size": size, "algorithm": algorithm, "density": density,
-                     "seconds": float(np.median(seconds))})
+                     "seconds": timed(run, buffer, repeats=repeats, label="exchange")})
         if jax.process_index() == 0:
           print(f"{algorithm:15s} {size:>11,} {density:5g} "
                 f"{rows[-1]['seconds']:.4f} s", flush=True)
+    for rank in ranks:
+      rows.append({"size": size, "algorithm": POWERSGD.name, "density": None,
+                   "rank": rank,
+                   "seconds": powersgd_seconds(mesh, buffer, size, rank, repeats)})
+      if jax.process_index() == 0:
+        print(f"{POWERSGD.name:15s} {size:>11,} rank {rank} "
+              f"{rows[-1]['seconds']:.4f} s", flush=True)
     for density in densities:
       rows.append({"size": size, "algorithm": DEFAULTS, "density": density,
                    "seconds": defaults_seconds(mesh, buffer, density, repeats)})
@@ -204,22 +258,27 @@ def worker(sizes: list[int], densities: list[float], repeats: int,
 
 
 def terms(row: dict, processes: int) -> list[float]:
-  """The planner's step model of one exchange: messages, bytes, elements, entries.
+  """The model of one exchange: messages, bytes, elements, entries, multiply-adds.
 
   Seconds = α * messages + bytes / bandwidth + per_element * elements
-  + per_entry * entries selected, as in :class:`topka2a_jax.fusion.StepModel`
-  (dense selects nothing).
+  + per_entry * entries selected + per_flop * multiply-adds, as in
+  :class:`topka2a_jax.fusion.StepModel` (dense selects nothing; only
+  PowerSGD multiplies, :meth:`topka2a_jax.algorithms.LowRank.flops`).
   """
   from topka2a_jax.cost import elements_read, exchange_cost, selected_entries
 
+  if row["algorithm"] == POWERSGD.name:
+    shapes = [matrix_of(row["size"])]
+    cost = POWERSGD.cost(shapes, processes, row["rank"])
+    return [cost.messages, cost.bytes, 0, 0, POWERSGD.flops(shapes, row["rank"])]
   cost = exchange_cost(row["algorithm"], row["size"], processes, row["density"])
   elements = elements_read(row["algorithm"], row["size"], processes)
   entries = selected_entries(row["algorithm"], row["size"], processes, row["density"])
-  return [cost.messages, cost.bytes, elements, entries]
+  return [cost.messages, cost.bytes, elements, entries, 0]
 
 
-def fit(rows: list[dict], processes: int) -> tuple[float, float, float, float]:
-  """Least-squares α (s), bandwidth (bytes/s) and selection (s per element, per entry).
+def fit(rows: list[dict], processes: int) -> tuple[float, float, float, float, float]:
+  """Least-squares α (s), bandwidth (bytes/s), selection (s per element, per entry), s per flop.
 
   Relative errors are minimised, so small exchanges count as much as large
   ones, and every coefficient is kept non-negative (the best fit over the
@@ -241,27 +300,28 @@ def fit(rows: list[dict], processes: int) -> tuple[float, float, float, float]:
     error = np.sum((design @ coefficients - 1) ** 2)
     if (coefficients >= 0).all() and error < best_error:
       best, best_error = coefficients, error
-  alpha, per_byte, per_element, per_entry = best
+  alpha, per_byte, per_element, per_entry, per_flop = best
   return (float(alpha), 1.0 / max(float(per_byte), 1e-15), float(per_element),
-          float(per_entry))
+          float(per_entry), float(per_flop))
 
 
 def report(rows: list[dict], processes: int, rate: str) -> list[dict]:
   """Prints the table; returns the rows with ratios and predictions."""
   defaults = [r for r in rows if r["algorithm"] == DEFAULTS]
   rows = [r for r in rows if r["algorithm"] != DEFAULTS]
-  alpha, bandwidth, per_element, per_entry = fit(rows, processes)
+  alpha, bandwidth, per_element, per_entry, per_flop = fit(rows, processes)
 
   def predicted(row: dict) -> float:
     return float(np.dot(terms(row, processes),
-                        [alpha, 1 / bandwidth, per_element, per_entry]))
+                        [alpha, 1 / bandwidth, per_element, per_entry, per_flop]))
 
   import numpy as np
 
   print(f"\n{processes} processes, loopback at {rate}; fitted α = "
         f"{alpha * 1e6:.0f} µs, bandwidth = {bandwidth / 1e6:.1f} MB/s per "
         f"process, selection = {per_element * 1e9:.1f} ns per element + "
-        f"{per_entry * 1e9:.0f} ns per selected entry")
+        f"{per_entry * 1e9:.0f} ns per selected entry, "
+        f"{per_flop * 1e12:.0f} ps per multiply-add")
   print(f"{'elements':>11s} {'density':>7s} {'algorithm':15s} {'seconds':>8s} "
         f"{'vs dense':>8s} {'model':>6s} {'off by':>7s}")
   dense = {r["size"]: r for r in rows if r["algorithm"] == DENSE.name}
@@ -269,7 +329,8 @@ def report(rows: list[dict], processes: int, rate: str) -> list[dict]:
     base = dense[r["size"]]
     model_ratio = predicted(r) / predicted(base)
     r.update(ratio=r["seconds"] / base["seconds"], model_ratio=model_ratio)
-    print(f"{r['size']:11,} {r['density']:7g} {r['algorithm']:15s} "
+    setting = f"{r['density']:7g}" if "rank" not in r else f"{'rank ' + str(r['rank']):>7s}"
+    print(f"{r['size']:11,} {setting} {r['algorithm']:15s} "
           f"{r['seconds']:8.4f} {r['ratio']:7.3f}x {model_ratio:5.3f}x "
           f"{r['ratio'] / model_ratio - 1:+6.0%}")
   crossover = 1 / (2 * (processes - 1))
@@ -307,19 +368,23 @@ def main() -> int:
   parser.add_argument("--sizes", type=int, nargs="+",
                       default=[1_000_000, 8_000_000, 25_000_000])
   parser.add_argument("--densities", type=float, nargs="+", default=[0.01, 0.05, 0.1])
+  parser.add_argument("--ranks", type=int, nargs="*", default=[1, 4],
+                      help="PowerSGD's ranks (none: no PowerSGD rows)")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--selection", default="threshold", choices=["exact", "threshold"])
   parser.add_argument("--json", help="also write the rows here")
   parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.worker:
-    worker(args.sizes, args.densities, args.repeats, args.selection, args.worker)
+    worker(args.sizes, args.densities, args.ranks, args.repeats, args.selection,
+           args.worker)
     return 0
 
   out = Path(tempfile.mkdtemp()) / "rows.json"
   status = run_workers(args.rate, args.delay_ms, args.processes, __file__, str(out),
                        "--sizes", *map(str, args.sizes), "--densities",
-                       *map(str, args.densities), "--repeats", str(args.repeats),
+                       *map(str, args.densities), "--ranks", *map(str, args.ranks),
+                       "--repeats", str(args.repeats),
                        "--selection", args.selection)
   if status:
     return status
