@@ -204,3 +204,23 @@ def test_errors_name_the_option_and_the_fix(mesh):
   with pytest.raises(ValueError, match="takes parameters whole"):
     topka2a_jax.init(low, {"w": jnp.zeros((64, 32))}, mesh_2d,
                      param_specs={"w": P(None, "model")})
+
+
+def test_the_compiled_step_sends_what_the_cost_model_says(mesh):
+  """comm_report of a whole train_step: two all-reduces of the factors, one of the rest."""
+  shapes = {"w": (256, 64), "conv": (3, 3, 16, 64), "b": (64,), "small": (8, 8)}
+  params = jax.device_put({k: jnp.zeros(s) for k, s in shapes.items()},
+                          NamedSharding(mesh, P()))
+  tx = optax.chain(topka2a_jax.topka2a(0.01, algorithm="powersgd", rank=4),
+                   optax.sgd(0.1))
+  loss = lambda p, x: sum(jnp.sum(jnp.sin(v)) for v in jax.tree.leaves(p)) * jnp.sum(x)
+  step = topka2a_jax.train_step(loss, tx, mesh)
+  report = topka2a_jax.comm_report(step.lower(params, tx.init(params), jnp.ones((8, 2))))
+  # By hand: P is 256x4 and 144x4, Q 64x4 twice; dense: 64 + 64 floats.
+  ring = 2 * (DEVICES - 1) / DEVICES * 4
+  factors = (256 * 4 + 144 * 4) + (64 * 4 + 64 * 4)
+  step_scalars = 2  # the mean loss, and whether any device's gradient is non-finite
+  assert report.bytes_of("all-reduce") == pytest.approx(
+      ring * (factors + 64 + 64 + step_scalars))
+  predicted = topka2a_jax.cost.low_rank_step(list(shapes.values()), DEVICES, 4)
+  assert predicted.cost.bytes == pytest.approx(ring * (factors + 128))

@@ -1,5 +1,7 @@
 """The command-line planner picks the algorithm the break-even densities say."""
 
+import math
+
 import pytest
 
 from topka2a_jax import plan
@@ -98,3 +100,32 @@ def test_nodes_must_split_the_devices_evenly(capsys):
                "--devices-per-node", "7"])
   assert ("--devices-per-node must divide --devices (64) into whole nodes; got 7"
           in capsys.readouterr().err)
+
+
+def goes_low_rank(shape, rank):
+  """A matrix (all axes by the last) of 1024+ elements whose factors are at most half of it."""
+  if len(shape) < 2:
+    return False
+  m, n = math.prod(shape[:-1]), shape[-1]
+  return m * n >= 1024 and (m + n) * min(rank, m, n) * 2 <= m * n
+
+
+def test_rank_prices_powersgd_on_the_models_layers(capsys):
+  out = run(capsys, "--model", "resnet50", "--devices", "4", "--density", "0.01",
+            "--network", "eth1", "--rank", "4")
+  shapes = [shape for _, shape in plan.resnet50()]
+  low = [s for s in shapes if goes_low_rank(s, 4)]
+  factors = sum((math.prod(s[:-1]) + s[-1]) * 4 for s in low)
+  dense = sum(math.prod(s) for s in shapes if not goes_low_rank(s, 4))
+  assert f"{len(low)} of {len(shapes)} leaves low rank, {dense:,} elements dense" in out
+  # 4 processes: each all-reduce sends 2(P-1)/P = 1.5 of its float32 payload;
+  # three of them (P, Q, the dense rest) of 2(P-1) = 6 messages each.
+  assert f"{1.5 * 4 * (factors + dense) / 1e6:.3f} MB and 18 messages" in out
+  assert "'auto' never picks it" in out
+
+
+def test_rank_needs_a_model(capsys):
+  with pytest.raises(SystemExit):
+    plan.main(["--params", "1000000", "--devices", "4", "--density", "0.01",
+               "--rank", "4"])
+  assert "--rank prices PowerSGD on a model's layer shapes" in capsys.readouterr().err

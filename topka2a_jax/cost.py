@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 
-from topka2a_jax import algorithms
+from topka2a_jax import algorithms, low_rank
 from topka2a_jax.algorithms import Cost
 
 
@@ -171,6 +171,56 @@ def continuous_cost(
   """:func:`exchange_cost` without rounding: ``k = density * d``, ``s = d / P``."""
   return algorithms.get(algorithm).cost(length, num_devices, density, value_bytes,
                                         index_bytes, exact=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class LowRankStep:
+  """What one step of ``algorithm="powersgd"`` sends for a model's leaves.
+
+  Attributes:
+    rank: the rank asked for.
+    low_rank: the leaves that go low rank, as matrices ``(m, n)``.
+    dense_elements: elements of the other leaves, all-reduced densely.
+    cost: messages and bytes per device of the step: the two all-reduces
+      of the factors and one dense all-reduce of the rest (fused).
+    multiply_adds: one device's matmul work (:meth:`algorithms.LowRank.flops`).
+  """
+
+  rank: int
+  low_rank: tuple[tuple[int, int], ...]
+  dense_elements: int
+  cost: Cost
+  multiply_adds: float
+
+  def seconds(self, network: Network, seconds_per_multiply_add: float = 0.0) -> float:
+    """Its time on ``network`` in the α-β model, plus the matmuls at the given rate."""
+    return self.cost.seconds(network) + seconds_per_multiply_add * self.multiply_adds
+
+
+def low_rank_step(shapes: Sequence[Sequence[int]], num_devices: int, rank: int,
+                  min_size: int = 1024) -> LowRankStep:
+  """The exchange of one step of ``topka2a(algorithm="powersgd", rank=rank)``.
+
+  Args:
+    shapes: every gradient leaf's shape.
+    num_devices: P.
+    rank: PowerSGD's rank.
+    min_size: the transform's ``min_size``.
+
+  Example:
+    >>> step = low_rank_step([(5000, 5000), (5000,)], 4, 4)
+    >>> step.low_rank, step.dense_elements, step.cost.bytes
+    (((5000, 5000),), 5000, 270000.0)
+  """
+  matrices = tuple(low_rank.matrix_shape(shape) for shape in shapes
+                   if low_rank.compresses(shape, rank, min_size))
+  dense = sum(math.prod(shape) for shape in shapes
+              if not low_rank.compresses(shape, rank, min_size))
+  factors = algorithms.POWERSGD.cost(matrices, num_devices, rank) if matrices else Cost(0, 0.0)
+  rest = algorithms.DENSE.cost(dense, num_devices, 1.0) if dense else Cost(0, 0.0)
+  return LowRankStep(rank, matrices, dense,
+                     Cost(factors.messages + rest.messages, factors.bytes + rest.bytes),
+                     algorithms.POWERSGD.flops(matrices, rank))
 
 
 def elements_read(algorithm: str, length: int, num_devices: int) -> int:

@@ -4,12 +4,15 @@ Usage:
   python -m topka2a_jax.plan --model resnet50 --devices 32 --density 0.01 \\
       --network eth10
   python -m topka2a_jax.plan --params 25000000 --devices 8 --density 0.05
+  python -m topka2a_jax.plan --model resnet50 --devices 4 --density 0.01 \\
+      --network eth1 --rank 4
   python -m topka2a_jax.plan --model gpt2-small --devices 64 --density 0.01 \\
       --devices-per-node 8 --network eth10 --inner-network nvlink
 
 Prints the fusion plan (one row per bucket), the predicted step against
 all-dense and all-TopkA exchanges, and the break-even densities of TopKA2A
-for a bucket of the model's size. With ``--devices-per-node`` the devices
+for a bucket of the model's size; with ``--rank``, PowerSGD's exchange of the
+same model at that rank. With ``--devices-per-node`` the devices
 form nodes (``topka2a(axis_name=("node", "local"))``): ``--network`` is the
 link between nodes, ``--inner-network`` the one inside a node, and every
 sparse bucket takes the cheaper of the flat and the two-level route.
@@ -28,12 +31,20 @@ from topka2a_jax.algorithms import (
   ALLGATHER,
   AUTO,
   DENSE,
+  POWERSGD,
   REGISTRY,
   TOPKA2A,
   TOPKA2A_SPARSE,
 )
 from topka2a_jax.compute import DEVICES
-from topka2a_jax.cost import NETWORKS, Cluster, Network, breakeven_density, get_network
+from topka2a_jax.cost import (
+  NETWORKS,
+  Cluster,
+  Network,
+  breakeven_density,
+  get_network,
+  low_rank_step,
+)
 from topka2a_jax.fusion import plan_fusion
 from topka2a_jax.options import DEFAULT_ALGORITHM, INNER_NETWORK
 
@@ -139,6 +150,9 @@ def _parser() -> argparse.ArgumentParser:
       help=f"the exchange of every large bucket; default {AUTO}: each bucket its "
            f"cheapest (topka2a(...) itself defaults to {DEFAULT_ALGORITHM}). "
            + "; ".join(f"{a.name}: {a.summary}" for a in REGISTRY.values()))
+  parser.add_argument("--rank", type=int,
+                      help="also price PowerSGD at this rank (algorithm='powersgd'); "
+                           "needs --model, whose layer shapes it compresses")
   parser.add_argument("--threshold", default="auto",
                       help="bucket size in elements, or auto (default)")
   parser.add_argument("--backward-ms", type=float,
@@ -181,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.params < 1:
       _parser().error("--params must be at least 1")
     names, sizes = ["gradient"], [args.params]
+  if args.rank is not None and (args.rank < 1 or not args.model or cluster):
+    _parser().error("--rank prices PowerSGD on a model's layer shapes over one data "
+                    "axis: give a rank of at least 1 and --model, without "
+                    "--devices-per-node")
   threshold = args.threshold if args.threshold == "auto" else int(args.threshold)
   try:
     plan = plan_fusion(
@@ -190,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
   except ValueError as error:
     _parser().error(str(error))
   print(plan)
+  if args.rank is not None:
+    _print_low_rank(shapes, args.devices, args.rank, network, plan)
   if args.devices > 1 and cluster is None:
     total = sum(sizes)
     for exchange in (TOPKA2A, TOPKA2A_SPARSE):
@@ -200,6 +220,23 @@ def main(argv: list[str] | None = None) -> int:
             f"density {_density(dense)} and beats {ALLGATHER.title} above density "
             f"{_density(topka)}")
   return 0
+
+
+def _print_low_rank(shapes: Shapes, devices: int, rank: int, network: Network | str,
+                    plan) -> None:
+  """PowerSGD's exchange of the model at ``rank``, beside the top-k plan."""
+  step = low_rank_step([shape for _, shape in shapes], devices, rank)
+  link = get_network(network)
+  print(f"\n{POWERSGD.title} at rank {rank} (algorithm='powersgd'): "
+        f"{len(step.low_rank)} of {len(shapes)} leaves low rank, "
+        f"{step.dense_elements:,} elements dense")
+  print(f"  {step.cost.bytes / 1e6:.3f} MB and {step.cost.messages} messages per device "
+        f"and step: {step.cost.seconds(link) * 1e3:.2f} ms on {link.name} without "
+        f"overlap (the top-k plan above: {plan.step_seconds * 1e3:.2f} ms with it), "
+        f"plus {step.multiply_adds / 1e9:.3g} G multiply-adds of matmuls per device")
+  print("  'auto' never picks it: a low-rank product changes what training learns, "
+        "which no cost model prices; compare both on your model "
+        "(docs/guides/choosing.md)")
 
 
 def _backward(args: argparse.Namespace) -> dict:
