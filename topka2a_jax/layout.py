@@ -167,6 +167,21 @@ def residual_block_spec(axis_name: Hashable, param_spec: P) -> P:
   return param_spec
 
 
+def factor_spec(param_spec: P | None) -> P:
+  """The ``PartitionSpec`` of a PowerSGD factor ``Q`` (:mod:`topka2a_jax.low_rank`).
+
+  Replicated over the data axis; where the other mesh axes split the
+  parameter, one ``(n, rank)`` block per shard along dimension 0, ordered by
+  the axes that split it, since each shard is a matrix of its own.
+
+  Example:
+    >>> factor_spec(P(None, "model")), factor_spec(None)
+    (P('model',), P())
+  """
+  axes = spec_axes(param_spec or P())
+  return P(_entry(axes)) if axes else P()
+
+
 def param_spec_of(leaf: Any, mesh: Mesh) -> P | None:
   """How ``leaf`` is split over ``mesh``, where that can be read; else None.
 

@@ -136,6 +136,16 @@ def _residual_specs(residuals: Any, axis_name: Hashable, param_specs: Any) -> An
       param_specs, residuals, is_leaf=_is_spec)
 
 
+def _factor_specs(factors: Any, param_specs: Any) -> Any:
+  """The spec of every PowerSGD factor: replicated, one block per parameter shard."""
+  if factors is None or param_specs is None:
+    return jax.tree.map(lambda _: P(), factors)
+  return jax.tree.map(
+      lambda spec, factor: (factor if isinstance(factor, optax.MaskedNode)
+                            else layout.factor_spec(spec)),
+      param_specs, factors, is_leaf=_is_spec)
+
+
 def state_specs(opt_state: optax.OptState, axis_name: Hashable = "data",
                 param_specs: Any = None) -> Any:
   """The ``PartitionSpec`` of every optimizer-state leaf, for shard_map.
@@ -187,7 +197,7 @@ def state_specs(opt_state: optax.OptState, axis_name: Hashable = "data",
     if _is_topka2a_state(node):
       return TopKA2AState(_residual_specs(node.residuals, axis_name, param_specs),
                           count=P(), nonfinite_steps=P(),
-                          factors=jax.tree.map(lambda _: P(), node.factors))
+                          factors=_factor_specs(node.factors, param_specs))
     if isinstance(node, ShardedOptimizerState):
       if params_structure is None:
         return ShardedOptimizerState(spec_for(node.exchange),

@@ -389,19 +389,16 @@ def _global_state(options: Options, mesh: Mesh, paths: Sequence[str],
   others = layout.automatic_axes(mesh, options.axis_name)
   tracing = any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
   residuals: list[Any] = [optax.MaskedNode()] * len(leaves)
-  kept, shapes, shardings = [], [], []
+  kept, shapes, shardings, factors = [], [], [], []
   for i, (leaf, path) in enumerate(zip(leaves, paths)):
     given = layout.param_spec_of(leaf, mesh)
     layout.check_not_over_data(given, options.axis_name, path)
     spec = layout.restrict_spec(given, leaf.shape, others)
     local_shape = layout.local_shape(leaf.shape, spec, others)
     local_size = math.prod(local_shape)
-    if options.is_low_rank and tuple(local_shape) != tuple(leaf.shape):
-      raise ValueError(
-          f"parameter {path} is sharded over {tuple(others)} "
-          f"({leaf.shape} split into {tuple(local_shape)} per device); "
-          "algorithm='powersgd' takes parameters whole on every device of the "
-          "other mesh axes. Replicate them there, or use a top-k algorithm.")
+    if options.sends_low_rank(local_shape):
+      factors.append((i, local_shape, math.prod(leaf.shape) // max(local_size, 1),
+                      NamedSharding(mesh, layout.factor_spec(spec))))
     if options.keeps_residual(local_size, local_shape):
       kept.append(i)
       shapes.append(jax.ShapeDtypeStruct(
@@ -425,20 +422,40 @@ def _global_state(options: Options, mesh: Mesh, paths: Sequence[str],
   for i, array in zip(kept, made):
     residuals[i] = array
   return TopKA2AState(treedef.unflatten(residuals), count, skipped,
-                      _replicated_factors(options, mesh, leaves, treedef, tracing))
+                      _global_factors(options, factors, len(leaves), treedef, tracing))
 
 
-def _replicated_factors(options: Options, mesh: Mesh, leaves: Sequence[Any],
-                        treedef: Any, tracing: bool) -> Any:
-  """:func:`initial_factors` as global arrays, replicated over ``mesh``."""
+def _global_factors(options: Options, factors: Sequence[tuple], count: int,
+                    treedef: Any, tracing: bool) -> Any:
+  """The first ``Q`` of every low-rank leaf as a global array; None unless PowerSGD.
+
+  Args:
+    options: the transform's options.
+    factors: ``(position, local shape, pieces, sharding)`` per low-rank leaf:
+      one ``(n, rank)`` block for each of its ``pieces`` shards.
+    count: leaves in all.
+    treedef: their structure.
+    tracing: whether this runs under a trace (the arrays are then constrained).
+  """
   if not options.is_low_rank:
     return None
-  replicated = NamedSharding(mesh, P())
-  shapes = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
-  make = lambda: initial_factors(options, shapes, treedef)
+
+  def make() -> list[jax.Array]:
+    made = []
+    for position, shape, pieces, _ in factors:
+      block = low_rank.initial_factor(shape, options.rank, position)
+      made.append(jnp.tile(block, (pieces, 1)))
+    return made
+
+  shardings = [sharding for *_, sharding in factors]
   if tracing:
-    return jax.tree.map(lambda f: layout.constrain(f, replicated), make())
-  return jax.jit(make, out_shardings=replicated)()
+    made = [layout.constrain(f, s) for f, s in zip(make(), shardings)]
+  else:
+    made = jax.jit(make, out_shardings=shardings)()
+  tree: list[Any] = [optax.MaskedNode()] * count
+  for (position, *_), factor in zip(factors, made):
+    tree[position] = factor
+  return treedef.unflatten(tree)
 
 
 def update_state(options: Options, updates: optax.Updates, state: TopKA2AState,
@@ -462,7 +479,10 @@ def update_state(options: Options, updates: optax.Updates, state: TopKA2AState,
   if not any(g.size for g in grads):
     return updates, state
   bad = extra_args.get(NONFINITE)  # decided already by skip_nonfinite(...)
-  carries = with_factors(options, treedef, state, grads, paths, residuals)
+  carries = with_factors(options, treedef, state, grads, paths, residuals,
+                         _local_shapes(grads, given_specs(treedef, extra_args.get(
+                             PARAM_SPECS)), layout.automatic_axes(
+                                 jax.sharding.get_abstract_mesh(), options.axis_name)))
   others = layout.automatic_axes(jax.sharding.get_abstract_mesh(), options.axis_name)
   if not others:
     means, new, count, skipped = exchange.step(
@@ -477,9 +497,12 @@ def update_state(options: Options, updates: optax.Updates, state: TopKA2AState,
 
 
 def with_factors(options: Options, treedef: Any, state: TopKA2AState,
-                 grads: Sequence[jax.Array], paths: Sequence[str],
-                 residuals: list[Any]) -> list[Any]:
+                 grads: Sequence[jax.Array], paths: Sequence[str], residuals: list[Any],
+                 local_shapes: Sequence[tuple[int, ...]]) -> list[Any]:
   """Every low-rank leaf's residual and ``Q`` as one :class:`low_rank.Carry`.
+
+  A leaf split over other mesh axes is a matrix per shard (its
+  ``local_shapes``), with one ``Q`` block per shard.
 
   Raises:
     ValueError: the state's factors do not match ``algorithm="powersgd"``
@@ -497,15 +520,17 @@ def with_factors(options: Options, treedef: Any, state: TopKA2AState,
                      f"state has none. {fix}")
   factors = treedef.flatten_up_to(state.factors)
   carries = []
-  for grad, path, residual, factor in zip(grads, paths, residuals, factors):
-    if not options.sends_low_rank(grad.shape):
+  for grad, path, residual, factor, shape in zip(grads, paths, residuals, factors,
+                                                 local_shapes):
+    if not options.sends_low_rank(shape):
       if not isinstance(factor, optax.MaskedNode):
         raise ValueError(f"the state holds a PowerSGD factor for leaf {path}, which "
                          f"goes dense with these options. {fix}")
       carries.append(residual)
       continue
-    m, n = low_rank.matrix_shape(grad.shape)
-    expected = (n, low_rank.leaf_rank(grad.shape, options.rank))
+    m, n = low_rank.matrix_shape(shape)
+    pieces = grad.size // math.prod(shape)  # shards seen whole here (automatic axes)
+    expected = (pieces * n, low_rank.leaf_rank(shape, options.rank))
     if getattr(factor, "shape", None) != expected:
       raise ValueError(
           f"PowerSGD factor for leaf {path} has shape "
@@ -557,9 +582,9 @@ def _step_on_shards(options: Options, others: dict[Hashable, int],
   specs = shard_specs(grads, given, others)
   blocks = [layout.residual_block_spec(options.axis_name, spec) for spec in specs]
   blocks = [low_rank.Carry(block if not isinstance(r.residual, optax.MaskedNode)
-                           else optax.MaskedNode(), P())
+                           else optax.MaskedNode(), layout.factor_spec(spec))
             if isinstance(r, low_rank.Carry) else block
-            for block, r in zip(blocks, residuals)]
+            for block, spec, r in zip(blocks, specs, residuals)]
 
   def on_shards(grads, residuals, count, skipped, bad):
     return exchange.step(options, grads, residuals, count, skipped, bad)
