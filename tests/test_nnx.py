@@ -164,3 +164,36 @@ def test_annotated_model_on_a_2d_mesh_inside_nnx_jit(mesh):
   report = topka2a_jax.comm_report(train.lower(model, optimizer, batch), mesh=mesh2d)
   assert [(r.kind, r.axes) for r in report.collectives if "model" in r.axes] == [
       ("all-reduce", ("data", "model")), ("all-reduce", ("model",))]
+
+
+def test_powersgd_through_nnx_optimizer_is_the_functional_run(mesh):
+  """nnx.Optimizer's state holds PowerSGD's Q; three steps equal train_step's, bitwise."""
+  def make():
+    return nnx.Sequential(nnx.Linear(64, 48, rngs=nnx.Rngs(0)), nnx.relu,
+                          nnx.Linear(48, 8, rngs=nnx.Rngs(1)))
+
+  def loss(model, batch):
+    x, y = batch
+    return jnp.mean((model(x) - y) ** 2)
+
+  def tx():
+    return optax.chain(topka2a_jax.topka2a(1.0, algorithm="powersgd", rank=2, mesh=mesh,
+                                           min_size=0), optax.sgd(0.1))
+
+  model = make()
+  optimizer = nnx.Optimizer(model, tx(), wrt=nnx.Param)
+  train = nnx.jit(topka2a_jax.nnx_train_step(loss, mesh))
+  graphdef, params = nnx.split(make())
+  functional_tx = tx()
+  state = functional_tx.init(params)
+  functional = topka2a_jax.train_step(
+      lambda p, batch: loss(nnx.merge(graphdef, p), batch), functional_tx, mesh)
+  rng = np.random.default_rng(0)
+  for _ in range(3):
+    batch = (rng.normal(size=(32, 64)).astype(np.float32),
+             rng.normal(size=(32, 8)).astype(np.float32))
+    got = train(model, optimizer, batch)
+    params, state, want = functional(params, state, batch)
+    np.testing.assert_array_equal(got, want)
+  chex.assert_trees_all_equal(nnx.as_pure(nnx.state(model, nnx.Param)),
+                              nnx.as_pure(params))
