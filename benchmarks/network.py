@@ -15,8 +15,9 @@ step keeps them.
 
 From the measurements it fits the planner's model of an exchange (seconds =
 messages * α + bytes / bandwidth + elements read * selection + entries selected *
-per-entry cost + multiply-adds * per-flop cost, least squares over all rows,
-:class:`topka2a_jax.fusion.StepModel`; only PowerSGD multiplies) and prints,
+per-entry cost + matrix elements * PowerSGD's per-element cost, least squares
+over all rows, :class:`topka2a_jax.fusion.StepModel`; at small ranks its
+products are bound by the passes over the matrix, not by the rank) and prints,
 beside each measured ratio to dense, the ratio the fitted model predicts.
 
 Needs root (or CAP_NET_ADMIN) for ``ip netns`` and ``tc``, and the kernel's
@@ -258,19 +259,20 @@ def worker(sizes: list[int], densities: list[float], ranks: list[int], repeats: 
 
 
 def terms(row: dict, processes: int) -> list[float]:
-  """The model of one exchange: messages, bytes, elements, entries, multiply-adds.
+  """The model of one exchange: messages, bytes, elements, entries, matrix elements.
 
   Seconds = α * messages + bytes / bandwidth + per_element * elements
-  + per_entry * entries selected + per_flop * multiply-adds, as in
-  :class:`topka2a_jax.fusion.StepModel` (dense selects nothing; only
-  PowerSGD multiplies, :meth:`topka2a_jax.algorithms.LowRank.flops`).
+  + per_entry * entries selected + per_matrix_element * matrix elements, as
+  in :class:`topka2a_jax.fusion.StepModel` (dense selects nothing; only
+  PowerSGD passes over its matrices, a fixed number of times at any small
+  rank: two products with the factors, the mean and the residual).
   """
   from topka2a_jax.cost import elements_read, exchange_cost, selected_entries
 
   if row["algorithm"] == POWERSGD.name:
     shapes = [matrix_of(row["size"])]
     cost = POWERSGD.cost(shapes, processes, row["rank"])
-    return [cost.messages, cost.bytes, 0, 0, POWERSGD.flops(shapes, row["rank"])]
+    return [cost.messages, cost.bytes, 0, 0, row["size"]]
   cost = exchange_cost(row["algorithm"], row["size"], processes, row["density"])
   elements = elements_read(row["algorithm"], row["size"], processes)
   entries = selected_entries(row["algorithm"], row["size"], processes, row["density"])
@@ -278,7 +280,7 @@ def terms(row: dict, processes: int) -> list[float]:
 
 
 def fit(rows: list[dict], processes: int) -> tuple[float, float, float, float, float]:
-  """Least-squares α (s), bandwidth (bytes/s), selection (s per element, per entry), s per flop.
+  """Least-squares α (s), bandwidth (bytes/s), selection (s per element, per entry), PowerSGD (s per element).
 
   Relative errors are minimised, so small exchanges count as much as large
   ones, and every coefficient is kept non-negative (the best fit over the
@@ -300,20 +302,21 @@ def fit(rows: list[dict], processes: int) -> tuple[float, float, float, float, f
     error = np.sum((design @ coefficients - 1) ** 2)
     if (coefficients >= 0).all() and error < best_error:
       best, best_error = coefficients, error
-  alpha, per_byte, per_element, per_entry, per_flop = best
+  alpha, per_byte, per_element, per_entry, per_matrix_element = best
   return (float(alpha), 1.0 / max(float(per_byte), 1e-15), float(per_element),
-          float(per_entry), float(per_flop))
+          float(per_entry), float(per_matrix_element))
 
 
 def report(rows: list[dict], processes: int, rate: str) -> list[dict]:
   """Prints the table; returns the rows with ratios and predictions."""
   defaults = [r for r in rows if r["algorithm"] == DEFAULTS]
   rows = [r for r in rows if r["algorithm"] != DEFAULTS]
-  alpha, bandwidth, per_element, per_entry, per_flop = fit(rows, processes)
+  alpha, bandwidth, per_element, per_entry, per_matrix_element = fit(rows, processes)
 
   def predicted(row: dict) -> float:
     return float(np.dot(terms(row, processes),
-                        [alpha, 1 / bandwidth, per_element, per_entry, per_flop]))
+                        [alpha, 1 / bandwidth, per_element, per_entry,
+                         per_matrix_element]))
 
   import numpy as np
 
@@ -321,7 +324,7 @@ def report(rows: list[dict], processes: int, rate: str) -> list[dict]:
         f"{alpha * 1e6:.0f} µs, bandwidth = {bandwidth / 1e6:.1f} MB/s per "
         f"process, selection = {per_element * 1e9:.1f} ns per element + "
         f"{per_entry * 1e9:.0f} ns per selected entry, "
-        f"{per_flop * 1e12:.0f} ps per multiply-add")
+        f"PowerSGD {per_matrix_element * 1e9:.1f} ns per matrix element")
   print(f"{'elements':>11s} {'density':>7s} {'algorithm':15s} {'seconds':>8s} "
         f"{'vs dense':>8s} {'model':>6s} {'off by':>7s}")
   dense = {r["size"]: r for r in rows if r["algorithm"] == DENSE.name}
