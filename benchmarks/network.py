@@ -15,9 +15,8 @@ step keeps them.
 
 From the measurements it fits the planner's model of an exchange (seconds =
 messages * α + bytes / bandwidth + elements read * selection + entries selected *
-per-entry cost + matrix elements * PowerSGD's per-element cost, least squares
-over all rows, :class:`topka2a_jax.fusion.StepModel`; at small ranks its
-products are bound by the passes over the matrix, not by the rank) and prints,
+per-entry cost + PowerSGD's passes over its matrix + its multiply-adds, least
+squares over all rows, :class:`topka2a_jax.fusion.StepModel`) and prints,
 beside each measured ratio to dense, the ratio the fitted model predicts.
 
 Needs root (or CAP_NET_ADMIN) for ``ip netns`` and ``tc``, and the kernel's
@@ -28,6 +27,7 @@ Run:
   python benchmarks/network.py [--rate 1gbit] [--delay-ms 0] [--processes 4]
       [--sizes 1000000 8000000 25000000] [--densities 0.01 0.05 0.1]
       [--ranks 1 4] [--repeats 5] [--selection threshold] [--json out.json]
+  python benchmarks/network.py --rows out.json    # the saved rows, fitted anew
 
 Beside the exchanges, it times the defaults' whole update (``topka2a(density)``
 with no other option: the planner's algorithm, the backend's selection) on
@@ -259,28 +259,33 @@ def worker(sizes: list[int], densities: list[float], ranks: list[int], repeats: 
 
 
 def terms(row: dict, processes: int) -> list[float]:
-  """The model of one exchange: messages, bytes, elements, entries, matrix elements.
+  """The model of one exchange: messages, bytes, elements, entries, matrix passes, products.
 
   Seconds = α * messages + bytes / bandwidth + per_element * elements
-  + per_entry * entries selected + per_matrix_element * matrix elements, as
-  in :class:`topka2a_jax.fusion.StepModel` (dense selects nothing; only
-  PowerSGD passes over its matrices, a fixed number of times at any small
-  rank: two products with the factors, the mean and the residual).
+  + per_entry * entries selected + per_matrix_element * matrix elements
+  + per_multiply_add * multiply-adds, as in
+  :class:`topka2a_jax.fusion.StepModel`. Dense selects nothing; only
+  PowerSGD passes over its matrix (a fixed number of times whatever the
+  rank: two products with the factors, the mean and the residual) and
+  multiplies (:meth:`topka2a_jax.algorithms.LowRank.flops`, growing with
+  the rank).
   """
   from topka2a_jax.cost import elements_read, exchange_cost, selected_entries
 
   if row["algorithm"] == POWERSGD.name:
     shapes = [matrix_of(row["size"])]
     cost = POWERSGD.cost(shapes, processes, row["rank"])
-    return [cost.messages, cost.bytes, 0, 0, row["size"]]
+    return [cost.messages, cost.bytes, 0, 0, row["size"],
+            POWERSGD.flops(shapes, row["rank"])]
   cost = exchange_cost(row["algorithm"], row["size"], processes, row["density"])
   elements = elements_read(row["algorithm"], row["size"], processes)
   entries = selected_entries(row["algorithm"], row["size"], processes, row["density"])
-  return [cost.messages, cost.bytes, elements, entries, 0]
+  return [cost.messages, cost.bytes, elements, entries, 0, 0]
 
 
-def fit(rows: list[dict], processes: int) -> tuple[float, float, float, float, float]:
-  """Least-squares α (s), bandwidth (bytes/s), selection (s per element, per entry), PowerSGD (s per element).
+def fit(rows: list[dict], processes: int) -> tuple[float, ...]:
+  """Least-squares α (s), bandwidth (bytes/s), selection (s per element, per
+  entry), PowerSGD (s per matrix element, per multiply-add).
 
   Relative errors are minimised, so small exchanges count as much as large
   ones, and every coefficient is kept non-negative (the best fit over the
@@ -302,21 +307,21 @@ def fit(rows: list[dict], processes: int) -> tuple[float, float, float, float, f
     error = np.sum((design @ coefficients - 1) ** 2)
     if (coefficients >= 0).all() and error < best_error:
       best, best_error = coefficients, error
-  alpha, per_byte, per_element, per_entry, per_matrix_element = best
-  return (float(alpha), 1.0 / max(float(per_byte), 1e-15), float(per_element),
-          float(per_entry), float(per_matrix_element))
+  alpha, per_byte, *rest = best
+  return (float(alpha), 1.0 / max(float(per_byte), 1e-15), *map(float, rest))
 
 
 def report(rows: list[dict], processes: int, rate: str) -> list[dict]:
   """Prints the table; returns the rows with ratios and predictions."""
   defaults = [r for r in rows if r["algorithm"] == DEFAULTS]
   rows = [r for r in rows if r["algorithm"] != DEFAULTS]
-  alpha, bandwidth, per_element, per_entry, per_matrix_element = fit(rows, processes)
+  alpha, bandwidth, per_element, per_entry, per_matrix_element, per_flop = fit(
+      rows, processes)
 
   def predicted(row: dict) -> float:
     return float(np.dot(terms(row, processes),
                         [alpha, 1 / bandwidth, per_element, per_entry,
-                         per_matrix_element]))
+                         per_matrix_element, per_flop]))
 
   import numpy as np
 
@@ -324,7 +329,8 @@ def report(rows: list[dict], processes: int, rate: str) -> list[dict]:
         f"{alpha * 1e6:.0f} µs, bandwidth = {bandwidth / 1e6:.1f} MB/s per "
         f"process, selection = {per_element * 1e9:.1f} ns per element + "
         f"{per_entry * 1e9:.0f} ns per selected entry, "
-        f"PowerSGD {per_matrix_element * 1e9:.1f} ns per matrix element")
+        f"PowerSGD {per_matrix_element * 1e9:.1f} ns per matrix element + "
+        f"{per_flop * 1e12:.0f} ps per multiply-add")
   print(f"{'elements':>11s} {'density':>7s} {'algorithm':15s} {'seconds':>8s} "
         f"{'vs dense':>8s} {'model':>6s} {'off by':>7s}")
   dense = {r["size"]: r for r in rows if r["algorithm"] == DENSE.name}
@@ -376,8 +382,17 @@ def main() -> int:
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--selection", default="threshold", choices=["exact", "threshold"])
   parser.add_argument("--json", help="also write the rows here")
+  parser.add_argument("--rows", metavar="JSON",
+                      help="report the rows a run wrote with --json, fitted anew, "
+                           "instead of measuring (needs no link)")
   parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
   args = parser.parse_args()
+  if args.rows:
+    saved = json.loads(Path(args.rows).read_text())
+    measured = [{k: v for k, v in row.items() if k not in ("ratio", "model_ratio")}
+                for row in saved["rows"]]
+    report(measured, saved["processes"], saved["rate"])
+    return 0
   if args.worker:
     worker(args.sizes, args.densities, args.ranks, args.repeats, args.selection,
            args.worker)

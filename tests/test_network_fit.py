@@ -14,18 +14,20 @@ network_benchmark = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(network_benchmark)
 
 
-def synthetic_rows(link, processes, per_element=0.0, per_entry=0.0, per_matrix=0.0):
+def synthetic_rows(link, processes, per_element=0.0, per_entry=0.0, per_matrix=0.0,
+                   per_flop=0.0):
   """Timings of the planner's model: α-β on ``link`` plus selection's and PowerSGD's passes."""
   rows = []
   for size in (1_000_000, 8_000_000):
     for rank in (1, 4):
       m, n = network_benchmark.matrix_of(size)
       assert m * n == size
-      # Two all-reduces of the factors; passes over the m x n matrix.
+      # Two all-reduces of the factors; passes over the m x n matrix; four
+      # products of m x n by rank.
       p, q = m * rank, n * rank
       ring = 2 * (processes - 1)
       seconds = (2 * ring * link.latency + ring / processes * 4 * (p + q) / link.bandwidth
-                 + per_matrix * m * n)
+                 + per_matrix * m * n + per_flop * 4 * m * n * rank)
       rows.append({"size": size, "algorithm": "powersgd", "density": None, "rank": rank,
                    "seconds": seconds})
     for algorithm in REGISTRY:
@@ -42,17 +44,19 @@ def synthetic_rows(link, processes, per_element=0.0, per_entry=0.0, per_matrix=0
   return rows
 
 
-@pytest.mark.parametrize(("per_element", "per_entry", "per_matrix"),
-                         [(0.0, 0.0, 0.0), (2e-9, 0.0, 5e-9), (2e-9, 1e-7, 5e-9)])
-def test_fit_recovers_a_known_link(per_element, per_entry, per_matrix):
+@pytest.mark.parametrize(("per_element", "per_entry", "per_matrix", "per_flop"),
+                         [(0.0, 0.0, 0.0, 0.0), (2e-9, 0.0, 5e-9, 0.0),
+                          (2e-9, 1e-7, 5e-9, 3e-10)])
+def test_fit_recovers_a_known_link(per_element, per_entry, per_matrix, per_flop):
   link = Network(latency=2e-4, bandwidth=1.25e8)
-  alpha, bandwidth, element, entry, matrix = network_benchmark.fit(
-      synthetic_rows(link, 4, per_element, per_entry, per_matrix), 4)
+  alpha, bandwidth, element, entry, matrix, flop = network_benchmark.fit(
+      synthetic_rows(link, 4, per_element, per_entry, per_matrix, per_flop), 4)
   assert alpha == pytest.approx(2e-4, rel=1e-6)
   assert bandwidth == pytest.approx(1.25e8, rel=1e-6)
   assert element == pytest.approx(per_element, abs=1e-15)
   assert entry == pytest.approx(per_entry, abs=1e-13)
   assert matrix == pytest.approx(per_matrix, abs=1e-15)
+  assert flop == pytest.approx(per_flop, abs=1e-17)
 
 
 def test_report_puts_measured_beside_predicted(capsys):
