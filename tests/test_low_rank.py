@@ -39,7 +39,7 @@ def as_matrices(array):
 @pytest.mark.parametrize("rank", [2, 1])
 def test_ten_steps_match_the_paper(mesh, exchange_steps, rank):
   """Means, residuals and Q after each of 10 warm-started steps, against float64 NumPy."""
-  tx = topka2a_jax.topka2a(1.0, algorithm="powersgd", rank=rank)
+  tx = topka2a_jax.topka2a(algorithm="powersgd", rank=rank)
   steps = [random_grads(seed) for seed in range(10)]
   params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
   start = topka2a_jax.init(tx, params, jax.make_mesh((DEVICES,), ("data",)))
@@ -60,7 +60,7 @@ def test_ten_steps_match_the_paper(mesh, exchange_steps, rank):
 
 
 def test_every_device_gets_the_same_update_bitwise(mesh, exchange_steps):
-  tx = topka2a_jax.topka2a(1.0, algorithm="powersgd", rank=2)
+  tx = topka2a_jax.topka2a(algorithm="powersgd", rank=2)
   for updates, _ in exchange_steps(tx, mesh, [random_grads(seed) for seed in range(3)]):
     for k in SHAPES:
       for device in range(1, DEVICES):
@@ -103,7 +103,7 @@ def test_at_full_rank_the_update_is_the_dense_mean(mesh):
 
 def test_what_a_device_did_not_send_drains(mesh, exchange_steps):
   """After the gradients stop, the residuals' total drains and every step arrives."""
-  tx = optax.chain(topka2a_jax.topka2a(1.0, algorithm="powersgd", rank=4),
+  tx = optax.chain(topka2a_jax.topka2a(algorithm="powersgd", rank=4),
                    optax.sgd(1.0))
   grads = random_grads(3)
   zeros = jax.tree.map(np.zeros_like, grads)
@@ -118,7 +118,7 @@ def test_what_a_device_did_not_send_drains(mesh, exchange_steps):
 
 
 def test_a_non_finite_step_leaves_residuals_and_factors(mesh, exchange_steps):
-  tx = topka2a_jax.topka2a(1.0, algorithm="powersgd", rank=2)
+  tx = topka2a_jax.topka2a(algorithm="powersgd", rank=2)
   good = random_grads(0)
   bad = jax.tree.map(np.copy, good)
   bad["a"][5, 3, 1] = np.inf
@@ -134,7 +134,7 @@ def test_a_non_finite_step_leaves_residuals_and_factors(mesh, exchange_steps):
 
 def test_dense_warm_up_empties_the_residuals_and_keeps_q(mesh, exchange_steps):
   """Step 1 dense (the exact mean), step 2 PowerSGD from empty residuals and the first Q."""
-  tx = topka2a_jax.topka2a(1.0, algorithm="powersgd", rank=2, warmup_steps=1)
+  tx = topka2a_jax.topka2a(algorithm="powersgd", rank=2, warmup_steps=1)
   steps = [random_grads(0), random_grads(1)]
   params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
   start = topka2a_jax.init(tx, params, jax.make_mesh((DEVICES,), ("data",)))
@@ -151,7 +151,7 @@ def test_dense_warm_up_empties_the_residuals_and_keeps_q(mesh, exchange_steps):
 
 def test_compressing_the_optimizers_step_with_powersgd(mesh, exchange_steps):
   """compress_updates(sgd(1), algorithm="powersgd"): the negated PowerSGD mean."""
-  tx = topka2a_jax.compress_updates(optax.sgd(1.0), 1.0, algorithm="powersgd", rank=2)
+  tx = topka2a_jax.compress_updates(optax.sgd(1.0), algorithm="powersgd", rank=2)
   steps = [random_grads(seed) for seed in range(3)]
   params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
   start = topka2a_jax.init(tx, params, jax.make_mesh((DEVICES,), ("data",)))
@@ -165,7 +165,7 @@ def test_compressing_the_optimizers_step_with_powersgd(mesh, exchange_steps):
 @pytest.mark.parametrize("old, new", [(8, 4), (4, 8)])
 def test_restart_on_another_device_count_keeps_q_and_the_residual_total(
     tmp_path, old, new):
-  tx = optax.chain(topka2a_jax.topka2a(1.0, algorithm="powersgd", rank=4),
+  tx = optax.chain(topka2a_jax.topka2a(algorithm="powersgd", rank=4),
                    optax.adam(1e-2))
   before_mesh = jax.make_mesh((old,), ("data",), devices=jax.devices()[:old])
   after_mesh = jax.make_mesh((new,), ("data",), devices=jax.devices()[:new])
@@ -185,18 +185,22 @@ def test_restart_on_another_device_count_keeps_q_and_the_residual_total(
 
 
 def test_errors_name_the_option_and_the_fix(mesh):
+  with pytest.raises(ValueError, match="density is required with algorithm='auto'"):
+    topka2a_jax.topka2a()
+  with pytest.raises(ValueError, match="density is required with algorithm='topka2a'"):
+    topka2a_jax.compress_updates(optax.adam(1e-3), algorithm="topka2a")
   with pytest.raises(ValueError, match="rank=4 sets the rank of algorithm='powersgd'"):
     topka2a_jax.topka2a(0.01, rank=4)
   with pytest.raises(ValueError, match="rank must be at least 1"):
-    topka2a_jax.topka2a(0.01, algorithm="powersgd", rank=0)
+    topka2a_jax.topka2a(algorithm="powersgd", rank=0)
   with pytest.raises(ValueError, match="runs over one data axis"):
-    topka2a_jax.topka2a(0.01, algorithm="powersgd", axis_name=("node", "local"))
+    topka2a_jax.topka2a(algorithm="powersgd", axis_name=("node", "local"))
   with pytest.raises(ValueError, match="Drop value_dtype"):
-    topka2a_jax.topka2a(0.01, algorithm="powersgd", value_dtype=jnp.bfloat16)
+    topka2a_jax.topka2a(algorithm="powersgd", value_dtype=jnp.bfloat16)
   # A state made by a top-k transform, given to a PowerSGD step.
   params = jax.device_put({"w": jnp.zeros((64, 32))}, NamedSharding(mesh, P()))
   top_k = optax.chain(topka2a_jax.topka2a(0.01), optax.sgd(0.1))
-  low = optax.chain(topka2a_jax.topka2a(0.01, algorithm="powersgd"), optax.sgd(0.1))
+  low = optax.chain(topka2a_jax.topka2a(algorithm="powersgd"), optax.sgd(0.1))
   step = topka2a_jax.train_step(lambda p, x: jnp.sum(x @ p["w"]), low, mesh)
   with pytest.raises(ValueError, match="needs the factors its init makes"):
     step(params, top_k.init(params), jnp.ones((8, 64)))
@@ -207,7 +211,7 @@ def test_the_compiled_step_sends_what_the_cost_model_says(mesh):
   shapes = {"w": (256, 64), "conv": (3, 3, 16, 64), "b": (64,), "small": (8, 8)}
   params = jax.device_put({k: jnp.zeros(s) for k, s in shapes.items()},
                           NamedSharding(mesh, P()))
-  tx = optax.chain(topka2a_jax.topka2a(0.01, algorithm="powersgd", rank=4),
+  tx = optax.chain(topka2a_jax.topka2a(algorithm="powersgd", rank=4),
                    optax.sgd(0.1))
   loss = lambda p, x: sum(jnp.sum(jnp.sin(v)) for v in jax.tree.leaves(p)) * jnp.sum(x)
   step = topka2a_jax.train_step(loss, tx, mesh)
@@ -232,7 +236,7 @@ def test_on_a_2d_mesh_each_parameter_shard_is_its_own_matrix():
   mesh_2d = jax.make_mesh((4, 2), ("data", "model"))
   specs = {"w": P(None, "model"), "v": P("model", None)}
   shapes = {"w": (32, 64), "v": (128, 16)}
-  tx = topka2a_jax.topka2a(1.0, algorithm="powersgd", rank=2)
+  tx = topka2a_jax.topka2a(algorithm="powersgd", rank=2)
   state = topka2a_jax.init(tx, {k: jnp.zeros(s) for k, s in shapes.items()}, mesh_2d,
                            param_specs=specs)
   state_specs = topka2a_jax.state_specs(state, param_specs=specs)
@@ -274,7 +278,7 @@ def test_train_step_on_a_2d_mesh_with_automatic_model_axis():
   def loss(p, x):
     return jnp.sum(jnp.sin(x @ p["w"] + p["b"]))
 
-  tx = optax.chain(topka2a_jax.topka2a(1.0, algorithm="powersgd", rank=2, min_size=0),
+  tx = optax.chain(topka2a_jax.topka2a(algorithm="powersgd", rank=2, min_size=0),
                    optax.sgd(1.0))
   placed = {k: jax.device_put(v, NamedSharding(mesh_2d, specs[k]))
             for k, v in params.items()}

@@ -177,7 +177,7 @@ def test_powersgd_through_nnx_optimizer_is_the_functional_run(mesh):
     return jnp.mean((model(x) - y) ** 2)
 
   def tx():
-    return optax.chain(topka2a_jax.topka2a(1.0, algorithm="powersgd", rank=2, mesh=mesh,
+    return optax.chain(topka2a_jax.topka2a(algorithm="powersgd", rank=2, mesh=mesh,
                                            min_size=0), optax.sgd(0.1))
 
   model = make()

@@ -169,3 +169,17 @@ def is_varying(x: jax.Array, axis_name: Hashable) -> bool:
     True when ``x`` may differ between the devices of ``axis_name``.
   """
   return set(axis_names(axis_name)) <= varying_axes(x)
+
+
+def as_varying(x: jax.Array, axis_name: Hashable) -> jax.Array:
+  """``x`` typed as differing along the data axis (or both of a pair): per-device state.
+
+  Example:
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> bool(jax.shard_map(lambda: is_varying(as_varying(jnp.zeros(()), "data"), "data"),
+    ...                    mesh=mesh, in_specs=(), out_specs=P())())
+    True
+  """
+  if not tracks_varying_axes(axis_name) or is_varying(x, axis_name):
+    return x
+  return lax.pcast(x, axis_names(axis_name), to="varying")

@@ -214,6 +214,13 @@ class Options:
     normalised["value_dtype"] = _value_dtype(normalised.get("value_dtype"))
     get_selection(normalised.get("selection", DEFAULT_SELECTION))  # raises if unknown
     normalised["mesh"] = _mesh(normalised.get("mesh"), axis_name)
+    if density is None:
+      if algorithm not in (algorithms.POWERSGD.name, algorithms.DENSE.name):
+        raise ValueError(
+            f"density is required with algorithm={algorithm!r}: the fraction of "
+            "entries each device sends, e.g. topka2a(0.01). Only "
+            "algorithm='powersgd' and 'dense' leave it out, as they ignore it.")
+      density = 1.0
     return cls(_density(density), **normalised)
 
   def cluster(self) -> Cluster | None:

@@ -50,12 +50,11 @@ from jax.sharding import PartitionSpec as P
 from topka2a_jax import collectives, exchange, layout
 from topka2a_jax.algorithms import AUTO, DENSE, TOPKA2A
 from topka2a_jax.axis import (
+    as_varying,
     axis_names,
     bound_axis_size,
     grouped_by_varying_axes,
     is_bound,
-    is_varying,
-    tracks_varying_axes,
     varying_axes,
 )
 from topka2a_jax.fusion import step_model
@@ -260,14 +259,7 @@ def _local_inner_init(opts: Options, inner: optax.GradientTransformation,
   shards = treedef.unflatten([_own_shard(leaf, num_devices, opts.axis_name)
                               for leaf in leaves])
   state = _without_exchange(inner.init(shards))
-  return jax.tree.map(lambda x: _varying(x, opts.axis_name)[None], state)
-
-
-def _varying(x: jax.Array, axis_name: Hashable) -> jax.Array:
-  """``x`` typed as differing along the axis (per-device state)."""
-  if is_varying(x, axis_name) or not tracks_varying_axes(axis_name):
-    return x
-  return lax.pcast(x, axis_name, to="varying")
+  return jax.tree.map(lambda x: as_varying(x, opts.axis_name)[None], state)
 
 
 def _init_inner(opts: Options, inner: optax.GradientTransformation,
@@ -461,7 +453,7 @@ def _step(opts: Options, inner: optax.GradientTransformation, treedef: Any,
     out, new, count, inner_state = lax.cond(bad, skipped, applied, *args)
     nonfinite = nonfinite + bad.astype(jnp.int32)
   whole = _gather(out, shapes, opts.axis_name, num_devices)
-  inner_state = jax.tree.map(lambda x: _varying(x, opts.axis_name)[None], inner_state)
+  inner_state = jax.tree.map(lambda x: as_varying(x, opts.axis_name)[None], inner_state)
   return whole, new, count, nonfinite, inner_state
 
 

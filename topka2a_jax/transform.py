@@ -141,7 +141,7 @@ def laid_out_for(mesh: Mesh) -> Iterator[None]:
 
 
 def topka2a(
-    density: float,
+    density: float | None = None,
     *,
     axis_name: Hashable = "data",
     mesh: Mesh | None = None,
@@ -169,7 +169,8 @@ def topka2a(
 
   Args:
     density: fraction of every bucket's entries each device sends, in (0, 1].
-      1.0 sends everything and equals ``lax.pmean``.
+      1.0 sends everything and equals ``lax.pmean``. Leave it out only for
+      ``algorithm="powersgd"`` or ``"dense"``, which ignore it.
     axis_name: the data-parallel mesh axis, or a pair ``(outer, inner)`` of
       them, e.g. ``("node", "local")``: then the planner prices every
       bucket both flat over all devices and two-level (reduced densely
@@ -191,8 +192,8 @@ def topka2a(
       whose volume grows with the number of devices; dense ``lax.pmean``,
       which ignores ``density``. Or ``"powersgd"``: every matrix leaf as a
       rank-``rank`` product in two all-reduces, vectors and small matrices
-      dense (:mod:`topka2a_jax.low_rank`); it ignores ``density``, runs
-      over one data axis, and ``"auto"`` never picks it.
+      dense (:mod:`topka2a_jax.low_rank`): ``topka2a(algorithm="powersgd",
+      rank=4)``. It ignores ``density``, and ``"auto"`` never picks it.
     error_feedback: keep what was not sent and add it to the next step's
       gradient. Without it the unsent mass is dropped and accuracy suffers.
     min_size: leaves with fewer elements on a device go dense.

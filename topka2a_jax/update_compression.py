@@ -59,12 +59,10 @@ from jax.sharding import PartitionSpec as P
 from topka2a_jax import layout
 from topka2a_jax.algorithms import AUTO
 from topka2a_jax.axis import (
-    axis_names,
+    as_varying,
     bound_axis_size,
     is_bound,
-    is_varying,
     mesh_axis_size,
-    tracks_varying_axes,
     varying_axes,
 )
 from topka2a_jax.nonfinite import NONFINITE, nonfinite_on_any_device
@@ -98,7 +96,7 @@ class CompressedUpdatesState(NamedTuple):
 
 def compress_updates(
     inner: optax.GradientTransformation,
-    density: float,
+    density: float | None = None,
     *,
     axis_name: Hashable = "data",
     mesh: Mesh | None = None,
@@ -121,7 +119,8 @@ def compress_updates(
       ``optax.inject_hyperparams(optax.adam)(...)``); it must not hold an
       exchange of its own.
     density: fraction of every sparse bucket of updates each device sends,
-      in (0, 1]; 1.0 applies the mean of the devices' updates.
+      in (0, 1]; 1.0 applies the mean of the devices' updates. Leave it out
+      only for ``algorithm="powersgd"`` or ``"dense"``, which ignore it.
     axis_name: the data-parallel mesh axis, or a pair ``(outer, inner)``.
     mesh: the mesh ``init`` lays the state out for (else read from the
       parameters' shardings), as for :func:`topka2a_jax.topka2a`.
@@ -168,17 +167,9 @@ def compress_updates(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _varying(x: jax.Array, axis_name: Hashable) -> jax.Array:
-  """``x`` typed as differing along the data axis: per-device state."""
-  if not tracks_varying_axes(axis_name) or all(
-      is_varying(x, name) for name in axis_names(axis_name)):
-    return x
-  return lax.pcast(x, axis_names(axis_name), to="varying")
-
-
 def _per_device(state: Any, axis_name: Hashable) -> Any:
   """One device's ``inner`` state as its block of the global state: ``(1, ...)``."""
-  return jax.tree.map(lambda x: _varying(x, axis_name)[None], state)
+  return jax.tree.map(lambda x: as_varying(x, axis_name)[None], state)
 
 
 def replica_specs(inner_state: Any, axis_name: Hashable, params_structure: Any = None,
@@ -281,7 +272,7 @@ def _update(opts: Options, inner: optax.GradientTransformationExtraArgs,
 
   def applied(updates, own):
     steps, own = inner.update(updates, own, params, **extra_args)
-    return steps, jax.tree.map(lambda x: _varying(x, opts.axis_name), own)
+    return steps, jax.tree.map(lambda x: as_varying(x, opts.axis_name), own)
 
   def skipped(updates, own):
     return jax.tree.map(_zeros_like, updates), own
