@@ -59,7 +59,7 @@ Example:
   1.0
 """
 
-from topka2a_jax import checkpoint, collectives
+from topka2a_jax import checkpoint, collectives, low_rank
 from topka2a_jax.checkpoint import restore, save
 from topka2a_jax.checkpoint_manager import CheckpointManager
 from topka2a_jax.collectives import Exchange
@@ -96,6 +96,7 @@ __all__ = [
   "exchange_cost",
   "frozen_variance_adam",
   "init",
+  "low_rank",
   "nnx_train_step",
   "plan_fusion",
   "restore",
