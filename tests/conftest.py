@@ -27,13 +27,19 @@ import topka2a_jax
 NUM_DEVICES = 8
 
 
+LONGEST_FIRST = ("tests/test_examples.py", "tests/test_charlm.py",
+                 "tests/test_properties.py", "tests/test_benchmarks.py")
+"""Modules of a few minutes each, started first so that the two test workers
+(``-n 2``, pyproject.toml) end together rather than one waiting on them."""
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
   """The quick subset (``-m "not slow"``) runs each test once, with its first parameters.
 
   Every later parameter set of a test is marked slow, so the full suite runs
   them all; the docstring examples (``test_docs.py``, one case per module)
-  all stay quick.
+  all stay quick. The :data:`LONGEST_FIRST` modules go first.
   """
   seen = set()
   for item in items:
@@ -41,6 +47,8 @@ def pytest_collection_modifyitems(items):
     if test in seen and not item.nodeid.startswith("tests/test_docs.py"):
       item.add_marker(pytest.mark.slow)
     seen.add(test)
+  rank = {module: i for i, module in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
 
 
 @pytest.fixture(scope="session")
