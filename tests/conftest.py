@@ -39,7 +39,7 @@ def pytest_collection_modifyitems(items):
 
   Every later parameter set of a test is marked slow, so the full suite runs
   them all; the docstring examples (``test_docs.py``, one case per module)
-  all stay quick. The :data:`LONGEST_FIRST` modules go first.
+  all stay quick.
   """
   seen = set()
   for item in items:
@@ -47,8 +47,19 @@ def pytest_collection_modifyitems(items):
     if test in seen and not item.nodeid.startswith("tests/test_docs.py"):
       item.add_marker(pytest.mark.slow)
     seen.add(test)
-  rank = {module: i for i, module in enumerate(LONGEST_FIRST)}
-  items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
+class LongestFirst:
+  """Puts the :data:`LONGEST_FIRST` modules first, after pytest's own reordering."""
+
+  @pytest.hookimpl(trylast=True)
+  def pytest_collection_modifyitems(self, items):
+    rank = {module: i for i, module in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
+def pytest_configure(config):
+  config.pluginmanager.register(LongestFirst(), "longest_first")
 
 
 @pytest.fixture(scope="session")
