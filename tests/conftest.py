@@ -27,12 +27,6 @@ import topka2a_jax
 NUM_DEVICES = 8
 
 
-LONGEST_FIRST = ("tests/test_examples.py", "tests/test_charlm.py",
-                 "tests/test_properties.py", "tests/test_benchmarks.py")
-"""Modules of a few minutes each, started first so that the two test workers
-(``-n 2``, pyproject.toml) end together rather than one waiting on them."""
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
   """The quick subset (``-m "not slow"``) runs each test once, with its first parameters.
@@ -47,19 +41,6 @@ def pytest_collection_modifyitems(items):
     if test in seen and not item.nodeid.startswith("tests/test_docs.py"):
       item.add_marker(pytest.mark.slow)
     seen.add(test)
-
-
-class LongestFirst:
-  """Puts the :data:`LONGEST_FIRST` modules first, after pytest's own reordering."""
-
-  @pytest.hookimpl(trylast=True)
-  def pytest_collection_modifyitems(self, items):
-    rank = {module: i for i, module in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
-
-
-def pytest_configure(config):
-  config.pluginmanager.register(LongestFirst(), "longest_first")
 
 
 @pytest.fixture(scope="session")
