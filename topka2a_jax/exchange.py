@@ -214,7 +214,7 @@ def _exchange_low_rank(options: Options, grads: Sequence[jax.Array],
   which empties their residuals and keeps their ``Q``.
   """
   low = [i for i, carry in enumerate(residuals) if isinstance(carry, low_rank.Carry)]
-  rest = [i for i in range(len(grads)) if i not in set(low)]
+  rest = sorted(set(range(len(grads))) - set(low))
   means: list[Any] = list(grads)
   new: list[Any] = list(residuals)
   dense_options = dataclasses.replace(options, algorithm=DENSE.name, rank=None)
