@@ -33,30 +33,18 @@ Example:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from topka2a_jax import compute, placement
-from topka2a_jax.axis import axis_names, is_varying, mesh_axis_size
-from topka2a_jax.step import (
-    accumulated_gradients,
-    check_inputs,
-    check_step_options,
-    reduce_metrics,
-    resolve_param_specs,
-    shardings,
-    split_batch,
-)
-from topka2a_jax.transform import BACKWARD_SECONDS, PARAM_SPECS, flatten
+from topka2a_jax.axis import is_varying
+from topka2a_jax.step import DataParallelStep, check_step_options
 
 
 def _agreed(leaf: jax.Array, axis_name: Hashable) -> jax.Array:
@@ -93,22 +81,21 @@ def _device_keys(keys: Any, axis_name: Hashable) -> Any:
   return jax.tree.map(lambda key: jax.random.fold_in(key, index), keys)
 
 
-class NnxTrainStep:
+class NnxTrainStep(DataParallelStep):
   """The step :func:`nnx_train_step` builds.
 
   ``step(model, optimizer, batch)`` updates ``model`` and ``optimizer`` in
-  place and returns the loss (and the metrics with ``has_aux=True``).
+  place and returns the loss (and the metrics with ``has_aux=True``). The
+  core is :class:`topka2a_jax.step.DataParallelStep`'s; this class splits the
+  model into its parameters, random keys and other state (the carry) and
+  merges them back.
   """
 
   def __init__(self, loss_fn: Callable[..., Any], mesh: Mesh, *,
                axis_name: Hashable, has_aux: bool, micro_batches: int, donate: bool):
-    self._loss_fn, self._mesh, self._axis_name = loss_fn, mesh, axis_name
-    self._has_aux, self._micro_batches = has_aux, micro_batches
-    self._checked: set[Any] = set()
-    self._backward: dict[Any, float] = {}
-    self._jitted = jax.jit(
-        self._run, static_argnames=("graphdef", "tx", "wrt", "specs", "backward"),
-        donate_argnums=(0, 1, 2) if donate else ())
+    super().__init__(mesh, axis_name=axis_name, has_aux=has_aux,
+                     micro_batches=micro_batches, donate=donate)
+    self._loss_fn = loss_fn
 
   def _value_and_grad(self, graphdef, wrt, keys):
     """``(params, rest, batch, key) -> ((loss, aux, rest), grads)`` of the model."""
@@ -125,77 +112,30 @@ class NnxTrainStep:
 
     return value_and_grad
 
-  def _body(self, params, rest, opt_state, keys, batch, *, graphdef, tx, wrt, specs,
-            backward):
-    axis = self._axis_name
-    value_and_grad = self._value_and_grad(graphdef, wrt, _device_keys(keys, axis))
-    local = lax.pcast(params, axis, to="varying")
-    loss, grads, aux, rest = accumulated_gradients(
-        value_and_grad, local, rest, batch, None, self._micro_batches)
-    updates, opt_state = optax.with_extra_args_support(tx).update(
-        grads, opt_state, params, **{PARAM_SPECS: specs, BACKWARD_SECONDS: backward})
-    out = (optax.apply_updates(params, updates),
-           jax.tree.map(lambda leaf: _agreed(leaf, axis), rest), opt_state,
-           lax.pmean(loss, axis))
-    return out + (reduce_metrics(aux, axis),) if self._has_aux else out
+  def _per_device(self, model, keys):
+    graphdef, wrt = model
+    return self._value_and_grad(graphdef, wrt, _device_keys(keys, self._axis_name)), None
 
-  def _run(self, params, rest, opt_state, keys, batch, *, graphdef, tx, wrt, specs,
-           backward):
-    spec_tree = flatten(params)[2].unflatten(specs)
-    state = placement.state_specs(opt_state, self._axis_name)
-    out_specs = (P(), P(), state, P()) + ((P(),) if self._has_aux else ())
-    body = jax.shard_map(
-        functools.partial(self._body, graphdef=graphdef, tx=tx, wrt=wrt,
-                          specs=spec_tree, backward=backward),
-        mesh=self._mesh, in_specs=(P(), P(), state, P(), P(self._axis_name)),
-        out_specs=out_specs, axis_names=set(axis_names(self._axis_name)))
-    return body(params, rest, opt_state, keys,
-                split_batch(batch, self._mesh, self._axis_name))
+  def _agreed(self, carry):
+    return jax.tree.map(lambda leaf: _agreed(leaf, self._axis_name), carry)
+
+  def _estimate(self, model, params, rest, keys, micro):
+    graphdef, wrt = model
+    value_and_grad = self._value_and_grad(graphdef, wrt, keys)
+
+    def loss_and_grads(params, rest, micro):
+      (loss, _, _), grads = value_and_grad(params, rest, micro, None)
+      return loss, grads
+
+    return loss_and_grads, (params, rest, micro)
 
   def _prepare(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any):
     """The pure inputs of the jitted step, checked and (when concrete) placed."""
     wrt = optimizer.wrt
     graphdef, params, keys, rest = nnx.split(model, wrt, nnx.RngKey, ...)
-    opt_state = nnx.as_pure(optimizer.opt_state)
-    check_inputs(self._checked, opt_state, batch, self._mesh, self._axis_name,
-                 self._micro_batches)
-    read = resolve_param_specs(params, self._mesh, self._axis_name,
-                               _annotated_specs(params))
-    specs = tuple(P() if s is None else s for s in read)
-    params, keys, rest = nnx.as_pure(params), nnx.as_pure(keys), nnx.as_pure(rest)
-    inputs = (params, rest, opt_state, keys, batch)
-    if not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(inputs)):
-      replicated = NamedSharding(self._mesh, P())
-      param_shardings, state_shardings = shardings(
-          self._mesh, self._axis_name, params, specs, opt_state)
-      inputs = jax.device_put(inputs, (
-          param_shardings, replicated, state_shardings, replicated,
-          NamedSharding(self._mesh, P(self._axis_name))))
-    backward = self._backward_seconds(graphdef, wrt, params, rest, keys, batch)
-    return inputs, {"graphdef": graphdef, "tx": optimizer.tx, "wrt": wrt,
-                    "specs": specs, "backward": backward}
-
-  def _backward_seconds(self, graphdef, wrt, params, rest, keys, batch) -> float:
-    """The backward pass's estimate (:func:`topka2a_jax.compute.backward_seconds`)."""
-    parts = mesh_axis_size(self._mesh, self._axis_name) * self._micro_batches
-    shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-    micro = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct((x.shape[0] // parts, *x.shape[1:]), x.dtype),
-        batch)
-    args = jax.tree.map(shape, (params, rest, micro))
-    cache_key = (graphdef, jax.tree.structure(args), tuple(
-        (leaf.shape, str(leaf.dtype)) for leaf in jax.tree.leaves(args)))
-    if cache_key not in self._backward:
-      value_and_grad = self._value_and_grad(graphdef, wrt, keys)
-
-      def loss_and_grads(params, rest, micro):
-        (loss, _, _), grads = value_and_grad(params, rest, micro, None)
-        return loss, grads
-
-      seconds, _ = compute.backward_seconds(
-          loss_and_grads, *args, device=compute.device_of(self._mesh.devices.flat[0]))
-      self._backward[cache_key] = seconds * self._micro_batches
-    return self._backward[cache_key]
+    return self._inputs((graphdef, wrt), optimizer.tx, nnx.as_pure(params),
+                        nnx.as_pure(rest), nnx.as_pure(optimizer.opt_state),
+                        nnx.as_pure(keys), batch, _annotated_specs(params))
 
   def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> Any:
     """One step; ``model`` and ``optimizer`` are updated in place.

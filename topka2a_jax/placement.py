@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 from topka2a_jax import layout
 from topka2a_jax.algorithms import DENSE
 from topka2a_jax.axis import check_on_mesh
+from topka2a_jax.clipping import warn_if_clipped_before_exchange
 from topka2a_jax.sharded_optimizer import ShardedOptimizerState, inner_specs
 from topka2a_jax.transform import TopKA2AState, laid_out_for
 from topka2a_jax.update_compression import CompressedUpdatesState, replica_specs
@@ -276,6 +277,7 @@ def init(
     (32, 3)
   """
   check_on_mesh(mesh, axis_name)
+  warn_if_clipped_before_exchange(tx)
   leaves, treedef = jax.tree.flatten(params)
   spec_leaves = ([P()] * len(leaves) if param_specs is None
                  else jax.tree.leaves(param_specs, is_leaf=_is_spec))

@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from topka2a_jax import compute, layout, placement
 from topka2a_jax.axis import axis_names, check_on_mesh, mesh_axis_size
+from topka2a_jax.clipping import warn_if_clipped_before_exchange
 from topka2a_jax.transform import BACKWARD_SECONDS, PARAM_SPECS, flatten
 
 LossFn = Callable[..., Any]
@@ -233,7 +234,125 @@ def shardings(mesh: Mesh, axis_name: Hashable, params: Any,
                        is_leaf=is_spec))
 
 
-class TrainStep:
+class DataParallelStep:
+  """The one step core behind :func:`train_step` and :func:`topka2a_jax.nnx_train_step`.
+
+  Inside a ``jax.shard_map`` manual over the data axis, every device takes
+  its gradient over its slice of the batch (over micro-batches if asked),
+  the optimizer's update averages them through its exchange, and the
+  parameters are updated identically everywhere. The jitted program's
+  inputs are ``(params, carry, opt_state, keys, batch)``: ``carry`` is the
+  model's state besides its parameters (None for a pure function), ``keys``
+  its random keys. A subclass says only how its model is differentiated
+  (:meth:`_per_device`, :meth:`_estimate`), how its carry agrees across
+  devices after the step (:meth:`_agreed`), and how its users' arguments
+  map to those inputs.
+
+  Example:
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> tx = optax.chain(topka2a_jax.topka2a(0.5, mesh=mesh), optax.sgd(0.1))
+    >>> step = train_step(lambda p, x: jnp.sum(p["w"] * x), tx, mesh)
+    >>> isinstance(step, DataParallelStep)
+    True
+  """
+
+  def __init__(self, mesh: Mesh, *, axis_name: Hashable, has_aux: bool,
+               micro_batches: int, donate: bool):
+    self._mesh, self._axis_name = mesh, axis_name
+    self._has_aux, self._micro_batches = has_aux, micro_batches
+    self._checked: set[Any] = set()  # state structures whose chain was checked
+    self._warned: set[int] = set()  # ids of the transforms checked for clipping
+    self._backward: dict[Any, float] = {}
+    self._jitted = jax.jit(self._run, static_argnames=("model", "tx", "specs", "backward"),
+                           donate_argnums=(0, 1, 2) if donate else ())
+
+  def _per_device(self, model: Any, keys: Any) -> tuple[Callable[..., Any], Any]:
+    """On one device: ``(value_and_grad, key)`` for :func:`accumulated_gradients`."""
+    raise NotImplementedError
+
+  def _agreed(self, carry: Any) -> Any:
+    """The carry after the step, the same on every device (as it is by default)."""
+    return carry
+
+  def _estimate(self, model: Any, params: Any, carry: Any, keys: Any,
+                micro: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """``(loss_and_grads, args)`` of one device's micro-batch, for the planner.
+
+    ``params``, ``carry`` and ``micro`` come as shapes, ``keys`` as given.
+    """
+    raise NotImplementedError
+
+  def _body(self, params, carry, opt_state, keys, batch, *, model, tx, specs, backward):
+    axis = self._axis_name
+    value_and_grad, key = self._per_device(model, keys)
+    local = lax.pcast(params, axis, to="varying")
+    loss, grads, aux, carry = accumulated_gradients(
+        value_and_grad, local, carry, batch, key, self._micro_batches)
+    updates, opt_state = optax.with_extra_args_support(tx).update(
+        grads, opt_state, params, **{PARAM_SPECS: specs, BACKWARD_SECONDS: backward})
+    out = (optax.apply_updates(params, updates), self._agreed(carry), opt_state,
+           lax.pmean(loss, axis))
+    return out + (reduce_metrics(aux, axis),) if self._has_aux else out
+
+  def _run(self, params, carry, opt_state, keys, batch, *, model, tx, specs, backward):
+    spec_tree = flatten(params)[2].unflatten(specs)
+    state = placement.state_specs(opt_state, self._axis_name)
+    out_specs = (P(), P(), state, P()) + ((P(),) if self._has_aux else ())
+    body = jax.shard_map(
+        functools.partial(self._body, model=model, tx=tx, specs=spec_tree,
+                          backward=backward),
+        mesh=self._mesh, in_specs=(P(), P(), state, P(), P(self._axis_name)),
+        out_specs=out_specs, axis_names=set(axis_names(self._axis_name)))
+    return body(params, carry, opt_state, keys,
+                split_batch(batch, self._mesh, self._axis_name))
+
+  def _inputs(self, model: Any, tx: optax.GradientTransformation, params: Any,
+              carry: Any, opt_state: Any, keys: Any, batch: Any,
+              given_specs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The jitted step's inputs, checked and (when concrete) placed, and its static args."""
+    check_inputs(self._checked, opt_state, batch, self._mesh, self._axis_name,
+                 self._micro_batches)
+    if id(tx) not in self._warned:
+      self._warned.add(id(tx))
+      warn_if_clipped_before_exchange(tx, stacklevel=4)
+    specs = resolve_param_specs(params, self._mesh, self._axis_name, given_specs)
+    specs = tuple(P() if s is None else s for s in specs)  # unknown: whole
+    inputs = (params, carry, opt_state, keys, batch)
+    if _is_concrete(inputs):
+      replicated = NamedSharding(self._mesh, P())
+      param_shardings, state_shardings = shardings(
+          self._mesh, self._axis_name, params, specs, opt_state)
+      inputs = jax.device_put(inputs, (
+          param_shardings, replicated, state_shardings, replicated,
+          NamedSharding(self._mesh, P(self._axis_name))))
+    backward = self._backward_seconds(model, params, carry, keys, batch)
+    return inputs, {"model": model, "tx": tx, "specs": specs, "backward": backward}
+
+  def _backward_seconds(self, model: Any, params: Any, carry: Any, keys: Any,
+                        batch: Any) -> float:
+    """The backward pass's estimated duration on one device, for the planner.
+
+    XLA's cost analysis of one device's gradient over its micro-batches,
+    against its device's rate (:func:`topka2a_jax.compute.backward_seconds`);
+    computed once per model and shapes of the inputs.
+    """
+    parts = mesh_axis_size(self._mesh, self._axis_name) * self._micro_batches
+    shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+    micro = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((x.shape[0] // parts, *x.shape[1:]), x.dtype),
+        batch)
+    shapes = jax.tree.map(shape, (params, carry, keys, micro))
+    cache_key = (model, jax.tree.structure(shapes), tuple(
+        (leaf.shape, str(leaf.dtype)) for leaf in jax.tree.leaves(shapes)))
+    if cache_key not in self._backward:
+      loss_and_grads, args = self._estimate(model, shapes[0], shapes[1], keys, micro)
+      seconds, _ = compute.backward_seconds(
+          loss_and_grads, *args, device=compute.device_of(self._mesh.devices.flat[0]))
+      self._backward[cache_key] = seconds * self._micro_batches
+    return self._backward[cache_key]
+
+
+class TrainStep(DataParallelStep):
   """The step :func:`train_step` builds: call it, or lower it for inspection.
 
   ``step(params, opt_state, batch, key=None)`` returns ``(params, opt_state,
@@ -243,14 +362,11 @@ class TrainStep:
   def __init__(self, loss_fn: LossFn, tx: optax.GradientTransformation, mesh: Mesh,
                *, axis_name: Hashable, has_aux: bool, micro_batches: int,
                param_specs: Any, donate: bool):
-    self._loss_fn, self._mesh, self._axis_name = loss_fn, mesh, axis_name
-    self._tx = optax.with_extra_args_support(tx)
-    self._has_aux, self._micro_batches = has_aux, micro_batches
-    self._param_specs = param_specs
-    self._checked: set[Any] = set()
-    self._backward: dict[Any, float] = {}
-    self._jitted = jax.jit(self._run, static_argnames=("specs", "backward"),
-                           donate_argnums=(0, 1) if donate else ())
+    super().__init__(mesh, axis_name=axis_name, has_aux=has_aux,
+                     micro_batches=micro_batches, donate=donate)
+    warn_if_clipped_before_exchange(tx, stacklevel=3)
+    self._warned.add(id(tx))
+    self._loss_fn, self._tx, self._param_specs = loss_fn, tx, param_specs
 
   def _value_and_grad(self, params, carry, batch, key):
     args = (batch,) if key is None else (batch, key)
@@ -261,44 +377,20 @@ class TrainStep:
       aux = None
     return (loss, aux, carry), grads
 
-  def _body(self, params, opt_state, batch, key, specs, backward):
-    axis = self._axis_name
-    local = lax.pcast(params, axis, to="varying")
-    loss, grads, aux, _ = accumulated_gradients(
-        self._value_and_grad, local, None, batch, device_key(key, axis),
-        self._micro_batches)
-    updates, opt_state = self._tx.update(
-        grads, opt_state, params, **{PARAM_SPECS: specs, BACKWARD_SECONDS: backward})
-    out = (optax.apply_updates(params, updates), opt_state, lax.pmean(loss, axis))
-    return out + (reduce_metrics(aux, axis),) if self._has_aux else out
+  def _per_device(self, model, keys):
+    return self._value_and_grad, device_key(keys, self._axis_name)
 
-  def _run(self, params, opt_state, batch, key, specs, backward):
-    spec_tree = flatten(params)[2].unflatten(specs)
-    state_in = placement.state_specs(opt_state, self._axis_name)
-    out_specs = (P(), state_in, P()) + ((P(),) if self._has_aux else ())
-    body = jax.shard_map(
-        functools.partial(self._body, specs=spec_tree, backward=backward),
-        mesh=self._mesh,
-        in_specs=(P(), state_in, P(self._axis_name), P()), out_specs=out_specs,
-        axis_names=set(axis_names(self._axis_name)))
-    return body(params, opt_state, split_batch(batch, self._mesh, self._axis_name), key)
+  def _estimate(self, model, params, carry, key, micro):
+    def loss_and_grads(params, batch, *key):
+      (loss, _, _), grads = self._value_and_grad(params, None, batch, *key or (None,))
+      return loss, grads
+
+    shape = () if key is None else (jax.ShapeDtypeStruct(key.shape, key.dtype),)
+    return loss_and_grads, (params, micro) + shape
 
   def _prepare(self, params, opt_state, batch, key):
-    """Checks the inputs; places concrete ones on the mesh; the specs to trace with."""
-    check_inputs(self._checked, opt_state, batch, self._mesh, self._axis_name,
-                 self._micro_batches)
-    specs = resolve_param_specs(params, self._mesh, self._axis_name,
-                                self._param_specs)
-    specs = tuple(P() if s is None else s for s in specs)  # unknown: whole
-    if not _is_concrete((params, opt_state, batch, key)):
-      return params, opt_state, batch, key, specs
-    params, opt_state = jax.device_put(
-        (params, opt_state),
-        shardings(self._mesh, self._axis_name, params, specs, opt_state))
-    batch, key = jax.device_put(
-        (batch, key), (NamedSharding(self._mesh, P(self._axis_name)),
-                       NamedSharding(self._mesh, P())))
-    return params, opt_state, batch, key, specs
+    return self._inputs(None, self._tx, params, None, opt_state, key, batch,
+                        self._param_specs)
 
   def backward_seconds(self, params: Any, batch: Any,
                        key: jax.Array | None = None) -> float:
@@ -308,37 +400,20 @@ class TrainStep:
     against its device's rate (:func:`topka2a_jax.compute.backward_seconds`);
     computed once per shape of the inputs.
     """
-    shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-    parts = mesh_axis_size(self._mesh, self._axis_name) * self._micro_batches
-    micro = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct((x.shape[0] // parts, *x.shape[1:]), x.dtype),
-        batch)
-    args = (jax.tree.map(shape, params), micro) + (() if key is None else (shape(key),))
-    cache_key = (jax.tree.structure(args), tuple(
-        (leaf.shape, str(leaf.dtype)) for leaf in jax.tree.leaves(args)))
-    if cache_key not in self._backward:
-      def loss_and_grads(params, batch, *key):
-        (loss, _, _), grads = self._value_and_grad(params, None, batch, *key or (None,))
-        return loss, grads
-
-      seconds, _ = compute.backward_seconds(
-          loss_and_grads, *args, device=compute.device_of(self._mesh.devices.flat[0]))
-      self._backward[cache_key] = seconds * self._micro_batches
-    return self._backward[cache_key]
+    return self._backward_seconds(None, params, None, key, batch)
 
   def __call__(self, params: Any, opt_state: Any, batch: Any,
                key: jax.Array | None = None) -> tuple[Any, ...]:
     """One step: ``(params, opt_state, loss)``, plus the metrics with ``has_aux``."""
-    backward = self.backward_seconds(params, batch, key)
-    *args, specs = self._prepare(params, opt_state, batch, key)
-    return self._jitted(*args, specs=specs, backward=backward)
+    inputs, static = self._prepare(params, opt_state, batch, key)
+    new_params, _, new_opt_state, *out = self._jitted(*inputs, **static)
+    return (new_params, new_opt_state, *out)
 
   def lower(self, params: Any, opt_state: Any, batch: Any,
             key: jax.Array | None = None) -> jax.stages.Lowered:
     """The lowered step, e.g. for :func:`topka2a_jax.comm_report`."""
-    backward = self.backward_seconds(params, batch, key)
-    *args, specs = self._prepare(params, opt_state, batch, key)
-    return self._jitted.lower(*args, specs=specs, backward=backward)
+    inputs, static = self._prepare(params, opt_state, batch, key)
+    return self._jitted.lower(*inputs, **static)
 
 
 def train_step(

@@ -1,0 +1,115 @@
+"""Global-norm clipping beside the exchange: after it, on the mean, or a warning.
+
+In dense training ``optax.clip_by_global_norm`` bounds the norm of the
+averaged gradient. Placed after :func:`topka2a_jax.topka2a`, it does the
+same here: the exchange's output is the mean of what the devices sent,
+identical on every device, and the clip bounds the step's input as dense
+training's does. Placed before it, each device clips its own gradient, and
+error feedback then adds the residual (many steps' unsent entries) after the
+clip, so the norm bounds neither what is exchanged nor what is applied.
+
+:func:`warn_if_clipped_before_exchange` finds that order in an optimizer by
+walking its closures (``optax.chain`` keeps its transforms in order), as the
+training steps and :func:`topka2a_jax.init` do for the optimizer they get.
+
+Example:
+  >>> tx = optax.chain(optax.clip_by_global_norm(1.0), topka2a_jax.topka2a(0.01),
+  ...                  optax.sgd(0.1))
+  >>> with warnings.catch_warnings(record=True) as caught:
+  ...   warnings.simplefilter("always")
+  ...   warn_if_clipped_before_exchange(tx)
+  >>> "after the exchange" in str(caught[0].message)
+  True
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+CLIP = "clip_by_global_norm"
+EXCHANGE = "topka2a"
+
+
+def transform_names(fn: Any, seen: set[int] | None = None) -> Iterator[str]:
+  """The optax factories behind ``fn``: itself and everything its closures hold.
+
+  Args:
+    fn: an update function, a ``GradientTransformation`` or a sequence of them.
+    seen: ids already walked (a closure may hold the same function twice).
+
+  Yields:
+    The first part of every function's qualified name (``"chain"``,
+    ``"clip_by_global_norm"``, ``"topka2a"``, ...), depth first.
+  """
+  seen = set() if seen is None else seen
+  if id(fn) in seen:
+    return
+  seen.add(id(fn))
+  if isinstance(fn, (tuple, list)):  # a GradientTransformation, or chain's update_fns
+    for item in fn:
+      yield from transform_names(item, seen)
+    return
+  qualname = getattr(fn, "__qualname__", None)
+  if callable(fn) and isinstance(qualname, str):
+    yield qualname.split(".")[0]
+  for contents in _closure(fn).values():
+    yield from transform_names(contents, seen)
+
+
+def _closure(fn: Any) -> dict[str, Any]:
+  """The free variables ``fn`` closes over, by name (none for other objects)."""
+  cells = getattr(fn, "__closure__", None) or ()
+  contents = {}
+  for name, cell in zip(fn.__code__.co_freevars if cells else (), cells):
+    try:
+      contents[name] = cell.cell_contents
+    except ValueError:  # a cell not filled yet
+      continue
+  return contents
+
+
+def chained(fn: Any, seen: set[int] | None = None) -> Iterator[tuple[Any, ...]]:
+  """Every ``optax.chain`` behind ``fn``: its update functions, in the order it runs them."""
+  seen = set() if seen is None else seen
+  if id(fn) in seen:
+    return
+  seen.add(id(fn))
+  if isinstance(fn, (tuple, list)):
+    for item in fn:
+      yield from chained(item, seen)
+    return
+  closure = _closure(fn)
+  if getattr(fn, "__qualname__", None) == "chain.<locals>.update_fn":
+    yield tuple(closure["update_fns"])
+  for contents in closure.values():
+    yield from chained(contents, seen)
+
+
+def warn_if_clipped_before_exchange(tx: Any, stacklevel: int = 2) -> None:
+  """Warns when ``optax.clip_by_global_norm`` runs before ``topka2a`` in ``tx``.
+
+  Inside :func:`topka2a_jax.compress_updates` the inner optimizer runs per
+  device by design, its clip included: no warning there.
+
+  Args:
+    tx: the optimizer of a training step.
+    stacklevel: as for ``warnings.warn``, counted from the caller: the frame
+      the warning names (2: the caller's caller).
+
+  Warns:
+    UserWarning: naming the order to write instead.
+  """
+  for update_fns in chained(getattr(tx, "update", tx)):
+    names = [set(transform_names(fn)) for fn in update_fns]
+    clips = [i for i, found in enumerate(names) if CLIP in found]
+    if clips and any(EXCHANGE in found for found in names[clips[0] + 1:]):
+      warnings.warn(
+          "optax.clip_by_global_norm runs before topka2a_jax.topka2a: each device "
+          "clips its own gradient, and error feedback then adds the residual "
+          "after the clip, so the norm bounds neither what is exchanged nor the "
+          "step. Clip after the exchange, on the mean, as dense training does: "
+          "optax.chain(topka2a_jax.topka2a(...), optax.clip_by_global_norm(...), "
+          "optimizer).", UserWarning, stacklevel=stacklevel + 1)
+      return
