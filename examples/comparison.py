@@ -157,11 +157,12 @@ def print_table(results: list[Result], score: str, fmt: str) -> None:
   to the first run's, and the wall time per seed.
   """
   base = results[0]
-  print(f"\n{'run':41s} {'final ' + score:>16s} {'min..max':>15s} {'last 5':>7s} "
+  width = max(len(r.name) for r in results)
+  print(f"\n{'run':{width}s} {'final ' + score:>16s} {'min..max':>15s} {'last 5':>7s} "
         f"{'train loss':>10s} {'bytes/step':>11s} {'ratio':>6s} {'s/seed':>6s}")
   for r in results:
     low, high = fmt.format(r.final.min()), fmt.format(r.final.max())
-    print(f"{r.name:41s} {fmt.format(r.final.mean()):>16s} {low + '..' + high:>15s} "
+    print(f"{r.name:{width}s} {fmt.format(r.final.mean()):>16s} {low + '..' + high:>15s} "
           f"{fmt.format(r.late):>7s} {r.late_loss:10.4f} {r.bytes_per_step:11,.0f} "
           f"{r.bytes_per_step / base.bytes_per_step:6.3f} {r.seconds:6.1f}")
 
@@ -180,15 +181,18 @@ def plot(results: list[Result], path: str, score: str, title: str) -> None:
   import matplotlib.pyplot as plt
 
   fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+  colours = plt.get_cmap("tab10").colors
   late = []  # scores after the first quarter of training: the range that matters
-  for r in results:
+  for i, r in enumerate(results):
+    # Ten colours, then the same ten dashed: no two curves look alike.
+    style = {"color": colours[i % 10], "linestyle": ("-", "--", ":")[i // 10 % 3]}
     scores = np.mean(r.scores, 0)
-    left.plot(r.eval_steps, scores, label=r.name)
+    left.plot(r.eval_steps, scores, label=r.name, **style)
     late.extend(scores[len(scores) // 4:])
     losses = np.mean(r.losses, 0)
     window = max(1, len(losses) // 50)
     smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
-    right.plot(np.arange(window, len(losses) + 1), smooth, label=r.name)
+    right.plot(np.arange(window, len(losses) + 1), smooth, label=r.name, **style)
   low, high = min(late), max(late)
   margin = 0.05 * (high - low) or 0.01
   left.set_ylim(low - margin, high + margin)
