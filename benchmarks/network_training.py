@@ -319,8 +319,9 @@ def main() -> int:
   parser.add_argument("--batch", type=int, default=BATCH_PER_DEVICE,
                       help="windows of CONTEXT bytes per process and step")
   parser.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, metavar="RUN",
-                      help=f"runs among {', '.join(map(repr, RUNS))}, each may add ', N "
-                      "dense steps' (the first is the baseline of the ratios)")
+                      help=(f"runs among {', '.join(map(repr, RUNS))}, each may add "
+                            "', N dense steps' (the first is the baseline of the "
+                            "ratios)").replace("%", "%%"))  # argparse formats with %
   parser.add_argument("--b1", type=float, default=0.9, help="Adam's b1")
   parser.add_argument("--local", action="store_true",
                       help="one process of emulated CPU devices, no link: losses only")

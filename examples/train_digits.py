@@ -154,8 +154,8 @@ def main(argv: list[str] | None = None) -> None:
   which = parser.add_mutually_exclusive_group()
   which.add_argument("--all", action="store_true", help="every run, the full table")
   which.add_argument("--runs", nargs="+", choices=list(RUNS), metavar="RUN",
-                    help="these runs (the first is the baseline of the bytes "
-                    f"ratio) among: {'; '.join(RUNS)}")
+                    help=("these runs (the first is the baseline of the bytes "
+                          f"ratio) among: {'; '.join(RUNS)}").replace("%", "%%"))
   parser.add_argument("--weight-decay", type=float, default=WEIGHT_DECAY)
   parser.add_argument("--out", default="digits",
                       help="writes OUT.png (curves) and OUT.json (all figures)")
