@@ -264,6 +264,7 @@ def _parameters(path):
           sorted(saved.files, key=lambda name: int(name.split("_")[1]))[-2:]]
 
 
+@pytest.mark.slow  # over 9 s: left out of the quick subset
 @pytest.mark.parametrize("devices", [4, 3])
 def test_saved_on_eight_resumed_on_fewer_in_a_fresh_process(tmp_path, devices):
   """Adam's sharded moments are re-sharded: training goes on as it would on 8."""
@@ -353,6 +354,7 @@ def test_a_non_finite_step_is_skipped_with_the_optimizer_state(mesh, exchange_st
   assert np.isfinite(np.asarray(after.inner[0].mu["w"])).all()
 
 
+@pytest.mark.slow  # over 9 s: left out of the quick subset
 def test_a_2d_state_restored_on_fewer_data_devices_trains_on_alike(tmp_path):
   """(4 data x 2 model) saved, restored on (2 x 2): each piece's shards re-laid."""
   devices = jax.devices()

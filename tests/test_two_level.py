@@ -320,6 +320,7 @@ def _update_report(mesh, tx, size):
   return topka2a_jax.comm_report(run.lower(grads, state), mesh=mesh)
 
 
+@pytest.mark.slow  # over 9 s: left out of the quick subset
 def test_the_planner_routes_by_the_two_links(mesh):
   """Slow between nodes, fast inside: two-level. Fast between, slow inside: flat."""
   kinds = {}
@@ -349,6 +350,7 @@ def test_the_planner_routes_by_the_two_links(mesh):
       (row.kind, row.axes) for row in _update_report(mesh, default, 400_000).collectives}
 
 
+@pytest.mark.slow  # over 9 s: left out of the quick subset
 def test_without_error_feedback_the_flat_route_keeps_nothing_and_sends_nothing_more(
     mesh):
   tx = topka2a_jax.topka2a(0.01, axis_name=AXES, algorithm="topka2a_sparse",
