@@ -1,5 +1,7 @@
 """Bad input gets an error that names the problem; nothing is half-applied."""
 
+import dataclasses
+import inspect
 import math
 
 import chex
@@ -13,6 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import topka2a_jax
+from topka2a_jax.options import Options
 
 PARAMS = {"w": jnp.ones((64, 32)), "b": jnp.zeros(32)}
 
@@ -50,6 +53,24 @@ def test_unknown_algorithm_lists_the_choices():
 def test_bad_options(kwargs, error, match):
   with pytest.raises(error, match=match):
     topka2a_jax.topka2a(0.1, **kwargs)
+
+
+def test_a_misspelt_option_of_compress_updates_is_named():
+  with pytest.raises(TypeError, match=r"unknown option\(s\) min_sise; the options are "
+                     r".*min_size"):
+    topka2a_jax.compress_updates(optax.adam(1e-3), 0.01, min_sise=0)
+
+
+def test_the_signature_defaults_are_the_options_defaults():
+  # One default per option: the signature shows what Options.create fills in.
+  fields = {f.name: f.default for f in dataclasses.fields(Options)}
+  for builder in (topka2a_jax.topka2a, topka2a_jax.compress_updates,
+                  topka2a_jax.sharded_optimizer):
+    for name, parameter in inspect.signature(builder).parameters.items():
+      if name in fields and name != "density":
+        assert parameter.default == fields[name], (builder.__name__, name)
+  assert set(fields) - {"whole_selection"} <= set(
+      inspect.signature(topka2a_jax.topka2a).parameters)
 
 
 OUTSIDE = (r"axis name 'data' is not bound here: this call is outside "

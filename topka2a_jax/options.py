@@ -180,18 +180,23 @@ class Options:
     Raises:
       ValueError, TypeError: an argument out of range or of the wrong type.
     """
+    defaults = {field.name: field.default for field in dataclasses.fields(cls)}
     normalised = dict(options)
-    axis_name = normalised.get("axis_name", "data")
+    unknown = sorted(set(normalised) - set(defaults))
+    if unknown:
+      raise TypeError(f"unknown option(s) {', '.join(unknown)}; the options are "
+                      f"{', '.join(sorted(set(defaults) - {'density'}))}")
+    axis_name = normalised.get("axis_name", defaults["axis_name"])
     if not isinstance(axis_name, Hashable):
       raise TypeError(f"axis_name must be a mesh axis name, got {axis_name!r}")
     if isinstance(axis_name, tuple) and len(axis_name) != 2:
       raise ValueError(
           f"axis_name={axis_name!r}: the data axis is one mesh axis, or a pair "
           "(outer, inner) such as ('node', 'local') for the two-level exchange")
-    fusion = normalised.get("fusion", "auto")
+    fusion = normalised.get("fusion", defaults["fusion"])
     if fusion != "auto":
       normalised["fusion"] = _count("fusion", fusion, 1)
-    algorithm = normalised.get("algorithm", DEFAULT_ALGORITHM)
+    algorithm = normalised.get("algorithm", defaults["algorithm"])
     if algorithm == algorithms.POWERSGD.name:
       _check_low_rank(normalised, axis_name)
     else:
@@ -207,12 +212,12 @@ class Options:
     for name, minimum in (("min_size", 0), ("warmup_steps", 0)):
       if name in normalised:
         normalised[name] = _count(name, normalised[name], minimum)
-    normalised["network"] = _network(normalised.get("network", AUTO_NETWORK),
+    normalised["network"] = _network(normalised.get("network", defaults["network"]),
                                      axis_name)
     normalised["backward_seconds"] = _backward_seconds(
         normalised.get("backward_seconds"))
     normalised["value_dtype"] = _value_dtype(normalised.get("value_dtype"))
-    get_selection(normalised.get("selection", DEFAULT_SELECTION))  # raises if unknown
+    get_selection(normalised.get("selection", defaults["selection"]))  # raises if unknown
     normalised["mesh"] = _mesh(normalised.get("mesh"), axis_name)
     if density is None:
       if algorithm not in (algorithms.POWERSGD.name, algorithms.DENSE.name):
