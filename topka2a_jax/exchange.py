@@ -33,6 +33,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -44,15 +45,15 @@ import optax
 from topka2a_jax import buckets, collectives, layout, low_rank
 from topka2a_jax.algorithms import DENSE, REGISTRY
 from topka2a_jax.axis import (
-    axis_names,
-    bound_axis_size,
-    devices_per_node,
-    grouped_by_varying_axes,
-    varying_axes,
+  axis_names,
+  bound_axis_size,
+  devices_per_node,
+  grouped_by_varying_axes,
+  varying_axes,
 )
 from topka2a_jax.cost import TWO_LEVEL
 from topka2a_jax.fusion import step_model
-from topka2a_jax.nonfinite import nonfinite_on_any_device
+from topka2a_jax.nonfinite import applied_or_skipped, step_is_bad
 from topka2a_jax.options import Options
 
 
@@ -274,17 +275,24 @@ def _zeros_like_mean(grad: jax.Array, axis_name: Hashable) -> jax.Array:
   return jax.lax.pcast(zeros, others, to="varying") if others else zeros
 
 
+def dense_while_warming_up(options: Options, count: jax.Array, run: Any,
+                           *args: Any) -> Any:
+  """``run(*args, sparse=False)`` while ``count < warmup_steps``, else ``sparse=True``.
+
+  A run-time switch (``lax.cond``): the compiled step holds both branches.
+  """
+  if options.warmup_steps == 0:
+    return run(*args, sparse=True)
+  return jax.lax.cond(count < options.warmup_steps,
+                      functools.partial(run, sparse=False),
+                      functools.partial(run, sparse=True), *args)
+
+
 def _applied(options: Options, grads: list, residuals: list,
              count: jax.Array) -> tuple[list, list, jax.Array]:
   """The exchange, dense while ``count < warmup_steps``; one more applied step."""
-  if options.warmup_steps == 0:
-    means, new = exchange(options, grads, residuals, sparse=True)
-  else:
-    means, new = jax.lax.cond(
-        count < options.warmup_steps,
-        lambda g, r: exchange(options, g, r, sparse=False),
-        lambda g, r: exchange(options, g, r, sparse=True),
-        grads, residuals)
+  means, new = dense_while_warming_up(options, count, functools.partial(exchange, options),
+                                      grads, residuals)
   return means, new, count + 1
 
 
@@ -315,13 +323,12 @@ def step(options: Options, grads: list, residuals: list, count: jax.Array,
   Returns:
     ``(means, residuals, count, nonfinite_steps)`` after the step.
   """
-  if bad is None and options.skip_nonfinite:
-    bad = nonfinite_on_any_device(grads, options.axis_name)
-  if bad is None:
-    return (*_applied(options, grads, residuals, count), nonfinite_steps)
-  means, new, new_count = jax.lax.cond(
-      bad, lambda *a: _skipped(options, *a), lambda *a: _applied(options, *a),
+  bad = step_is_bad(bad, grads, options.axis_name, options.skip_nonfinite)
+  means, new, new_count = applied_or_skipped(
+      bad, functools.partial(_applied, options), functools.partial(_skipped, options),
       grads, residuals, count)
+  if bad is None:
+    return means, new, new_count, nonfinite_steps
   if all(wire_limit(options, [g.dtype]) is None for g in grads):
     return means, new, new_count, nonfinite_steps + bad.astype(jnp.int32)
   # Narrow dtypes may overflow in the means. The means are identical on every

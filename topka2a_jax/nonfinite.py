@@ -68,6 +68,40 @@ def nonfinite_on_any_device(tree: Any, axis_name: Hashable) -> jax.Array:
   return lax.pmax(local, axes) > 0
 
 
+def step_is_bad(decided: jax.Array | None, tree: Any, axis_name: Hashable,
+                check: bool) -> jax.Array | None:
+  """Whether this step is skipped: the decision given, else this transform's own.
+
+  Args:
+    decided: :func:`skip_nonfinite`'s decision, handed down as :data:`NONFINITE`,
+      or None.
+    tree: this device's gradients.
+    axis_name: the data axis.
+    check: whether the transform checks by itself (its ``skip_nonfinite``).
+
+  Returns:
+    A boolean scalar, the same everywhere, or None when nothing is checked.
+  """
+  if decided is None and check:
+    return nonfinite_on_any_device(tree, axis_name)
+  return decided
+
+
+def applied_or_skipped(bad: jax.Array | None, applied: Any, skipped: Any, *args: Any) -> Any:
+  """``applied(*args)``, or ``skipped(*args)`` where ``bad``, chosen at run time.
+
+  ``bad`` is the same on every device, so every device takes the same branch;
+  with None there is no switch at all.
+
+  Example:
+    >>> applied_or_skipped(jnp.bool_(True), lambda x: x + 1, lambda x: x, 1)
+    Array(1, dtype=int32, weak_type=True)
+  """
+  if bad is None:
+    return applied(*args)
+  return lax.cond(bad, skipped, applied, *args)
+
+
 class SkipNonFiniteState(NamedTuple):
   """State of :func:`skip_nonfinite`.
 

@@ -58,7 +58,7 @@ from topka2a_jax.axis import (
     varying_axes,
 )
 from topka2a_jax.fusion import step_model
-from topka2a_jax.nonfinite import NONFINITE, nonfinite_on_any_device
+from topka2a_jax.nonfinite import NONFINITE, applied_or_skipped, step_is_bad
 from topka2a_jax.options import Options
 from topka2a_jax.transform import (
     PARAM_SPECS,
@@ -425,13 +425,8 @@ def _step(opts: Options, inner: optax.GradientTransformation, treedef: Any,
   shapes = [g.shape for g in grads]
 
   def applied(grads, residuals, count, inner_state):
-    if opts.warmup_steps:
-      shards, new = lax.cond(count < opts.warmup_steps,
-                             lambda g, r: owner_phase(opts, g, r, sparse=False),
-                             lambda g, r: owner_phase(opts, g, r, sparse=True),
-                             grads, residuals)
-    else:
-      shards, new = owner_phase(opts, grads, residuals, sparse=True)
+    shards, new = exchange.dense_while_warming_up(
+        opts, count, functools.partial(owner_phase, opts), grads, residuals)
     mean = treedef.unflatten([_present(s.astype(g.dtype), g.ndim)
                               for s, g in zip(shards, grads)])
     own_params = None if param_leaves is None else treedef.unflatten(
@@ -447,10 +442,8 @@ def _step(opts: Options, inner: optax.GradientTransformation, treedef: Any,
     return zeros, residuals, count, inner_state
 
   args = (grads, residuals, count, jax.tree.map(lambda x: x[0], inner_state))
-  if bad is None:
-    out, new, count, inner_state = applied(*args)
-  else:
-    out, new, count, inner_state = lax.cond(bad, skipped, applied, *args)
+  out, new, count, inner_state = applied_or_skipped(bad, applied, skipped, *args)
+  if bad is not None:
     nonfinite = nonfinite + bad.astype(jnp.int32)
   whole = _gather(out, shapes, opts.axis_name, num_devices)
   inner_state = jax.tree.map(lambda x: as_varying(x, opts.axis_name)[None], inner_state)
@@ -469,9 +462,7 @@ def _update(opts: Options, inner: optax.GradientTransformation, updates: Any,
   residuals = matching_residuals(opts, treedef, state.exchange, grads, paths, given)
   check_per_device(grads, paths, opts.axis_name)
   param_leaves = None if params is None else flatten(params)[1]
-  bad = extra_args.get(NONFINITE)
-  if bad is None and opts.skip_nonfinite:
-    bad = nonfinite_on_any_device(grads, opts.axis_name)
+  bad = step_is_bad(extra_args.get(NONFINITE), grads, opts.axis_name, opts.skip_nonfinite)
   step = functools.partial(_step, opts, inner, treedef)
   args = (grads, residuals, param_leaves, state.exchange.count,
           state.exchange.nonfinite_steps, state.inner, bad)

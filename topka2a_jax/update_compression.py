@@ -65,7 +65,7 @@ from topka2a_jax.axis import (
     mesh_axis_size,
     varying_axes,
 )
-from topka2a_jax.nonfinite import NONFINITE, nonfinite_on_any_device
+from topka2a_jax.nonfinite import NONFINITE, applied_or_skipped, step_is_bad
 from topka2a_jax.options import Options
 from topka2a_jax.transform import (
     TopKA2AState,
@@ -265,9 +265,7 @@ def _update(opts: Options, inner: optax.GradientTransformationExtraArgs,
                     f"init, got {type(state).__name__}")
   paths, grads, _, _ = flatten(updates)
   check_per_device(grads, paths, opts.axis_name)
-  bad = extra_args.get(NONFINITE)  # decided already by skip_nonfinite(...)
-  if bad is None and opts.skip_nonfinite:
-    bad = nonfinite_on_any_device(grads, opts.axis_name)
+  bad = step_is_bad(extra_args.get(NONFINITE), grads, opts.axis_name, opts.skip_nonfinite)
   own = jax.tree.map(lambda x: x[0], state.inner)
 
   def applied(updates, own):
@@ -277,10 +275,8 @@ def _update(opts: Options, inner: optax.GradientTransformationExtraArgs,
   def skipped(updates, own):
     return jax.tree.map(_zeros_like, updates), own
 
-  if bad is None:
-    steps, own = applied(updates, own)
-  else:
-    steps, own = lax.cond(bad, skipped, applied, updates, own)
-    extra_args = {**extra_args, NONFINITE: bad}
+  steps, own = applied_or_skipped(bad, applied, skipped, updates, own)
+  if bad is not None:
+    extra_args = {**extra_args, NONFINITE: bad}  # the exchange takes the same decision
   means, exchange = update_state(opts, steps, state.exchange, extra_args)
   return means, CompressedUpdatesState(exchange, _per_device(own, opts.axis_name))
