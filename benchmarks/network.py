@@ -49,6 +49,7 @@ import time
 from pathlib import Path
 
 from topka2a_jax.algorithms import ALLGATHER, DENSE, POWERSGD, REGISTRY, TOPKA2A
+from topka2a_jax.collectives import COLLECTIVES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -231,7 +232,7 @@ def worker(sizes: list[int], densities: list[float], ranks: list[int], repeats: 
             size=size).astype(np.float32))
     for algorithm in REGISTRY:
       for density in [1.0] if algorithm == DENSE.name else densities:
-        exchange = REGISTRY[algorithm].collective
+        exchange = COLLECTIVES[algorithm]
         run = jax.jit(jax.shard_map(
             lambda b, exchange=exchange, density=density: exchange(
                 b, "data", density, selection=selection).mean,

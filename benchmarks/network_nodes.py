@@ -221,7 +221,7 @@ def worker(size: int, densities: list[float], repeats: int, selection: str,
     return jnp.stack([result.mean[0], jnp.sum(residual)])
 
   for algorithm, density in itertools.product(SPARSE, densities):
-    one = REGISTRY[algorithm].collective
+    one = collectives.COLLECTIVES[algorithm]
 
     def one_axis(b, one=one, density=density):
       result = one(b, both, density, selection=selection)

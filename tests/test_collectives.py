@@ -10,8 +10,15 @@ from sharded import per_device
 
 from topka2a_jax import collectives
 from topka2a_jax.algorithms import REGISTRY
+from topka2a_jax.collectives import COLLECTIVES
+from topka2a_jax.selection import SELECTION_NAMES
 
 ALGORITHMS = sorted(REGISTRY)
+
+
+def test_every_algorithm_has_its_collective_and_every_selection_its_function():
+  assert sorted(COLLECTIVES) == ALGORITHMS
+  assert tuple(collectives.SELECTIONS) == SELECTION_NAMES
 LENGTHS = [1, 5, 8, 13, 64, 1001]
 DENSITIES = [0.01, 0.1, 0.3, 1.0]
 
@@ -23,7 +30,7 @@ def random_buffers(num_devices, length, seed=0):
 
 
 def exchange(mesh, algorithm, buffers, density):
-  fn = REGISTRY[algorithm].collective
+  fn = COLLECTIVES[algorithm]
   return per_device(lambda b: fn(b, "data", density), mesh, buffers)
 
 
@@ -130,7 +137,7 @@ def test_rejects_non_flat_buffers(mesh, shape):
 @pytest.mark.parametrize("algorithm", ["allgather", "topka2a", "topka2a_sparse"])
 def test_bfloat16_values_keep_their_rounding_in_the_residual(mesh, algorithm):
   buffers = random_buffers(8, 1001, seed=9)
-  fn = REGISTRY[algorithm].collective
+  fn = COLLECTIVES[algorithm]
   mean, unsent = per_device(
       lambda b: fn(b, "data", 0.1, value_dtype=jnp.bfloat16), mesh, buffers)
   want_mean, _ = reference.ALGORITHMS[algorithm](buffers, 0.1)

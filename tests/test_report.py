@@ -8,12 +8,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import topka2a_jax
-from topka2a_jax.algorithms import REGISTRY
+from topka2a_jax.collectives import COLLECTIVES
 from topka2a_jax.cost import exchange_cost
 
 
 def lowered_exchange(mesh, algorithm, length, density):
-  fn = REGISTRY[algorithm].collective
+  fn = COLLECTIVES[algorithm]
   run = jax.jit(jax.shard_map(lambda b: tuple(fn(b, "data", density)), mesh=mesh,
                               in_specs=P("data"), out_specs=(P(), P("data"))))
   x = jax.device_put(np.ones(8 * length, np.float32), NamedSharding(mesh, P("data")))
@@ -67,7 +67,7 @@ def test_hand_written_hlo():
 @pytest.mark.parametrize("algorithm", ["allgather", "topka2a", "topka2a_sparse"])
 @pytest.mark.parametrize("length", [4096, 600_000])  # uint16, then uint32 indices
 def test_narrow_wire_formats_send_fewer_bytes(mesh, algorithm, length):
-  fn = REGISTRY[algorithm].collective
+  fn = COLLECTIVES[algorithm]
 
   def report(**options):
     run = jax.jit(jax.shard_map(lambda b: tuple(fn(b, "data", 0.01, **options)),

@@ -8,7 +8,7 @@ import reference
 from sharded import per_device
 
 from topka2a_jax import collectives, threshold
-from topka2a_jax.algorithms import REGISTRY
+from topka2a_jax.collectives import COLLECTIVES
 from topka2a_jax.selection import top_magnitudes
 from topka2a_jax.threshold import threshold_magnitudes
 
@@ -130,7 +130,7 @@ def test_small_or_dense_rows_are_exact():
 @pytest.mark.parametrize("algorithm", ["allgather", "topka2a", "topka2a_sparse"])
 def test_collectives_with_threshold_selection_lose_nothing(mesh, algorithm):
   buffers = np.random.default_rng(2).standard_normal((8, 300_001)).astype(np.float32)
-  fn = REGISTRY[algorithm].collective
+  fn = COLLECTIVES[algorithm]
   mean, unsent = per_device(
       lambda b: fn(b, "data", 0.01, selection="threshold"), mesh, buffers)
   for device in range(1, 8):

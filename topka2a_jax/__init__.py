@@ -69,11 +69,16 @@ from topka2a_jax.fusion import FusionPlan, plan_fusion
 from topka2a_jax.nonfinite import SkipNonFiniteState, skip_nonfinite
 from topka2a_jax.placement import init, state_specs
 from topka2a_jax.report import CommReport, comm_report
-from topka2a_jax.sharded_optimizer import ShardedOptimizerState, sharded_optimizer
+from topka2a_jax.sharded_optimizer import sharded_optimizer
+from topka2a_jax.states import (
+  CompressedUpdatesState,
+  ShardedOptimizerState,
+  TopKA2AState,
+)
 from topka2a_jax.step import TrainStep, train_step
-from topka2a_jax.transform import TopKA2AState, topka2a
+from topka2a_jax.transform import topka2a
 from topka2a_jax.tuning import time_call, tune_fusion
-from topka2a_jax.update_compression import CompressedUpdatesState, compress_updates
+from topka2a_jax.update_compression import compress_updates
 
 __all__ = [
   "NETWORKS",

@@ -1,7 +1,7 @@
 """Every exchange the library implements, and everything it knows about each.
 
 One :class:`Algorithm` per exchange: the name ``topka2a(algorithm=...)``
-takes, its collective (:mod:`.collectives`), where the entries it does not
+takes (its collective is :data:`.collectives.COLLECTIVES` of that name), where the entries it does not
 send wait, and its cost terms, from which the cost model, the planner, the
 command-line planner and the benchmarks all read. Adding an exchange is one
 entry here plus its collective and tests.
@@ -39,7 +39,6 @@ import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from topka2a_jax import collectives
 from topka2a_jax.selection import ShardLayout, sparse_count
 from topka2a_jax.wire import index_dtype
 
@@ -115,7 +114,6 @@ class Algorithm:
     name: what ``topka2a(algorithm=...)`` takes.
     title: its printable name.
     summary: what it does, in one line.
-    collective: the function that runs it inside ``shard_map``.
     sparse: whether it sends a top-k selection (the rest waits in a
       residual); a dense exchange sends everything.
     unsent_at: where the entries not sent wait.
@@ -134,7 +132,6 @@ class Algorithm:
   name: str
   title: str
   summary: str
-  collective: collectives.Collective
   sparse: bool
   unsent_at: str
   compresses_values: bool
@@ -234,28 +231,28 @@ def _to_owners_then_pairs(c: Counts) -> tuple[Phase, ...]:
 
 DENSE = Algorithm(
     name="dense", title="dense", summary="lax.pmean: a ring all-reduce of everything",
-    collective=collectives.dense, sparse=False, unsent_at="nowhere (all is sent)",
+    sparse=False, unsent_at="nowhere (all is sent)",
     compresses_values=False, global_indices=False, traffic=_ring,
     reads=lambda length, devices: 0, selects=lambda c: 0)
 
 ALLGATHER = Algorithm(
     name="allgather", title="TopkA",
     summary="every device's top-k pairs all-gathered and summed everywhere",
-    collective=collectives.allgather, sparse=True, unsent_at="the sender",
+    sparse=True, unsent_at="the sender",
     compresses_values=True, global_indices=True, traffic=_gather_pairs,
     reads=lambda length, devices: length, selects=lambda c: c.k)
 
 TOPKA2A = Algorithm(
     name="topka2a", title="TopKA2A",
     summary="shard-wise top-k, AlltoAll to the owners, AllGather of the summed shards",
-    collective=collectives.topka2a, sparse=True, unsent_at="the sender",
+    sparse=True, unsent_at="the sender",
     compresses_values=True, global_indices=False, traffic=_to_owners_then_shards,
     reads=lambda length, devices: length, selects=lambda c: c.devices * c.per_shard)
 
 TOPKA2A_SPARSE = Algorithm(
     name="topka2a_sparse", title="TopKA2A-sparse",
     summary="TopKA2A whose owners re-select their summed shard: O(k) volume",
-    collective=collectives.topka2a_sparse, sparse=True,
+    sparse=True,
     unsent_at="the sender, and the owner for its summed shard",
     compresses_values=True, global_indices=False, traffic=_to_owners_then_pairs,
     reads=lambda length, devices: length + -(-length // devices),
@@ -330,6 +327,22 @@ POWERSGD = LowRank(
 
 NAMES: tuple[str, ...] = (*REGISTRY, POWERSGD.name)
 """Every name ``topka2a(algorithm=...)`` takes besides ``"auto"``."""
+
+
+def check_plan_options(algorithm: str, threshold: int | str) -> None:
+  """Raises ValueError for an algorithm or threshold the planner cannot use.
+
+  Example:
+    >>> check_plan_options("topka2a", 2**20)
+    >>> check_plan_options("auto", 0)
+    Traceback (most recent call last):
+    ValueError: threshold must be 'auto' or a positive int, got 0
+  """
+  if algorithm != AUTO:
+    get(algorithm)
+  if threshold != "auto" and (
+      isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1):
+    raise ValueError(f"threshold must be 'auto' or a positive int, got {threshold!r}")
 
 
 def get(name: str) -> Algorithm:

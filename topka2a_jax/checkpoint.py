@@ -44,9 +44,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from topka2a_jax.axis import axis_names, check_on_mesh, devices_per_node, mesh_axis_size
-from topka2a_jax.sharded_optimizer import ShardedOptimizerState
-from topka2a_jax.transform import TopKA2AState
-from topka2a_jax.update_compression import CompressedUpdatesState
+from topka2a_jax.states import (
+  CompressedUpdatesState,
+  ShardedOptimizerState,
+  TopKA2AState,
+)
 
 LAYOUT_FILE = "topka2a_layout.json"
 """Written beside Orbax's files: devices, axis, pytree structure, shapes, and

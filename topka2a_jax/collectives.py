@@ -62,10 +62,11 @@ from jax import lax
 
 from topka2a_jax.axis import bound_axis_size
 from topka2a_jax.selection import (
-    ShardLayout,
-    approx_magnitudes,
-    sparse_count,
-    top_magnitudes,
+  ShardLayout,
+  approx_magnitudes,
+  check_selection,
+  sparse_count,
+  top_magnitudes,
 )
 from topka2a_jax.threshold import threshold_magnitudes
 from topka2a_jax.wire import WireFormat
@@ -127,9 +128,7 @@ SELECTIONS: dict[str, Selection] = {
 
 def get_selection(name: str) -> Selection:
   """The selection called ``name``, or a ValueError listing the choices."""
-  if name not in SELECTIONS:
-    raise ValueError(f"unknown selection {name!r}; choose one of "
-                     f"{', '.join(repr(n) for n in SELECTIONS)}")
+  check_selection(name)
   return SELECTIONS[name]
 
 
@@ -368,6 +367,13 @@ def topka2a_sparse(
   mean = jnp.zeros((layout.length,), buffer.dtype).at[positions.ravel()].set(
       from_values.ravel() / layout.num_shards, mode="drop", unique_indices=True)
   return Exchange(mean, unsent.reshape(-1)[: layout.length])
+
+
+COLLECTIVES: dict[str, Collective] = {
+    "dense": dense, "allgather": allgather, "topka2a": topka2a,
+    "topka2a_sparse": topka2a_sparse,
+}
+"""The collective of every exchange in :data:`topka2a_jax.algorithms.REGISTRY`, by name."""
 
 
 def two_level(

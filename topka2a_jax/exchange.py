@@ -185,12 +185,12 @@ def exchange(options: Options, grads: Sequence[jax.Array],
     if bucket.route == TWO_LEVEL:
       result = collectives.two_level(
           jnp.concatenate(rows, axis=1).ravel(), options.axis_name, options.density,
-          outer=algorithm.collective, **options_kw)
+          outer=collectives.COLLECTIVES[algorithm.name], **options_kw)
       mean_pieces = [piece.ravel()[:size] for piece, size in zip(
           _split_columns(result.mean.reshape(per_node, -1), widths), sizes)]
       unsent = buckets.unpack(result.unsent, widths)
     else:
-      result = algorithm.collective(
+      result = collectives.COLLECTIVES[algorithm.name](
           buckets.pack([r.ravel()[:size] for r, size in zip(rows, sizes)], dtype),
           options.axis_name, options.density, **options_kw)
       mean_pieces = buckets.unpack(result.mean, sizes)

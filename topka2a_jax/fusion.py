@@ -356,15 +356,6 @@ def step_model(
                    residual_slices, whole_selection)
 
 
-def check_plan_options(algorithm: str, threshold: int | str) -> None:
-  """Raises ValueError for an algorithm or threshold the planner cannot use."""
-  if algorithm != AUTO:
-    algorithms.get(algorithm)
-  if threshold != "auto" and (
-      isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1):
-    raise ValueError(f"threshold must be 'auto' or a positive int, got {threshold!r}")
-
-
 def plan_fusion(
     sizes: Sequence[int] | Any,
     num_devices: int,
@@ -407,7 +398,7 @@ def plan_fusion(
     ...     [4096, 64, 1_000_000], 32, 0.01, network="eth10").buckets]
     ['topka2a_sparse', 'dense']
   """
-  check_plan_options(algorithm, threshold)
+  algorithms.check_plan_options(algorithm, threshold)
   if not (isinstance(sizes, Sequence) and all(isinstance(s, int) for s in sizes)):
     with_paths = jax.tree_util.tree_flatten_with_path(sizes)[0]
     names = names or [jax.tree_util.keystr(path) for path, _ in with_paths]

@@ -29,8 +29,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -236,3 +238,101 @@ def check_not_over_data(spec: P | None, axis_name: Hashable, path: str) -> None:
         f"over {axis_name!r} (shard them over other mesh axes at will), e.g. "
         f"jax.device_put(params, NamedSharding(mesh, P())). Sharding the "
         "parameters themselves over the data axis (FSDP) is not supported.")
+
+
+_LAYOUT_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar(
+    "topka2a_layout_mesh", default=None)
+
+
+@contextlib.contextmanager
+def laid_out_for(mesh: Mesh) -> Iterator[None]:
+  """Within, ``init`` of every :func:`topka2a_jax.topka2a` lays its state out for ``mesh``.
+
+  For transforms built without ``mesh=`` (:func:`topka2a_jax.init` uses it).
+  """
+  token = _LAYOUT_MESH.set(mesh)
+  try:
+    yield
+  finally:
+    _LAYOUT_MESH.reset(token)
+
+
+def mesh_laid_out_for() -> Mesh | None:
+  """The mesh of the innermost :func:`laid_out_for` around this call, or None."""
+  return _LAYOUT_MESH.get()
+
+
+def replica_specs(inner_state: Any, axis_name: Hashable, params_structure: Any = None,
+                  param_specs: Any = None) -> Any:
+  """The ``PartitionSpec`` of every leaf of the per-device ``inner`` state.
+
+  Dimension 0 holds one copy per data index; a part shaped like the
+  parameters (Adam's moments) is split like them after it.
+
+  Args:
+    inner_state: the state, arrays or shapes, every leaf ``(P, *shape)``.
+    axis_name: the data axis, or a pair of them; None inside a shard_map
+      already manual over it.
+    params_structure: the parameters' pytree structure, with ``param_specs``.
+    param_specs: one ``PartitionSpec`` per parameter leaf, or None.
+
+  Returns:
+    A pytree of ``PartitionSpec`` with ``inner_state``'s structure.
+
+  Example:
+    >>> state = {"mu": jnp.zeros((8, 4, 6)), "count": jnp.zeros(8)}
+    >>> replica_specs(state, "data")
+    {'count': P('data',), 'mu': P('data',)}
+  """
+  first = None if axis_name is None else residual_spec(axis_name)[0]
+  if param_specs is None:
+    return jax.tree.map(lambda _: P(first), inner_state)
+  spec_leaves = list(param_specs)
+
+  def shaped_like_params(node: Any) -> bool:
+    return (params_structure.num_leaves > 0
+            and jax.tree.structure(node) == params_structure)
+
+  def spec_for(node: Any) -> Any:
+    if shaped_like_params(node):
+      return params_structure.unflatten([P(first, *(spec or ())) for spec in spec_leaves])
+    return P(first)
+
+  return jax.tree.map(spec_for, inner_state, is_leaf=shaped_like_params)
+
+
+def inner_specs(inner_state: Any, treedef: Any, leaf_specs: Sequence[P],
+                first: Hashable | None) -> Any:
+  """The spec of every leaf of the inner state, one block per data index.
+
+  A part shaped like the parameters (Adam's moments) holds, for each
+  parameter, its shards as ``(devices, 1, ..., 1, entries)``; where the
+  parameter is split over other mesh axes, each of their devices holds the
+  shards of its own piece, side by side along the last dimension.
+
+  Args:
+    inner_state: the inner state (arrays or shapes), every leaf per device.
+    treedef: the parameters' structure.
+    leaf_specs: each parameter's spec over the other mesh axes.
+    first: the spec entry of dimension 0: the data axis, or None inside a
+      shard_map already manual over it.
+
+  Returns:
+    A pytree of ``PartitionSpec`` with the inner state's structure.
+  """
+  def param_spec(leaf: Any, spec: P) -> P:
+    axes = spec_axes(spec)
+    if not axes or leaf.ndim < 2:
+      return P(first)
+    return P(first, *[None] * (leaf.ndim - 2), axes[0] if len(axes) == 1 else axes)
+
+  def shaped_like_params(node: Any) -> bool:
+    return jax.tree.structure(node) == treedef and treedef.num_leaves > 0
+
+  def spec_for(node: Any) -> Any:
+    if shaped_like_params(node):
+      return treedef.unflatten([param_spec(leaf, spec) for leaf, spec in
+                                zip(treedef.flatten_up_to(node), leaf_specs)])
+    return P(first)
+
+  return jax.tree.map(spec_for, inner_state, is_leaf=shaped_like_params)

@@ -23,9 +23,8 @@ from jax.sharding import Mesh
 
 from topka2a_jax import algorithms, low_rank
 from topka2a_jax.axis import axis_names, bound_axis_size, check_on_mesh
-from topka2a_jax.collectives import get_selection
 from topka2a_jax.cost import AUTO_NETWORK, Cluster, Network, get_network
-from topka2a_jax.fusion import check_plan_options
+from topka2a_jax.selection import check_selection
 
 DEFAULT_ALGORITHM = algorithms.AUTO
 """``topka2a(density)`` with no ``algorithm=``: each bucket its cheapest exchange
@@ -200,7 +199,7 @@ class Options:
     if algorithm == algorithms.POWERSGD.name:
       _check_low_rank(normalised, axis_name)
     else:
-      check_plan_options(algorithm, fusion)
+      algorithms.check_plan_options(algorithm, fusion)
       if normalised.get("rank") is not None:
         raise ValueError(
             f"rank={normalised['rank']!r} sets the rank of algorithm='powersgd'; "
@@ -217,7 +216,7 @@ class Options:
     normalised["backward_seconds"] = _backward_seconds(
         normalised.get("backward_seconds"))
     normalised["value_dtype"] = _value_dtype(normalised.get("value_dtype"))
-    get_selection(normalised.get("selection", defaults["selection"]))  # raises if unknown
+    check_selection(normalised.get("selection", defaults["selection"]))
     normalised["mesh"] = _mesh(normalised.get("mesh"), axis_name)
     if density is None:
       if algorithm not in (algorithms.POWERSGD.name, algorithms.DENSE.name):

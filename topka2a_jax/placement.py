@@ -32,9 +32,12 @@ from topka2a_jax import layout
 from topka2a_jax.algorithms import DENSE
 from topka2a_jax.axis import check_on_mesh
 from topka2a_jax.clipping import warn_if_clipped_before_exchange
-from topka2a_jax.sharded_optimizer import ShardedOptimizerState, inner_specs
-from topka2a_jax.transform import TopKA2AState, laid_out_for
-from topka2a_jax.update_compression import CompressedUpdatesState, replica_specs
+from topka2a_jax.layout import inner_specs, laid_out_for, replica_specs
+from topka2a_jax.states import (
+  CompressedUpdatesState,
+  ShardedOptimizerState,
+  TopKA2AState,
+)
 
 
 def _is_topka2a_state(node: Any) -> bool:

@@ -30,6 +30,24 @@ from jax import lax
 _ROUNDING_SLACK = 1e-12
 
 
+SELECTION_NAMES = ("auto", "exact", "threshold", "approx")
+"""The names ``topka2a(selection=...)`` takes; each is a function of
+:data:`topka2a_jax.collectives.SELECTIONS`."""
+
+
+def check_selection(name: str) -> None:
+  """Raises a ValueError listing the choices unless ``name`` is a selection.
+
+  Example:
+    >>> check_selection("top")
+    Traceback (most recent call last):
+    ValueError: unknown selection 'top'; choose one of 'auto', 'exact', 'threshold', 'approx'
+  """
+  if name not in SELECTION_NAMES:
+    raise ValueError(f"unknown selection {name!r}; choose one of "
+                     f"{', '.join(repr(n) for n in SELECTION_NAMES)}")
+
+
 def sparse_count(length: int, density: float) -> int:
   """Returns ``k``, the number of entries sent from ``length`` at ``density``.
 

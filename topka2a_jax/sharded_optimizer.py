@@ -38,7 +38,7 @@ import functools
 import itertools
 import math
 from collections.abc import Hashable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -60,15 +60,14 @@ from topka2a_jax.axis import (
 from topka2a_jax.fusion import step_model
 from topka2a_jax.nonfinite import NONFINITE, applied_or_skipped, step_is_bad
 from topka2a_jax.options import Options
+from topka2a_jax.states import ShardedOptimizerState, TopKA2AState
 from topka2a_jax.transform import (
     PARAM_SPECS,
-    TopKA2AState,
     check_per_device,
     flatten,
     given_specs,
     holds_exchange,
     init_state,
-    laid_out_for,
     layout_mesh,
     matching_residuals,
     shard_specs,
@@ -85,21 +84,6 @@ NOT_ELEMENT_WISE = (
     "lbfgs", "scale_by_polyak", "polyak_sgd", "per_example_global_norm_clip",
 )
 """optax transforms whose update of an entry reads other entries."""
-
-
-class ShardedOptimizerState(NamedTuple):
-  """State of :func:`sharded_optimizer`.
-
-  Attributes:
-    exchange: the exchange's :class:`topka2a_jax.TopKA2AState` (residuals
-      per device, counts replicated).
-    inner: the inner transform's state for this device's shards, every leaf
-      per device: as global arrays, shape ``(P, *shard_shape)`` split along
-      dimension 0 by the data axis.
-  """
-
-  exchange: TopKA2AState
-  inner: optax.OptState
 
 
 def _closure_names(fn: Any, seen: set[int]) -> set[str]:
@@ -276,9 +260,9 @@ def _init_inner(opts: Options, inner: optax.GradientTransformation,
   shards = [jax.ShapeDtypeStruct(_present_shape(shard_length(
       math.prod(layout.local_shape(leaf.shape, spec, others)), num_devices),
       leaf.ndim), leaf.dtype) for leaf, spec in zip(leaves, specs)]
-  with laid_out_for(mesh):  # an exchange inside is refused, not asked for a mesh
+  with layout.laid_out_for(mesh):  # an exchange inside is refused, not asked for a mesh
     local = _without_exchange(jax.eval_shape(inner.init, treedef.unflatten(shards)))
-  out_specs = inner_specs(
+  out_specs = layout.inner_specs(
       jax.tree.map(lambda x: jax.ShapeDtypeStruct((1, *x.shape), x.dtype), local),
       treedef, specs, opts.axis_name)
   make = jax.jit(jax.shard_map(
@@ -380,43 +364,6 @@ def owner_phase(opts: Options, grads: Sequence[jax.Array], residuals: Sequence[A
   return shards, new
 
 
-def inner_specs(inner_state: Any, treedef: Any, leaf_specs: Sequence[P],
-                first: Hashable | None) -> Any:
-  """The spec of every leaf of the inner state, one block per data index.
-
-  A part shaped like the parameters (Adam's moments) holds, for each
-  parameter, its shards as ``(devices, 1, ..., 1, entries)``; where the
-  parameter is split over other mesh axes, each of their devices holds the
-  shards of its own piece, side by side along the last dimension.
-
-  Args:
-    inner_state: the inner state (arrays or shapes), every leaf per device.
-    treedef: the parameters' structure.
-    leaf_specs: each parameter's spec over the other mesh axes.
-    first: the spec entry of dimension 0: the data axis, or None inside a
-      shard_map already manual over it.
-
-  Returns:
-    A pytree of ``PartitionSpec`` with the inner state's structure.
-  """
-  def param_spec(leaf: Any, spec: P) -> P:
-    axes = layout.spec_axes(spec)
-    if not axes or leaf.ndim < 2:
-      return P(first)
-    return P(first, *[None] * (leaf.ndim - 2), axes[0] if len(axes) == 1 else axes)
-
-  def shaped_like_params(node: Any) -> bool:
-    return jax.tree.structure(node) == treedef and treedef.num_leaves > 0
-
-  def spec_for(node: Any) -> Any:
-    if shaped_like_params(node):
-      return treedef.unflatten([param_spec(leaf, spec) for leaf, spec in
-                                zip(treedef.flatten_up_to(node), leaf_specs)])
-    return P(first)
-
-  return jax.tree.map(spec_for, inner_state, is_leaf=shaped_like_params)
-
-
 def _step(opts: Options, inner: optax.GradientTransformation, treedef: Any,
           grads: list, residuals: list, param_leaves: list | None, count: jax.Array,
           nonfinite: jax.Array, inner_state: Any, bad: jax.Array | None):
@@ -469,7 +416,7 @@ def _update(opts: Options, inner: optax.GradientTransformation, updates: Any,
   others = layout.automatic_axes(jax.sharding.get_abstract_mesh(), opts.axis_name)
   if others:  # each device on its piece of every parameter, as topka2a does
     specs = shard_specs(grads, given_specs(treedef, given), others)
-    inner_in = inner_specs(state.inner, treedef, specs, None)
+    inner_in = layout.inner_specs(state.inner, treedef, specs, None)
     step = jax.shard_map(
         step, mesh=jax.sharding.get_abstract_mesh(), axis_names=set(others),
         in_specs=(specs, specs, specs, P(), P(), inner_in, P()),

@@ -37,13 +37,11 @@ References:
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
 import sys
-from collections.abc import Hashable, Iterator, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +67,7 @@ from topka2a_jax.options import (
   DEFAULT_SELECTION,
   Options,
 )
+from topka2a_jax.states import TopKA2AState
 
 PARAM_SPECS = "topka2a_param_specs"
 """Extra argument of the update: the parameters' ``PartitionSpec`` pytree.
@@ -85,33 +84,6 @@ compiled gradient (:mod:`topka2a_jax.compute`); an explicit
 ``backward_seconds=`` option wins over it."""
 
 
-class TopKA2AState(NamedTuple):
-  """State of :func:`topka2a`.
-
-  Attributes:
-    residuals: per device, not replicated. Mirrors the gradient pytree: for
-      every sparsified leaf, what this device has not sent yet, shaped like
-      its shard of the leaf (``(1,)`` for a scalar), float32 (float64 for
-      float64 leaves); ``optax.MaskedNode()`` for leaves that go dense, and
-      for all leaves when ``error_feedback=False``. Over a pair of data axes,
-      only this device's slice of its shard, 1-D. As global arrays: one
-      block per data index along dimension 0 (:mod:`topka2a_jax.layout`).
-    count: steps applied so far (int32, replicated); skipped steps do not
-      count. ``warmup_steps`` compares against it.
-    nonfinite_steps: steps skipped because some device's gradient held a NaN
-      or an infinity (int32, replicated).
-    factors: ``algorithm="powersgd"`` only (else None): mirrors the gradient
-      pytree, each low-rank leaf's ``Q`` (``(n, rank)`` float32, replicated,
-      warm-starting the next step; :mod:`topka2a_jax.low_rank`), and
-      ``optax.MaskedNode()`` for the leaves that go dense.
-  """
-
-  residuals: optax.Updates
-  count: jax.Array
-  nonfinite_steps: jax.Array
-  factors: optax.Updates = None
-
-
 def holds_exchange(state: Any) -> bool:
   """Whether an optimizer state holds a :class:`TopKA2AState` anywhere.
 
@@ -121,23 +93,6 @@ def holds_exchange(state: Any) -> bool:
   """
   is_exchange = lambda node: isinstance(node, TopKA2AState)
   return any(map(is_exchange, jax.tree.leaves(state, is_leaf=is_exchange)))
-
-
-_LAYOUT_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar(
-    "topka2a_layout_mesh", default=None)
-
-
-@contextlib.contextmanager
-def laid_out_for(mesh: Mesh) -> Iterator[None]:
-  """Within, ``init`` of every :func:`topka2a` lays its state out for ``mesh``.
-
-  For transforms built without ``mesh=`` (:func:`topka2a_jax.init` uses it).
-  """
-  token = _LAYOUT_MESH.set(mesh)
-  try:
-    yield
-  finally:
-    _LAYOUT_MESH.reset(token)
 
 
 def topka2a(
@@ -310,7 +265,7 @@ def _check_floating(leaves: Sequence[Any], paths: Sequence[str], what: str) -> N
 
 def layout_mesh(options: Options, leaves: Sequence[Any]) -> Mesh | None:
   """The mesh to lay a fresh state out for, if the call is outside shard_map."""
-  for mesh in (options.mesh, _LAYOUT_MESH.get()):
+  for mesh in (options.mesh, layout.mesh_laid_out_for()):
     if mesh is not None:
       return mesh
   for leaf in leaves:

@@ -47,7 +47,7 @@ References:
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -67,31 +67,15 @@ from topka2a_jax.axis import (
 )
 from topka2a_jax.nonfinite import NONFINITE, applied_or_skipped, step_is_bad
 from topka2a_jax.options import Options
+from topka2a_jax.states import CompressedUpdatesState
 from topka2a_jax.transform import (
-    TopKA2AState,
     check_per_device,
     flatten,
     holds_exchange,
     init_state,
-    laid_out_for,
     layout_mesh,
     update_state,
 )
-
-
-class CompressedUpdatesState(NamedTuple):
-  """State of :func:`compress_updates`.
-
-  Attributes:
-    exchange: the exchange's :class:`topka2a_jax.TopKA2AState`: residuals of
-      the updates per device, counts replicated.
-    inner: the inner optimizer's state, one copy per device: as global
-      arrays, every leaf ``(P, *shape)`` split along dimension 0 by the data
-      axis (and like its parameter over other mesh axes).
-  """
-
-  exchange: TopKA2AState
-  inner: optax.OptState
 
 
 def compress_updates(
@@ -172,45 +156,6 @@ def _per_device(state: Any, axis_name: Hashable) -> Any:
   return jax.tree.map(lambda x: as_varying(x, axis_name)[None], state)
 
 
-def replica_specs(inner_state: Any, axis_name: Hashable, params_structure: Any = None,
-                  param_specs: Any = None) -> Any:
-  """The ``PartitionSpec`` of every leaf of the per-device ``inner`` state.
-
-  Dimension 0 holds one copy per data index; a part shaped like the
-  parameters (Adam's moments) is split like them after it.
-
-  Args:
-    inner_state: the state, arrays or shapes, every leaf ``(P, *shape)``.
-    axis_name: the data axis, or a pair of them; None inside a shard_map
-      already manual over it.
-    params_structure: the parameters' pytree structure, with ``param_specs``.
-    param_specs: one ``PartitionSpec`` per parameter leaf, or None.
-
-  Returns:
-    A pytree of ``PartitionSpec`` with ``inner_state``'s structure.
-
-  Example:
-    >>> state = {"mu": jnp.zeros((8, 4, 6)), "count": jnp.zeros(8)}
-    >>> replica_specs(state, "data")
-    {'count': P('data',), 'mu': P('data',)}
-  """
-  first = None if axis_name is None else layout.residual_spec(axis_name)[0]
-  if param_specs is None:
-    return jax.tree.map(lambda _: P(first), inner_state)
-  spec_leaves = list(param_specs)
-
-  def shaped_like_params(node: Any) -> bool:
-    return (params_structure.num_leaves > 0
-            and jax.tree.structure(node) == params_structure)
-
-  def spec_for(node: Any) -> Any:
-    if shaped_like_params(node):
-      return params_structure.unflatten([P(first, *(spec or ())) for spec in spec_leaves])
-    return P(first)
-
-  return jax.tree.map(spec_for, inner_state, is_leaf=shaped_like_params)
-
-
 def _init_inner(opts: Options, inner: optax.GradientTransformation,
                 params: optax.Params) -> Any:
   """``inner``'s state: per device inside shard_map, else global arrays on the mesh."""
@@ -222,11 +167,11 @@ def _init_inner(opts: Options, inner: optax.GradientTransformation,
   specs = [layout.restrict_spec(layout.param_spec_of(leaf, mesh), leaf.shape, others)
            for leaf in leaves]
   devices = mesh_axis_size(mesh, opts.axis_name)
-  with laid_out_for(mesh):  # an exchange inside is refused, not asked for a mesh
+  with layout.laid_out_for(mesh):  # an exchange inside is refused, not asked for a mesh
     one = _checked(inner.init(params))
   shardings = jax.tree.map(
       lambda spec: NamedSharding(mesh, spec),
-      replica_specs(one, opts.axis_name, treedef, specs),
+      layout.replica_specs(one, opts.axis_name, treedef, specs),
       is_leaf=lambda node: isinstance(node, P))
 
   def copies(state: Any) -> Any:
