@@ -78,7 +78,7 @@ def check_chain(opt_state: Any, *, require_exchange: bool = False) -> None:
 
   Args:
     opt_state: the chain's state (arrays or shapes).
-    require_exchange: also refuse a state with no :class:`TopKA2AState`.
+    require_exchange: also refuse a state with no :class:`topka2a_jax.TopKA2AState`.
 
   Raises:
     ValueError: per-parameter state before the exchange, gradient

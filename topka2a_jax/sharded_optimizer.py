@@ -18,7 +18,7 @@ Every leaf that keeps a residual is its own TopKA2A bucket (so its owned
 shard is its own slice); the others go through one dense reduce-scatter.
 Where the parameters are split over other mesh axes (a ``("data", "model")``
 mesh), each device shards its own piece of them, as
-:func:`topka2a_jax.topka2a` keeps residuals for its piece (:func:`inner_specs`).
+:func:`topka2a_jax.topka2a` keeps residuals for its piece (:func:`topka2a_jax.layout.inner_specs`).
 
 Only element-wise inner transforms give the same updates as the plain chain;
 those that reduce over a leaf or over all of them (global-norm clipping,
@@ -156,7 +156,7 @@ def sharded_optimizer(
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state
-    :class:`ShardedOptimizerState`; its updates are ``inner``'s, whole and
+    :class:`topka2a_jax.ShardedOptimizerState`; its updates are ``inner``'s, whole and
     identical on every device.
 
   Raises:

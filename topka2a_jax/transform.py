@@ -85,7 +85,7 @@ compiled gradient (:mod:`topka2a_jax.compute`); an explicit
 
 
 def holds_exchange(state: Any) -> bool:
-  """Whether an optimizer state holds a :class:`TopKA2AState` anywhere.
+  """Whether an optimizer state holds a :class:`topka2a_jax.TopKA2AState` anywhere.
 
   Example:
     >>> holds_exchange(optax.adam(1e-3).init({"w": jnp.zeros(2)}))
@@ -195,7 +195,7 @@ def topka2a(
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state
-    :class:`TopKA2AState`.
+    :class:`topka2a_jax.TopKA2AState`.
 
   Raises:
     ValueError, TypeError: at construction for a bad argument; when tracing

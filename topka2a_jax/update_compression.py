@@ -19,7 +19,7 @@ exchange after the optimizer instead:
 So each entry's step keeps the scale the optimizer gave it, whenever it
 arrives. ``inner``'s state differs from device to device: it is laid out per
 device, one copy per data index along a new leading dimension
-(:class:`CompressedUpdatesState`). Restored onto another number of devices
+(:class:`topka2a_jax.CompressedUpdatesState`). Restored onto another number of devices
 (:func:`topka2a_jax.restore`), every new device starts from the mean of the
 saved copies, and the residuals keep their sum.
 
@@ -120,7 +120,7 @@ def compress_updates(
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state
-    :class:`CompressedUpdatesState`.
+    :class:`topka2a_jax.CompressedUpdatesState`.
 
   Raises:
     ValueError, TypeError: a bad option (as :func:`topka2a_jax.topka2a`); at
