@@ -256,8 +256,11 @@ def to_owners(
                             tiled=True)
   from_values, from_indices = fmt.decode(received, buffer.dtype)
   owned = _scatter_add_rows(layout.shard_length, from_indices, from_values)
-  owners = jnp.arange(num_devices)[:, None]
-  unsent = shards.at[owners, indices].add(-values, unique_indices=True)
+  # One scatter at flat positions: in place, where a scatter over (row,
+  # column) pairs copies the whole buffer first on XLA's CPU backend.
+  flat = indices + layout.shard_length * jnp.arange(num_devices)[:, None]
+  unsent = shards.reshape(-1).at[flat.ravel()].add(
+      -values.ravel(), unique_indices=True).reshape(shards.shape)
   return layout, fmt, owned, unsent
 
 
@@ -268,8 +271,9 @@ def add_to_own_row(rows: jax.Array, axis_name: Hashable, row: jax.Array) -> jax.
   residual. A select over all rows rather than an update at the device's
   dynamic index, which XLA's CPU backend ran as a separate, slower pass.
   """
-  mine = jnp.arange(rows.shape[0])[:, None] == lax.axis_index(axis_name)
-  return rows + jnp.where(mine, row[None], 0)
+  width = rows.shape[1]
+  positions = lax.axis_index(axis_name) * width + jnp.arange(width)
+  return rows.reshape(-1).at[positions].add(row, unique_indices=True).reshape(rows.shape)
 
 
 def topka2a(

@@ -19,8 +19,9 @@ once; everything after that works on arrays a fraction of its size:
    and ``2 k`` do (should the sample mislead, counting passes bisect until
    they do), and the keys at or above it are compacted, in position order,
    into ``2 k`` candidate slots. Where ties leave more keys at the bound
-   than slots (a background of exact zeros), the keys above the tie go
-   first.
+   than slots (a background of exact zeros), the first slots' worth in
+   position order are taken, and the check of step 5 sorts the row exactly
+   if that left a larger entry out.
 3. **Threshold.** Counting passes over the candidates, cheap at that size,
    narrow a bracket ``[lo, hi)`` so that at most ``k`` candidates reach
    ``hi`` and at least ``k`` reach ``lo``.
@@ -255,24 +256,17 @@ def _candidates(group_max: jax.Array, k: int,
   return lo, hi, count, words
 
 
-def _candidate_groups(group_max: jax.Array, words: jax.Array, lo: jax.Array,
-                      hi: jax.Array, count: jax.Array, slots: int) -> jax.Array:
-  """The ``slots`` candidate groups: every key reaching ``lo``, in position order.
+def _candidate_groups(words: jax.Array, slots: int) -> jax.Array:
+  """The first ``slots`` group keys the bound lets through, in position order.
 
-  Where ties at ``lo`` leave more than ``slots`` keys (a background of equal
-  magnitudes, exact zeros above all: embedding rows absent from the batch,
-  dead units, masked parameters), the keys reaching ``hi`` come first and the
-  tied band fills the slots left, so that no key above the tie is crowded
-  out by position.
+  Where ties at the bound let more than ``slots`` keys through (a background
+  of equal magnitudes, exact zeros above all: embedding rows absent from the
+  batch, dead units, masked parameters), keys above the tie that come late
+  in the row may be crowded out; the check of :func:`_falls_short` then
+  finds the selection short (a nonzero entry left out while zeros are
+  selected, or mass missing) and the row sorts exactly.
   """
-  def ranked():
-    above = _at_least(group_max, hi)
-    picked = _first_set(_pack(jnp.concatenate(
-        [above, _at_least(group_max, lo) - above], axis=1)), slots)
-    groups = group_max.shape[1]
-    return jnp.where(picked >= groups, picked - groups, picked)
-
-  return lax.cond(jnp.all(count <= slots), lambda: _first_set(words, slots), ranked)
+  return _first_set(words, slots)
 
 
 def _group_size(length: int, smallest: int) -> int:
@@ -318,9 +312,9 @@ def threshold_magnitudes(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array]
   group_max = _group_keys(rows, groups, per_group)
 
   slots = -(-min(CANDIDATES_PER_ENTRY * k, groups) // 32) * 32
-  bound, bound_hi, reached, words = _candidates(group_max, k, slots)
+  bound, _, reached, words = _candidates(group_max, k, slots)
   # Group ids, valid up to `reached`.
-  candidate = _candidate_groups(group_max, words, bound, bound_hi, reached, slots)
+  candidate = _candidate_groups(words, slots)
   keys = jnp.where(jnp.arange(slots) < reached[:, None],
                    jnp.take_along_axis(group_max, jnp.clip(candidate, 0, groups - 1),
                                        axis=1), -1)
