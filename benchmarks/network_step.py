@@ -13,12 +13,13 @@ same leaves:
 Every leaf's gradient has its own scale (a 20x spread, as real models'
 layers do). Rows, for each gradient:
 
-- ``dense``: ``lax.pmean`` of every leaf;
+- ``dense``: ``lax.pmean`` of every leaf, applied to the parameters;
 - ``defaults, state dropped``: ``topka2a(density)``'s update, only the means
   returned, so XLA may drop the residual's computation (what a benchmark
   that forgets the state measures);
-- ``defaults``: the same update returning its new state, donated and
-  carried into the next call, as a training step does;
+- ``defaults``: the same update applied to the parameters, which are
+  donated and carried into the next call with the new state, as a training
+  step does;
 - ``dense + adam`` and ``compress_updates``: a step's whole optimizer, dense
   ``pmean`` then Adam against ``compress_updates(optax.adam(...), density)``,
   both with their state kept.
@@ -77,7 +78,13 @@ def _timed(run, repeats: int, name: str) -> float:
 
 
 def _runs(mesh, shapes, density: float) -> dict:
-  """Row name -> a zero-argument callable doing one update, its state carried."""
+  """Row name -> a zero-argument callable doing one step's update, as a step does.
+
+  Every run but the first contrast returns the parameters with the update
+  applied and its optimizer state, both donated and carried into the next
+  call: what a training step keeps, so XLA can drop nothing a step pays for
+  and the donated buffers are reused the way a step reuses them.
+  """
   import jax
   import numpy as np
   import optax
@@ -98,61 +105,47 @@ def _runs(mesh, shapes, density: float) -> dict:
 
   grads = [gradient(shape, scale, 1000 * i) for i, (shape, scale)
            in enumerate(zip(shapes, scales))]
-  params = jax.device_put([np.zeros(shape, np.float32) for shape in shapes],
-                          NamedSharding(mesh, P()))
+  replicated = NamedSharding(mesh, P())
+  fresh_params = lambda: jax.device_put(
+      [np.zeros(shape, np.float32) for shape in shapes], replicated)
   first = lambda g: [x[0] for x in g]
-  runs = {}
 
-  dense = jax.jit(jax.shard_map(lambda g: [lax.pmean(x, "data") for x in first(g)],
-                                mesh=mesh, in_specs=(P("data"),), out_specs=P()))
-  runs["dense"] = lambda: dense(grads)
+  def carried(tx, mean=None):
+    """One jitted step: updates of ``tx`` (after ``mean`` of the gradients) applied.
 
-  def carried(tx, with_params: bool):
-    """A jitted update whose state is donated and kept, like a training step's."""
-    state = [topka2a_jax.init(tx, params, mesh)]
-    specs = topka2a_jax.state_specs(state[0])
-    update = jax.jit(jax.shard_map(
-        lambda g, s, p: tx.update(first(g), s, p if with_params else None),
-        mesh=mesh, in_specs=(P("data"), specs, P()), out_specs=(P(), specs)),
-        donate_argnums=1)
+    The parameters and the state are donated and carried into the next call.
+    """
+    params = fresh_params()
+    carry = [params, tx.init(params) if mean else topka2a_jax.init(tx, params, mesh)]
+    specs = P() if mean else topka2a_jax.state_specs(carry[1])
+
+    def body(g, params, state):
+      g = first(g)
+      updates, state = tx.update(mean(g) if mean else g, state, params)
+      return optax.apply_updates(params, updates), state
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P(), specs),
+                                 out_specs=(P(), specs)), donate_argnums=(1, 2))
 
     def run():
-      means, state[0] = update(grads, state[0], params)
-      return means, state[0]
+      carry[:] = step(grads, *carry)
+      return carry
     return run
 
+  pmean = lambda g: [lax.pmean(x, "data") for x in g]
   defaults = topka2a_jax.topka2a(density, mesh=mesh)
-  dropped_state = topka2a_jax.init(defaults, params, mesh)
+  dropped_state = topka2a_jax.init(defaults, fresh_params(), mesh)
   dropped = jax.jit(jax.shard_map(
       lambda g, s: defaults.update(first(g), s)[0], mesh=mesh,
       in_specs=(P("data"), topka2a_jax.state_specs(dropped_state)), out_specs=P()))
-  runs["defaults, state dropped"] = lambda: dropped(grads, dropped_state)
-  runs["defaults"] = carried(defaults, with_params=False)
-  runs["dense + adam"] = _dense_adam(mesh, grads, params)
-  runs["compress_updates"] = carried(
-      topka2a_jax.compress_updates(optax.adam(1e-3), density, mesh=mesh),
-      with_params=True)
-  return runs
-
-
-def _dense_adam(mesh, grads, params):
-  """``pmean`` of every leaf, then Adam, its state donated and kept."""
-  import jax
-  import optax
-  from jax import lax
-  from jax.sharding import PartitionSpec as P
-
-  adam = optax.adam(1e-3)
-  state = [adam.init(params)]
-  update = jax.jit(jax.shard_map(
-      lambda g, s, p: adam.update([lax.pmean(x[0], "data") for x in g], s, p),
-      mesh=mesh, in_specs=(P("data"), P(), P()), out_specs=(P(), P())),
-      donate_argnums=1)
-
-  def run():
-    updates, state[0] = update(grads, state[0], params)
-    return updates, state[0]
-  return run
+  return {
+      "dense": carried(optax.identity(), mean=pmean),
+      "defaults, state dropped": lambda: dropped(grads, dropped_state),
+      "defaults": carried(defaults),
+      "dense + adam": carried(optax.adam(1e-3), mean=pmean),
+      "compress_updates": carried(
+          topka2a_jax.compress_updates(optax.adam(1e-3), density, mesh=mesh)),
+  }
 
 
 def worker(args: argparse.Namespace) -> None:
