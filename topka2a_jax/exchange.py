@@ -296,6 +296,29 @@ def _applied(options: Options, grads: list, residuals: list,
   return means, new, count + 1
 
 
+def _applied_on_zeros_if_bad(options: Options, bad: jax.Array, grads: list,
+                             residuals: list, count: jax.Array
+                             ) -> tuple[list, list, jax.Array]:
+  """:func:`_applied`, or a skipped step where ``bad``, without a branch.
+
+  On a bad step every device exchanges zeros in place of its gradient and
+  residual, so the means are zero and nothing is left unsent, and its
+  residuals are added back afterwards; the count stays. The selection and
+  the collectives run either way. A ``lax.cond`` between the two steps
+  would keep each branch's outputs apart and copy every residual out of it
+  on every step, a full pass over the model that this avoids.
+  """
+  zero_if_bad = lambda x: jnp.where(bad, jnp.zeros_like(x), x)
+  kept = lambda r: not isinstance(r, optax.MaskedNode)
+  means, unsent = dense_while_warming_up(
+      options, count, functools.partial(exchange, options),
+      [zero_if_bad(g) for g in grads],
+      [zero_if_bad(r) if kept(r) else r for r in residuals])
+  new = [u + jnp.where(bad, r, jnp.zeros_like(r)) if kept(r) else u
+         for u, r in zip(unsent, residuals)]
+  return means, new, count + jnp.where(bad, 0, 1).astype(count.dtype)
+
+
 def _skipped(options: Options, grads: list, residuals: list,
              count: jax.Array) -> tuple[list, list, jax.Array]:
   """Zero updates; residuals and count as they were."""
@@ -324,9 +347,13 @@ def step(options: Options, grads: list, residuals: list, count: jax.Array,
     ``(means, residuals, count, nonfinite_steps)`` after the step.
   """
   bad = step_is_bad(bad, grads, options.axis_name, options.skip_nonfinite)
-  means, new, new_count = applied_or_skipped(
-      bad, functools.partial(_applied, options), functools.partial(_skipped, options),
-      grads, residuals, count)
+  if bad is not None and not options.is_low_rank:
+    means, new, new_count = _applied_on_zeros_if_bad(options, bad, grads, residuals,
+                                                     count)
+  else:  # PowerSGD's factors move on zeros too: its skipped step is a branch
+    means, new, new_count = applied_or_skipped(
+        bad, functools.partial(_applied, options), functools.partial(_skipped, options),
+        grads, residuals, count)
   if bad is None:
     return means, new, new_count, nonfinite_steps
   if all(wire_limit(options, [g.dtype]) is None for g in grads):
