@@ -628,3 +628,31 @@ def test_a_nonfinite_gradient_on_one_device_skips_the_step_on_every_node(mesh):
   np.testing.assert_array_equal(second.residuals["w"], first.residuals["w"])
   assert int(second.nonfinite_steps) == 1 and int(second.count) == 1
   assert np.abs(np.asarray(first.residuals["w"])).sum() > 0
+
+
+@pytest.mark.parametrize("links", [("eth10", "nvlink"), SLOW_INSIDE],
+                         ids=["two-level", "flat"])
+@pytest.mark.parametrize("warmup_steps", [0, 2])
+def test_a_bad_step_over_a_pair_is_as_if_it_never_came(mesh, links, warmup_steps):
+  """A NaN on one device, in the dense warm-up or after it: zero updates, every
+  device's residual slice kept, and the steps after it as in a run without it."""
+  rng = np.random.default_rng(12)
+  grads = [{"w": rng.normal(size=(NODES * LOCAL, 64, 50)).astype(np.float32)}
+           for _ in range(3)]
+  bad = {"w": rng.normal(size=(NODES * LOCAL, 64, 50)).astype(np.float32)}
+  bad["w"][5, 3, 7] = np.nan
+  tx = topka2a_jax.topka2a(0.05, axis_name=AXES, min_size=0, network=links,
+                           warmup_steps=warmup_steps)
+  clean = _transform_steps(mesh, tx, grads)
+  dirty = _transform_steps(mesh, tx, [grads[0], bad, *grads[1:]])
+  (_, before), (skipped, during) = dirty[:2]
+  assert not skipped["w"].any()
+  np.testing.assert_array_equal(np.asarray(during.residuals["w"]),
+                                np.asarray(before.residuals["w"]))
+  assert (int(during.count), int(during.nonfinite_steps)) == (1, 1)
+  for (want, want_state), (got, got_state) in zip(clean[1:], dirty[2:]):
+    np.testing.assert_array_equal(got["w"], want["w"])
+    np.testing.assert_array_equal(np.asarray(got_state.residuals["w"]),
+                                  np.asarray(want_state.residuals["w"]))
+  if warmup_steps == 0:  # the kept residual was not trivially zero
+    assert np.abs(np.asarray(before.residuals["w"])).max() > 0

@@ -142,6 +142,11 @@ def _check_buffer(buffer: jax.Array) -> None:
     raise TypeError(f"expected a floating buffer, got dtype {buffer.dtype}")
 
 
+def _gated(values: jax.Array, send: jax.Array | None) -> jax.Array:
+  """``values``, or zeros where ``send`` is False (a skipped step sends nothing)."""
+  return values if send is None else jnp.where(send, values, jnp.zeros_like(values))
+
+
 def _scatter_add_rows(
     length: int, indices: jax.Array, values: jax.Array
 ) -> jax.Array:
@@ -162,6 +167,7 @@ def _scatter_add_rows(
 def dense(
     buffer: jax.Array, axis_name: Hashable, density: float, *,
     value_dtype: jnp.dtype | None = None, selection: str = "exact",
+    send: jax.Array | None = None,
 ) -> Exchange:
   """The dense mean, ``lax.pmean``; sends everything, so nothing is unsent.
 
@@ -172,6 +178,9 @@ def dense(
     value_dtype: ignored: an all-reduce adds in transit, so it runs in the
       buffer's dtype.
     selection: ignored; nothing is selected.
+    send: a boolean scalar, the same on every device, or None (True). False
+      sends nothing: the mean is zero and the whole buffer stays unsent (a
+      skipped step).
 
   Returns:
     The :class:`Exchange`.
@@ -187,12 +196,17 @@ def dense(
   del density, value_dtype, selection
   _check_buffer(buffer)
   bound_axis_size(axis_name)
-  return Exchange(lax.pmean(buffer, axis_name), jnp.zeros_like(buffer))
+  if send is None:
+    return Exchange(lax.pmean(buffer, axis_name), jnp.zeros_like(buffer))
+  zeros = jnp.zeros_like(buffer)
+  return Exchange(lax.pmean(jnp.where(send, buffer, zeros), axis_name),
+                  jnp.where(send, zeros, buffer))
 
 
 def allgather(
     buffer: jax.Array, axis_name: Hashable, density: float, *,
     value_dtype: jnp.dtype | None = None, selection: str = "exact",
+    send: jax.Array | None = None,
 ) -> Exchange:
   """TopkA: all-gather every device's top-k pairs and sum them everywhere.
 
@@ -208,6 +222,7 @@ def allgather(
     value_dtype: dtype of the values on the wire; None sends them as they are.
     selection: a key of :data:`SELECTIONS` (``"auto"``, ``"exact"``,
       ``"threshold"`` or ``"approx"``).
+    send: as in :func:`dense`: False sends nothing.
 
   Returns:
     The :class:`Exchange`.
@@ -225,7 +240,7 @@ def allgather(
   fmt = WireFormat.create(value_dtype, length, buffer.dtype)
   select = get_selection(selection)
   values, indices = select(buffer[None], sparse_count(length, density))
-  values = fmt.rounded(values)
+  values = _gated(fmt.rounded(values), send)
   gathered = lax.all_gather(fmt.encode(values, indices), axis_name, tiled=True,
                             to="invarying")
   all_values, all_indices = fmt.decode(gathered, buffer.dtype)
@@ -236,9 +251,12 @@ def allgather(
 
 def to_owners(
     buffer: jax.Array, axis_name: Hashable, density: float,
-    value_dtype: jnp.dtype | None, select: Selection,
+    value_dtype: jnp.dtype | None, select: Selection, send: jax.Array | None = None,
 ) -> tuple[ShardLayout, WireFormat, jax.Array, jax.Array]:
   """TopKA2A's first phase: shard-wise top-k, one AlltoAll, sum at the owner.
+
+  ``send=False`` sends zeros: every owned shard sums to zero and the whole
+  buffer stays unsent.
 
   Returns:
     ``(layout, wire format, owned, unsent)``: this device's summed shard
@@ -251,7 +269,7 @@ def to_owners(
   shards = jnp.pad(buffer, (0, layout.padded_length - layout.length)).reshape(
       num_devices, layout.shard_length)
   values, indices = select(shards, layout.per_shard)
-  values = fmt.rounded(values)
+  values = _gated(fmt.rounded(values), send)
   received = lax.all_to_all(fmt.encode(values, indices), axis_name, 0, 0,
                             tiled=True)
   from_values, from_indices = fmt.decode(received, buffer.dtype)
@@ -268,17 +286,15 @@ def add_to_own_row(rows: jax.Array, axis_name: Hashable, row: jax.Array) -> jax.
   """``rows`` with ``row`` added to row ``i``, for device ``i`` of the axis.
 
   Used for an owner's shard-sized leftover, and for a device's slice of a
-  residual. A select over all rows rather than an update at the device's
-  dynamic index, which XLA's CPU backend ran as a separate, slower pass.
+  residual: one update of a row at a dynamic index, in place.
   """
-  width = rows.shape[1]
-  positions = lax.axis_index(axis_name) * width + jnp.arange(width)
-  return rows.reshape(-1).at[positions].add(row, unique_indices=True).reshape(rows.shape)
+  return rows.at[lax.axis_index(axis_name)].add(row)
 
 
 def topka2a(
     buffer: jax.Array, axis_name: Hashable, density: float, *,
     value_dtype: jnp.dtype | None = None, selection: str = "exact",
+    send: jax.Array | None = None,
 ) -> Exchange:
   """TopKA2A: shard-wise top-k, AlltoAll to owners, AllGather of the shards.
 
@@ -301,6 +317,7 @@ def topka2a(
     value_dtype: dtype of the values on the wire; None sends them as they are.
     selection: a key of :data:`SELECTIONS` (``"auto"``, ``"exact"``,
       ``"threshold"`` or ``"approx"``).
+    send: as in :func:`dense`: False sends nothing.
 
   Returns:
     The :class:`Exchange`.
@@ -313,7 +330,7 @@ def topka2a(
     Array([1., 1., 1., 1., 1., 1., 1., 1.], dtype=float32)
   """
   layout, fmt, owned, unsent = to_owners(buffer, axis_name, density, value_dtype,
-                                          get_selection(selection))
+                                          get_selection(selection), send)
   shard_mean = owned / layout.num_shards
   if fmt.value_dtype != buffer.dtype:
     sent = fmt.rounded(shard_mean)
@@ -328,6 +345,7 @@ def topka2a(
 def topka2a_sparse(
     buffer: jax.Array, axis_name: Hashable, density: float, *,
     value_dtype: jnp.dtype | None = None, selection: str = "exact",
+    send: jax.Array | None = None,
 ) -> Exchange:
   """TopKA2A with a sparse second phase: O(k) volume, independent of n and P.
 
@@ -344,6 +362,7 @@ def topka2a_sparse(
     value_dtype: dtype of the values on the wire; None sends them as they are.
     selection: a key of :data:`SELECTIONS` (``"auto"``, ``"exact"``,
       ``"threshold"`` or ``"approx"``).
+    send: as in :func:`dense`: False sends nothing.
 
   Returns:
     The :class:`Exchange`.
@@ -357,7 +376,7 @@ def topka2a_sparse(
   """
   select = get_selection(selection)
   layout, fmt, owned, unsent = to_owners(buffer, axis_name, density, value_dtype,
-                                          select)
+                                          select, send)
   values, indices = select(owned[None], layout.per_shard)
   values = fmt.rounded(values)
   unsent = add_to_own_row(
@@ -383,7 +402,7 @@ COLLECTIVES: dict[str, Collective] = {
 def two_level(
     buffer: jax.Array, axis_name: tuple[Hashable, Hashable], density: float, *,
     value_dtype: jnp.dtype | None = None, selection: str = "exact",
-    outer: Callable[..., Exchange] = topka2a,
+    outer: Callable[..., Exchange] = topka2a, send: jax.Array | None = None,
 ) -> Exchange:
   """Dense inside a node, sparse between nodes: reduce-scatter, exchange, all-gather.
 
@@ -413,6 +432,8 @@ def two_level(
     selection: a key of :data:`SELECTIONS`.
     outer: the exchange over the outer axis: :func:`topka2a` (the default),
       :func:`topka2a_sparse`, :func:`allgather` or :func:`dense`.
+    send: as in :func:`dense`, for the exchange between nodes: False makes
+      the mean zero and leaves each device its slice of its node's sum.
 
   Returns:
     The :class:`Exchange`: the mean over both axes (``n`` entries), and what
@@ -441,7 +462,7 @@ def two_level(
   rows = jnp.pad(buffer, (0, per_node * width - length)).reshape(per_node, width)
   node_sum = lax.psum_scatter(rows, inner_axis, scatter_dimension=0, tiled=True)[0]
   result = outer(node_sum, outer_axis, density, value_dtype=value_dtype,
-                 selection=selection)
+                 selection=selection, send=send)
   mean = lax.all_gather(result.mean / per_node, inner_axis, tiled=True, to="invarying")
   return Exchange(mean[:length], result.unsent)
 
@@ -450,5 +471,5 @@ class Collective(Protocol):
   """The signature every exchange shares."""
 
   def __call__(self, buffer: jax.Array, axis_name: Hashable, density: float, *,
-               value_dtype: jnp.dtype | None = None,
-               selection: str = "exact") -> Exchange: ...
+               value_dtype: jnp.dtype | None = None, selection: str = "exact",
+               send: jax.Array | None = None) -> Exchange: ...

@@ -134,7 +134,8 @@ def _split_columns(rows: jax.Array, widths: Sequence[int]) -> list[jax.Array]:
 
 
 def exchange(options: Options, grads: Sequence[jax.Array],
-             residuals: Sequence[Any], sparse: bool) -> tuple[list, list]:
+             residuals: Sequence[Any], sparse: bool,
+             send: jax.Array | None = None) -> tuple[list, list]:
   """Means of ``grads + residuals`` over the axis, and the new residuals.
 
   Over a pair of data axes with ``L`` devices per node, every residual is
@@ -155,6 +156,9 @@ def exchange(options: Options, grads: Sequence[jax.Array],
       ``optax.MaskedNode()`` where it keeps none; for a leaf that goes low
       rank, a :class:`topka2a_jax.low_rank.Carry`.
     sparse: False sends every bucket dense (warm-up): nothing stays behind.
+    send: a boolean scalar, the same on every device, or None (True). False
+      sends nothing (a skipped step): the means are zero and every residual
+      comes back as ``grads + residuals``.
 
   Returns:
     ``(means, new residuals)``, leaf by leaf; the means are invariant along
@@ -178,10 +182,13 @@ def exchange(options: Options, grads: Sequence[jax.Array],
     limit = wire_limit(options, [grads[i].dtype for i in members])
     excess = [None] * len(rows)
     if algorithm.sparse and per_node == 1 and limit is not None:
+      if send is not None:  # nothing is sent: nothing to clip, nothing to round
+        limit = jnp.where(send, limit, jnp.inf)
       clipped = [jnp.clip(r, -limit, limit) for r in rows]
       excess = [r - c for r, c in zip(rows, clipped)]
       rows = clipped
-    options_kw = {"value_dtype": options.value_dtype, "selection": options.selection}
+    options_kw = {"value_dtype": options.value_dtype, "selection": options.selection,
+                  "send": send}
     if bucket.route == TWO_LEVEL:
       result = collectives.two_level(
           jnp.concatenate(rows, axis=1).ravel(), options.axis_name, options.density,
@@ -195,7 +202,7 @@ def exchange(options: Options, grads: Sequence[jax.Array],
           options.axis_name, options.density, **options_kw)
       mean_pieces = buckets.unpack(result.mean, sizes)
       unsent = unsent_slices(buckets.unpack(result.unsent, sizes), widths,
-                             per_node, inner_axis, algorithm.sparse and any(keeps))
+                             per_node, inner_axis, algorithm.sparse and any(keeps), send)
     for i, keep, mean, left, over in zip(members, keeps, mean_pieces, unsent, excess):
       means[i] = mean.reshape(grads[i].shape).astype(grads[i].dtype)
       if keep:
@@ -248,23 +255,30 @@ def _exchange_low_rank(options: Options, grads: Sequence[jax.Array],
 
 
 def unsent_slices(unsent: Sequence[jax.Array], widths: Sequence[int],
-                  per_node: int, inner_axis: Hashable,
-                  sparse: bool) -> list[jax.Array]:
+                  per_node: int, inner_axis: Hashable, sparse: bool,
+                  send: jax.Array | None = None) -> list[jax.Array]:
   """What a flat exchange left unsent, as this device's slice of every leaf.
 
   With ``L > 1`` devices per node, the node's unsent entries are summed
   slice by slice onto the devices that keep them: one reduce-scatter over
   the inner axis for the bucket. ``sparse=False`` (a dense exchange, or no
-  residual kept) returns zeros and sends nothing.
+  residual kept) sends nothing more: a dense exchange leaves nothing
+  unsent, unless ``send`` is False (a skipped step), when each device's
+  own slice, its residual, is all it holds.
   """
   if per_node == 1:
     return list(unsent)
+  rows = [jnp.pad(left, (0, per_node * width - left.size)).reshape(per_node, width)
+          for left, width in zip(unsent, widths)]
   if not sparse:
-    return [jnp.zeros((width,), left.dtype) for left, width in zip(unsent, widths)]
-  rows = jnp.concatenate([
-      jnp.pad(left, (0, per_node * width - left.size)).reshape(per_node, width)
-      for left, width in zip(unsent, widths)], axis=1)
-  summed = jax.lax.psum_scatter(rows, inner_axis, scatter_dimension=0, tiled=True)
+    zeros = [jnp.zeros((width,), left.dtype) for left, width in zip(unsent, widths)]
+    if send is None:
+      return zeros
+    own = jax.lax.axis_index(inner_axis)
+    return [jnp.where(send, zero, jax.lax.dynamic_index_in_dim(row, own, keepdims=False))
+            for zero, row in zip(zeros, rows)]
+  summed = jax.lax.psum_scatter(jnp.concatenate(rows, axis=1), inner_axis,
+                                scatter_dimension=0, tiled=True)
   return buckets.unpack(summed[0], widths)
 
 
@@ -296,26 +310,21 @@ def _applied(options: Options, grads: list, residuals: list,
   return means, new, count + 1
 
 
-def _applied_on_zeros_if_bad(options: Options, bad: jax.Array, grads: list,
-                             residuals: list, count: jax.Array
-                             ) -> tuple[list, list, jax.Array]:
+def _applied_or_held(options: Options, bad: jax.Array, grads: list, residuals: list,
+                     count: jax.Array) -> tuple[list, list, jax.Array]:
   """:func:`_applied`, or a skipped step where ``bad``, without a branch.
 
-  On a bad step every device exchanges zeros in place of its gradient and
-  residual, so the means are zero and nothing is left unsent, and its
-  residuals are added back afterwards; the count stays. The selection and
-  the collectives run either way. A ``lax.cond`` between the two steps
-  would keep each branch's outputs apart and copy every residual out of it
-  on every step, a full pass over the model that this avoids.
+  On a bad step every device's gradient counts as zero and the collectives
+  send nothing (``send=False``), so the means are zero and every residual
+  comes back as it was; the count stays. The selection and the collectives
+  run either way. A ``lax.cond`` between the two steps would keep each
+  branch's outputs apart and copy every residual out of it on every step,
+  a full pass over the model that this avoids, and the residuals are
+  updated in place.
   """
-  zero_if_bad = lambda x: jnp.where(bad, jnp.zeros_like(x), x)
-  kept = lambda r: not isinstance(r, optax.MaskedNode)
-  means, unsent = dense_while_warming_up(
-      options, count, functools.partial(exchange, options),
-      [zero_if_bad(g) for g in grads],
-      [zero_if_bad(r) if kept(r) else r for r in residuals])
-  new = [u + jnp.where(bad, r, jnp.zeros_like(r)) if kept(r) else u
-         for u, r in zip(unsent, residuals)]
+  live = [jnp.where(bad, jnp.zeros_like(g), g) for g in grads]
+  run = functools.partial(exchange, options, send=jnp.logical_not(bad))
+  means, new = dense_while_warming_up(options, count, run, live, residuals)
   return means, new, count + jnp.where(bad, 0, 1).astype(count.dtype)
 
 
@@ -348,8 +357,7 @@ def step(options: Options, grads: list, residuals: list, count: jax.Array,
   """
   bad = step_is_bad(bad, grads, options.axis_name, options.skip_nonfinite)
   if bad is not None and not options.is_low_rank:
-    means, new, new_count = _applied_on_zeros_if_bad(options, bad, grads, residuals,
-                                                     count)
+    means, new, new_count = _applied_or_held(options, bad, grads, residuals, count)
   else:  # PowerSGD's factors move on zeros too: its skipped step is a branch
     means, new, new_count = applied_or_skipped(
         bad, functools.partial(_applied, options), functools.partial(_skipped, options),
