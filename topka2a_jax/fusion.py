@@ -257,6 +257,8 @@ class StepModel:
   cluster: Cluster | None = None
   residual_slices: bool = True
   whole_selection: bool = False
+  _seconds: dict[tuple[str, int, str], float] = dataclasses.field(
+      default_factory=dict, init=False, repr=False, compare=False)
 
   def candidates(self, algorithm: str) -> list[str]:
     """The exchanges a bucket labelled ``algorithm`` may take.
@@ -274,7 +276,17 @@ class StepModel:
     return (FLAT,) if self.cluster is None else (FLAT, TWO_LEVEL)
 
   def seconds(self, algorithm: str, size: int, route: str = FLAT) -> float:
-    """Selection plus communication time of one bucket."""
+    """Selection plus communication time of one bucket.
+
+    Remembered per ``(algorithm, size, route)``: the threshold search
+    prices the same buckets under many thresholds.
+    """
+    key = (algorithm, size, route)
+    if key not in self._seconds:
+      self._seconds[key] = self._priced(algorithm, size, route)
+    return self._seconds[key]
+
+  def _priced(self, algorithm: str, size: int, route: str) -> float:
     exchange = REGISTRY[algorithm]
     length, devices = size, self.num_devices
     if self.cluster is None:
