@@ -3,9 +3,12 @@
 One device's overflow must not reach the residuals (it would come back at
 every later step) nor make replicas disagree. The test is global: the step is
 bad when any device's gradient is non-finite, decided by one ``lax.pmax`` of a
-flag, so every device takes the same branch.
+flag, so every device decides alike.
 
-:func:`topka2a_jax.topka2a` guards its own state this way by default.
+:func:`topka2a_jax.topka2a` guards its own state this way by default: on a
+bad step its exchange runs with nothing sent, so its residuals stay as they
+were without a branch (:mod:`topka2a_jax.exchange`). Optimizers, whose
+state would move on zero updates, are switched by :func:`applied_or_skipped`.
 :func:`skip_nonfinite` wraps a whole optax chain, so that a stateful optimizer
 after it (momentum, Adam) skips the step too; it hands its decision to the
 chain as the extra argument :data:`NONFINITE`, so a ``topka2a`` inside takes
