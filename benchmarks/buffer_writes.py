@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 
@@ -35,6 +34,8 @@ def measure(elements: int, repeats: int) -> dict[str, float]:
   import numpy as np
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
+
+  import topka2a_jax
 
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
   split = NamedSharding(mesh, P("data"))
@@ -50,16 +51,7 @@ def measure(elements: int, repeats: int) -> dict[str, float]:
 
   passes = {"read": lambda: read(g), "written in place": in_place,
             "written fresh": lambda: doubled(g)}
-  seconds = {}
-  for name, run in passes.items():
-    jax.block_until_ready(run())
-    times = []
-    for _ in range(repeats):
-      start = time.perf_counter()
-      jax.block_until_ready(run())
-      times.append(time.perf_counter() - start)
-    seconds[name] = float(np.median(times))
-  return seconds
+  return {name: topka2a_jax.time_call(run, repeats) for name, run in passes.items()}
 
 
 def main() -> int:
