@@ -3,9 +3,12 @@
 The default run is ``python examples/train_digits.py`` itself (``main()``,
 writing its JSON to a temporary folder). The tests read that JSON, the file
 a user gets, and check it against the table ``docs/evidence/accuracy.md``
-prints for it (within two test images of each mean, the bytes exactly) and
-against the claims that page makes: the sparse runs end within a point of
-dense, and without error feedback the card's chain ends worse.
+prints for it (each mean within the seeds' spread the table states, the
+bytes exactly) and against the claims that page makes: over the last five
+evaluations the sparse runs are within a point of dense, and without error
+feedback the card's chain ends worse. A final accuracy differs from one
+machine of this kind to another (their rounding differs, and 300 steps
+amplify it), so no check rests on one seed's last evaluation.
 """
 
 import json
@@ -35,7 +38,9 @@ def documented_table(marker: str) -> dict[str, dict[str, float]]:
     cells = [c.strip() for c in line.strip("|").split("|")]
     if cells[0] in ("run", "") or set(cells[1]) <= set("-: "):
       continue
+    low, high = (float(end.rstrip("%")) / 100 for end in cells[2].split(".."))
     rows[cells[0].strip("`")] = {"final": float(cells[1].rstrip("%")) / 100,
+                                 "spread": (low, high),
                                  "bytes": float(cells[5].replace(",", ""))}
   return rows
 
@@ -54,22 +59,28 @@ def final(run) -> float:
   return float(np.mean([scores[-1] for scores in run["scores"]]))
 
 
+def late(run) -> float:
+  """Test accuracy over the last five evaluations and the seeds."""
+  return float(np.mean([scores[-5:] for scores in run["scores"]]))
+
+
 def test_default_run_prints_the_documented_table(default_run):
   meta, runs = default_run
   assert meta == {"steps": 300, "seeds": [0, 1, 2]}
   documented = documented_table("**Digits.**")
   assert list(documented) == list(train_digits.DEFAULT_RUNS) == list(runs)
   for name, row in documented.items():
-    assert abs(final(runs[name]) - row["final"]) <= 2 * TEST_IMAGE, name
+    low, high = row["spread"]
+    assert low - TEST_IMAGE / 2 <= final(runs[name]) <= high + TEST_IMAGE / 2, name
     assert runs[name]["bytes_per_step"] == row["bytes"], name
 
 
-def test_sparse_runs_end_within_a_point_of_dense(default_run):
+def test_sparse_runs_are_within_a_point_of_dense_late_in_training(default_run):
   _, runs = default_run
-  dense = final(runs["dense (pmean)"])
+  dense = late(runs["dense (pmean)"])
   assert dense > 0.95
   for name in ("defaults 1%", "updates 1%"):
-    assert final(runs[name]) > dense - 0.01, name
+    assert late(runs[name]) > dense - 0.01, name
     assert runs[name]["bytes_per_step"] < 0.1 * runs["dense (pmean)"]["bytes_per_step"]
 
 
@@ -82,8 +93,7 @@ def test_without_error_feedback_the_chain_ends_worse(default_run):
       batch_per_device=train_digits.BATCH_PER_DEVICE,
       mesh=jax.make_mesh((8,), ("data",)))
   with_feedback = runs["defaults 1%"]
-  late = np.mean([scores[-5:] for scores in with_feedback["scores"]])
-  assert without.late < late - 0.01  # the last five evaluations, over the seeds
+  assert without.late < late(with_feedback) - 0.01
   steps = meta["steps"]
   late_loss = np.mean([losses[-steps // 10:] for losses in with_feedback["losses"]])
   assert without.late_loss > 2 * late_loss

@@ -188,7 +188,10 @@ def test_inside_a_larger_jit_and_donation(mesh):
   assert not jax.tree.leaves(state)[0].is_deleted()  # not donated
   once = top(placed, state, batch)
   assert jax.tree.leaves(placed)[0].is_deleted()  # donated
-  chex.assert_trees_all_equal(nested, top(*once[:2], batch))
+  # The same steps, fused into one program: equal up to float32 rounding at
+  # the parameters' scale (XLA may fuse the update into its neighbours).
+  chex.assert_trees_all_close(nested, top(*once[:2], batch), rtol=0,
+                              atol=8 * np.finfo(np.float32).eps)
 
 
 # A 4 x 2 mesh with automatic axes; parameters sharded over "model" by
