@@ -251,22 +251,9 @@ def _candidates(group_max: jax.Array, k: int,
             jnp.where(up, mid_count, count),
             jnp.where(up[:, None], mid_words, words), step + 1)
 
-  lo, hi, count, words, _ = lax.while_loop(
+  lo, _, count, words, _ = lax.while_loop(
       too_many, bisect, (lo, hi, count, words, 0))
-  return lo, hi, count, words
-
-
-def _candidate_groups(words: jax.Array, slots: int) -> jax.Array:
-  """The first ``slots`` group keys the bound lets through, in position order.
-
-  Where ties at the bound let more than ``slots`` keys through (a background
-  of equal magnitudes, exact zeros above all: embedding rows absent from the
-  batch, dead units, masked parameters), keys above the tie that come late
-  in the row may be crowded out; the check of :func:`_falls_short` then
-  finds the selection short (a nonzero entry left out while zeros are
-  selected, or mass missing) and the row sorts exactly.
-  """
-  return _first_set(words, slots)
+  return lo, count, words
 
 
 def _group_size(length: int, smallest: int) -> int:
@@ -312,9 +299,14 @@ def threshold_magnitudes(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array]
   group_max = _group_keys(rows, groups, per_group)
 
   slots = -(-min(CANDIDATES_PER_ENTRY * k, groups) // 32) * 32
-  bound, _, reached, words = _candidates(group_max, k, slots)
-  # Group ids, valid up to `reached`.
-  candidate = _candidate_groups(words, slots)
+  bound, reached, words = _candidates(group_max, k, slots)
+  # Group ids, valid up to `reached`: the first slots' worth in position
+  # order. Where ties at the bound let more keys through than there are
+  # slots (a background of exact zeros: embedding rows absent from the
+  # batch, dead units, masked parameters), a key above the tie that comes
+  # late may be crowded out; _falls_short then finds the row short and it
+  # sorts exactly.
+  candidate = _first_set(words, slots)
   keys = jnp.where(jnp.arange(slots) < reached[:, None],
                    jnp.take_along_axis(group_max, jnp.clip(candidate, 0, groups - 1),
                                        axis=1), -1)
