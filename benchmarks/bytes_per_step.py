@@ -20,6 +20,8 @@ os.environ["XLA_FLAGS"] = (
 import argparse
 import json
 import math
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -29,13 +31,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import topka2a_jax
-from topka2a_jax.algorithms import REGISTRY, TOPKA2A, TOPKA2A_SPARSE
-from topka2a_jax.plan import resnet50
+from topka2a_jax.collectives import ALGORITHMS
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))  # model_shapes
+from model_shapes import resnet50
 
 CONFIGS = (  # (algorithm, value dtype on the wire): every one, then two narrowed
-    *((name, None) for name in REGISTRY),
-    (TOPKA2A.name, "bfloat16"),
-    (TOPKA2A_SPARSE.name, "bfloat16"),
+    *((name, None) for name in ALGORITHMS),
+    ("topka2a", "bfloat16"),
+    ("topka2a_sparse", "bfloat16"),
 )
 
 
@@ -71,7 +75,7 @@ def modelled_bytes(sizes, algorithm, value_dtype, density):
   value_bytes = 2 if value_dtype == "bfloat16" else 4
   plan = topka2a_jax.plan_fusion(sizes, 8, density, algorithm=algorithm,
                                  value_bytes=value_bytes)
-  return sum(topka2a_jax.exchange_cost(b.bucket.algorithm, b.bucket.size, 8, density,
+  return sum(topka2a_jax.cost.exchange_cost(b.bucket.algorithm, b.bucket.size, 8, density,
                                        value_bytes=value_bytes).bytes
              for b in plan.buckets)
 

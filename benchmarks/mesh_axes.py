@@ -29,7 +29,6 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import topka2a_jax
-from topka2a_jax.algorithms import DENSE, TOPKA2A
 
 SPECS = {"w": P(None, "model"), "v": P("model", None)}
 
@@ -68,7 +67,7 @@ def main():
         f"{'model collectives'}")
   rows = []
   for kind in ("auto", "explicit"):
-    for algorithm in (DENSE.name, TOPKA2A.name):
+    for algorithm in ("dense", "topka2a"):
       result = report(kind, algorithm, args.hidden)
       model_rows = [r for r in result.collectives if "model" in r.axes]
       row = {"axes": kind, "algorithm": algorithm,

@@ -2,7 +2,7 @@
 
 Makes a network namespace whose loopback is shaped with ``tc`` (a token
 bucket at a rate, default 1 Gbit/s, and optionally netem's added delay), starts P processes inside it
-with ``python -m topka2a_jax.launch`` (one CPU device each, gloo collectives
+with ``python tools/launch.py`` (one CPU device each, gloo collectives
 over TCP), and times one gradient exchange per algorithm, size and density:
 the median of repeated runs after a warm-up, each run started together on
 every process. All the traffic of the P processes crosses the one shaped
@@ -16,7 +16,7 @@ step keeps them.
 From the measurements it fits the planner's model of an exchange (seconds =
 messages * α + bytes / bandwidth + elements read * selection + entries selected *
 per-entry cost + PowerSGD's passes over its matrix + its multiply-adds, least
-squares over all rows, :class:`topka2a_jax.fusion.StepModel`) and prints,
+squares over all rows, :class:`topka2a_jax.cost.StepModel`) and prints,
 beside each measured ratio to dense, the ratio the fitted model predicts.
 
 Needs root (or CAP_NET_ADMIN) for ``ip netns`` and ``tc``, and the kernel's
@@ -48,8 +48,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from topka2a_jax.algorithms import ALLGATHER, DENSE, POWERSGD, REGISTRY, TOPKA2A
-from topka2a_jax.collectives import COLLECTIVES
+from topka2a_jax.collectives import ALGORITHMS, COLLECTIVES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -112,7 +111,7 @@ def run_workers(rate: str, delay_ms: float, processes: int, script: str,
   """
   try:
     with ShapedNamespace(rate, delay_ms) as namespace:
-      launch = namespace.command(sys.executable, "-m", "topka2a_jax.launch", "-n",
+      launch = namespace.command(sys.executable, str(ROOT / "tools" / "launch.py"), "-n",
                                  str(processes), script, "--worker", *worker_args)
       status = subprocess.run(launch, cwd=ROOT, check=False).returncode
   except NetworkUnavailable as error:
@@ -206,15 +205,15 @@ def powersgd_seconds(mesh, buffer, size: int, rank: int, repeats: int) -> float:
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from topka2a_jax import low_rank
+  from topka2a_jax.collectives import initial_factor, powersgd
 
   shape = matrix_of(size)
-  first = np.asarray(low_rank.initial_factor(shape, rank, 0))
+  first = np.asarray(initial_factor(shape, rank, 0))
   q = jax.make_array_from_callback(first.shape, NamedSharding(mesh, P()),
                                    lambda index: first[index])
 
   def one(row, q):
-    (mean,), (residual,), (new_q,) = low_rank.exchange([row.reshape(shape)], [q], "data")
+    (mean,), (residual,), (new_q,) = powersgd([row.reshape(shape)], [q], "data")
     return mean, residual.ravel(), new_q
 
   run = jax.jit(jax.shard_map(one, mesh=mesh, in_specs=(P("data"), P()),
@@ -240,8 +239,8 @@ def worker(sizes: list[int], densities: list[float], ranks: list[int], repeats: 
         (mesh.size * size,), NamedSharding(mesh, P("data")),
         lambda index, size=size: np.random.default_rng(index[0].start or 0).normal(
             size=size).astype(np.float32))
-    for algorithm in REGISTRY:
-      for density in [1.0] if algorithm == DENSE.name else densities:
+    for algorithm in ALGORITHMS:
+      for density in [1.0] if algorithm == "dense" else densities:
         exchange = COLLECTIVES[algorithm]
         run = jax.jit(jax.shard_map(
             lambda b, exchange=exchange, density=density: exchange(
@@ -253,11 +252,11 @@ def worker(sizes: list[int], densities: list[float], ranks: list[int], repeats: 
           print(f"{algorithm:15s} {size:>11,} {density:5g} "
                 f"{rows[-1]['seconds']:.4f} s", flush=True)
     for rank in ranks:
-      rows.append({"size": size, "algorithm": POWERSGD.name, "density": None,
+      rows.append({"size": size, "algorithm": "powersgd", "density": None,
                    "rank": rank,
                    "seconds": powersgd_seconds(mesh, buffer, size, rank, repeats)})
       if jax.process_index() == 0:
-        print(f"{POWERSGD.name:15s} {size:>11,} rank {rank} "
+        print(f"{'powersgd':15s} {size:>11,} rank {rank} "
               f"{rows[-1]['seconds']:.4f} s", flush=True)
     for density in densities:
       rows.append({"size": size, "algorithm": DEFAULTS, "density": density,
@@ -275,19 +274,22 @@ def terms(row: dict, processes: int) -> list[float]:
   Seconds = α * messages + bytes / bandwidth + per_element * elements
   + per_entry * entries selected + per_matrix_element * matrix elements
   + per_multiply_add * multiply-adds, as in
-  :class:`topka2a_jax.fusion.StepModel`. Dense selects nothing; only
+  :class:`topka2a_jax.cost.StepModel`. Dense selects nothing; only
   PowerSGD passes over its matrix (a fixed number of times whatever the
   rank: two products with the factors, the mean and the residual) and
-  multiplies (:meth:`topka2a_jax.algorithms.LowRank.flops`, growing with
-  the rank).
+  multiplies (:attr:`topka2a_jax.cost.LowRankStep.multiply_adds`, growing
+  with the rank).
   """
-  from topka2a_jax.cost import elements_read, exchange_cost, selected_entries
+  from topka2a_jax.cost import (
+    elements_read,
+    exchange_cost,
+    low_rank_step,
+    selected_entries,
+  )
 
-  if row["algorithm"] == POWERSGD.name:
-    shapes = [matrix_of(row["size"])]
-    cost = POWERSGD.cost(shapes, processes, row["rank"])
-    return [cost.messages, cost.bytes, 0, 0, row["size"],
-            POWERSGD.flops(shapes, row["rank"])]
+  if row["algorithm"] == "powersgd":
+    step = low_rank_step([matrix_of(row["size"])], processes, row["rank"], min_size=0)
+    return [step.cost.messages, step.cost.bytes, 0, 0, row["size"], step.multiply_adds]
   cost = exchange_cost(row["algorithm"], row["size"], processes, row["density"])
   elements = elements_read(row["algorithm"], row["size"], processes)
   entries = selected_entries(row["algorithm"], row["size"], processes, row["density"])
@@ -344,7 +346,7 @@ def report(rows: list[dict], processes: int, rate: str) -> list[dict]:
         f"{per_flop * 1e12:.0f} ps per multiply-add")
   print(f"{'elements':>11s} {'density':>7s} {'algorithm':15s} {'seconds':>8s} "
         f"{'vs dense':>8s} {'model':>6s} {'off by':>7s}")
-  dense = {r["size"]: r for r in rows if r["algorithm"] == DENSE.name}
+  dense = {r["size"]: r for r in rows if r["algorithm"] == "dense"}
   for r in rows:
     base = dense[r["size"]]
     model_ratio = predicted(r) / predicted(base)
@@ -354,20 +356,21 @@ def report(rows: list[dict], processes: int, rate: str) -> list[dict]:
           f"{r['seconds']:8.4f} {r['ratio']:7.3f}x {model_ratio:5.3f}x "
           f"{r['ratio'] / model_ratio - 1:+6.0%}")
   crossover = 1 / (2 * (processes - 1))
-  print(f"\n{ALLGATHER.title} against {TOPKA2A.title} (the model's crossover: "
+  topka, a2a_title = ALGORITHMS["allgather"].title, ALGORITHMS["topka2a"].title
+  print(f"\n{topka} against {a2a_title} (the model's crossover: "
         f"density 1/(2(P-1)) = {crossover:.3f}):")
   for r in rows:
-    if r["algorithm"] != ALLGATHER.name:
+    if r["algorithm"] != "allgather":
       continue
-    a2a = next(o for o in rows if o["algorithm"] == TOPKA2A.name
+    a2a = next(o for o in rows if o["algorithm"] == "topka2a"
                and o["size"] == r["size"] and o["density"] == r["density"])
-    faster = ALLGATHER.title if r["seconds"] < a2a["seconds"] else TOPKA2A.title
+    faster = topka if r["seconds"] < a2a["seconds"] else a2a_title
     times = (r["seconds"], a2a["seconds"])
     margin = 1 - min(times) / max(times)
     if math.isclose(r["density"], crossover):
       verdict = "at the crossover itself: the model predicts a tie"
     else:
-      expected = ALLGATHER.title if r["density"] < crossover else TOPKA2A.title
+      expected = topka if r["density"] < crossover else a2a_title
       verdict = f"{'as' if faster == expected else 'NOT as'} the model says"
     print(f"  {r['size']:11,} at {r['density']:g}: {faster} faster by "
           f"{margin:.0%} ({verdict})")

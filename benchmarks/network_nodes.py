@@ -46,10 +46,10 @@ from pathlib import Path
 import network  # benchmarks/network.py: NetworkUnavailable and its checked command
 
 from topka2a_jax import cost
-from topka2a_jax.algorithms import DENSE, REGISTRY
+from topka2a_jax.collectives import ALGORITHMS
 
 ROOT = Path(__file__).resolve().parent.parent
-SPARSE = [name for name, algorithm in REGISTRY.items() if algorithm.sparse]
+SPARSE = [name for name, algorithm in ALGORITHMS.items() if algorithm.sparse]
 CARD = "card"
 """The interface name of every node's network card, inside its namespace."""
 
@@ -170,8 +170,6 @@ def worker(size: int, densities: list[float], repeats: int, selection: str,
   from jax.sharding import PartitionSpec as P
 
   from topka2a_jax import collectives
-  from topka2a_jax.exchange import unsent_slices
-  from topka2a_jax.layout import residual_slice
 
   devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
   mesh = Mesh(np.array(devices).reshape(jax.process_count(), -1), ("node", "local"))
@@ -213,7 +211,7 @@ def worker(size: int, densities: list[float], repeats: int, selection: str,
           lambda b, axis=axis: all_reduce(b, axis)[0, :1], length,
           kind="calibration", axis=axis)
   timed("dense over both axes", lambda b: lax.pmean(b, both)[:1], size,
-        kind="exchange", algorithm=DENSE.name, route=cost.FLAT, slices=False,
+        kind="exchange", algorithm="dense", route=cost.FLAT, slices=False,
         density=1.0)
   def kept(result, residual) -> jax.Array:
     """The mean's first entry and the residual's sum: every route computes
@@ -230,9 +228,8 @@ def worker(size: int, densities: list[float], repeats: int, selection: str,
     def flat(b, one=one, density=density):
       """The flat exchange, its unsent summed onto slices inside the node."""
       result = one(b, both, density, selection=selection)
-      slices, = unsent_slices([result.unsent], [residual_slice(b.size, per_node)],
-                              per_node, "local", sparse=True)
-      return kept(result, slices)
+      pieces = jnp.pad(result.unsent, (0, -b.size % per_node)).reshape(per_node, -1)
+      return kept(result, lax.psum_scatter(pieces, "local", tiled=True)[0])
 
     def two_level(b, one=one, density=density):
       result = collectives.two_level(b, both, density, selection=selection, outer=one)
@@ -271,7 +268,7 @@ def fit_cluster(rows: list[dict], nodes: int, per_node: int) -> cost.Cluster:
 
 def selection_terms(row: dict, cluster: cost.Cluster) -> list[float]:
   """Elements read and entries selected by one device in the exchange."""
-  exchange = REGISTRY[row["algorithm"]]
+  exchange = ALGORITHMS[row["algorithm"]]
   if row["route"] == cost.FLAT:
     length, devices = row["length"], cluster.devices
   else:
@@ -285,7 +282,7 @@ def fit_selection(rows: list[dict], cluster: cost.Cluster) -> tuple[float, float
   beyond the links' model, least squares in relative error, non-negative."""
   import numpy as np
 
-  sparse = [r for r in rows if r["algorithm"] != DENSE.name]
+  sparse = [r for r in rows if r["algorithm"] != "dense"]
   left = np.array([r["seconds"] - model_of(r, cluster).seconds for r in sparse])
   times = np.array([r["seconds"] for r in sparse])
   design = np.array([selection_terms(r, cluster) for r in sparse]) / times[:, None]
@@ -331,7 +328,7 @@ def report(by_node: list[list[dict]], nodes: int, per_node: int, rate: str) -> l
         f"{'s vs one axis':>13s} {'MB vs one axis':>14s}")
   for r in rows:
     model = model_of(r, cluster)
-    selection = (0.0 if r["algorithm"] == DENSE.name else
+    selection = (0.0 if r["algorithm"] == "dense" else
                  sum(c * t for c, t in zip((per_element, per_entry),
                                            selection_terms(r, cluster))))
     r.update(model_seconds=model.seconds + selection, model_card_bytes=model.outer_bytes)
@@ -368,7 +365,7 @@ def main() -> int:
   if args.nodes < 2 or args.devices_per_node < 1:
     parser.error("--nodes must be at least 2 and --devices-per-node at least 1")
 
-  from topka2a_jax.launch import launch
+  from topka2a_jax.distributed import launch
 
   out = Path(tempfile.mkdtemp()) / "rows.json"
   try:

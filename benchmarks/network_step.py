@@ -7,7 +7,7 @@ same leaves:
 
 - ``flat``: one buffer of 25M floats;
 - ``gpt2``: GPT-2 small's leaf shapes with a 12,000-byte vocabulary and two
-  blocks (24.2M floats; ``topka2a_jax.plan.gpt2_small``);
+  blocks (24.2M floats; ``tools/model_shapes.py``);
 - ``resnet50``: ResNet-50's leaf shapes (25.6M floats).
 
 Every leaf's gradient has its own scale (a 20x spread, as real models'
@@ -53,7 +53,8 @@ ROWS = ("dense", "defaults, state dropped", "defaults", "dense + adam", "compres
 
 def leaf_shapes(gradient: str) -> list[tuple[int, ...]]:
   """The leaves' shapes of one of :data:`GRADIENTS`."""
-  from topka2a_jax.plan import gpt2_small, resnet50
+  sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+  from model_shapes import gpt2_small, resnet50
 
   if gradient == "flat":
     return [(FIT_SIZES[-1],)]
@@ -186,8 +187,8 @@ def report(rows: list[dict], processes: int, density: float) -> dict:
   """Prints the tables; returns the rows, the fitted link and the flat limit."""
   import numpy as np
 
+  from topka2a_jax import plan_fusion
   from topka2a_jax.cost import Network, exchange_cost
-  from topka2a_jax.fusion import plan_fusion
 
   fits = [r for r in rows if r["gradient"].startswith("fit")]
   costs = [exchange_cost("dense", r["elements"], processes, 1.0) for r in fits]

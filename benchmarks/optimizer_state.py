@@ -7,7 +7,7 @@ allocated) and reads every leaf's bytes on one device from its sharding:
 Adam's moments and count, and the exchange's residuals, which both keep.
 
 Models: the examples' digits CNN and character transformer (their Flax
-parameters), and GPT-2 small's layer shapes (``topka2a_jax.plan``).
+parameters), and GPT-2 small's layer shapes (``tools/model_shapes.py``).
 
 Run:
   python benchmarks/optimizer_state.py [--devices 8] [--json out.json]
@@ -33,10 +33,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import topka2a_jax
-from topka2a_jax.plan import gpt2_small
-from topka2a_jax.sharded_optimizer import shard_length
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))  # model_shapes
+from model_shapes import gpt2_small
 
 
 def example_params(module: str, model: str) -> list[jax.ShapeDtypeStruct]:
@@ -77,7 +77,7 @@ def measure(params, mesh) -> dict:
       "parameters": sum(p.size for p in params),
       "adam": bytes_on_one_device(plain[1], plain_specs[1], mesh),
       "adam_sharded": bytes_on_one_device(sharded.inner, sharded_specs.inner, mesh),
-      "bound": sum(2 * 4 * shard_length(p.size, devices) for p in params) + 4,
+      "bound": sum(2 * 4 * -(-p.size // devices) for p in params) + 4,
       "residuals": bytes_on_one_device(plain[0], plain_specs[0], mesh),
       "residuals_sharded": bytes_on_one_device(sharded.exchange, sharded_specs.exchange,
                                                mesh),

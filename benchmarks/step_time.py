@@ -19,14 +19,17 @@ os.environ["XLA_FLAGS"] = (
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import topka2a_jax
-from topka2a_jax.algorithms import TOPKA2A, TOPKA2A_SPARSE
-from topka2a_jax.plan import resnet50
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))  # model_shapes
+from model_shapes import resnet50
 
 
 def step_seconds(mesh, grads, algorithm, selection, fusion, density, repeats):
@@ -59,7 +62,7 @@ def main():
   print(f"{'algorithm':16s} {'buckets':>10s} {'exact':>9s} {'threshold':>10s} "
         f"{'speedup':>8s}")
   rows = []
-  for algorithm in (TOPKA2A.name, TOPKA2A_SPARSE.name):
+  for algorithm in ("topka2a", "topka2a_sparse"):
     for fusion, label in (("auto", "planned"), (1 << 30, "one")):
       exact, threshold = (
           step_seconds(mesh, grads, algorithm, selection, fusion, args.density,

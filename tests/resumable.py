@@ -7,7 +7,7 @@ fresh process restores the checkpoint:
   python tests/resumable.py first CHECKPOINT        # 5 steps, then save
   python tests/resumable.py resume CHECKPOINT OUT.npz  # restore, 5 more
 
-Under ``python -m topka2a_jax.launch`` every process runs it on its share of
+Under ``python tools/launch.py`` every process runs it on its share of
 the 8 devices. ``--sharded N`` trains with :data:`SHARDED` instead, and
 resumes on the first N devices.
 """
@@ -16,9 +16,10 @@ import os
 import sys
 
 import topka2a_jax.distributed
+from topka2a_jax._src.training.distributed import launched
 
 if __name__ == "__main__":
-  if topka2a_jax.distributed.launched():
+  if launched():
     topka2a_jax.distributed.initialize()
   else:
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"

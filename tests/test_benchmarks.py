@@ -61,7 +61,7 @@ def test_training_runs_take_any_dense_warm_up_and_name_the_choices():
 
 def test_nodes_benchmark_fits_links_and_selection_that_reproduce_its_rows():
   """Rows timed by a known cluster's model: the fit recovers it, off by 0%."""
-  from topka2a_jax import cost
+  from topka2a_jax._src.planner import cost
 
   nodes = load("network_nodes")
   truth = cost.Cluster(2, 4, outer=cost.Network(2e-3, 8e7), inner=cost.Network(5e-4, 3e8))
@@ -140,7 +140,7 @@ def test_gpu_script_runs_small_on_cpu(tmp_path):
 def test_step_benchmark_fits_the_link_and_bounds_the_flat_update_by_its_alpha_beta_time():
   """Dense rows made from a known α and bandwidth: the fit recovers both, and the
   flat buffer's limit is the planned exchange's α-β time at that link."""
-  from topka2a_jax.cost import exchange_cost
+  from topka2a_jax._src.planner.cost import exchange_cost
 
   network_step = load("network_step")
   alpha, bandwidth, processes = 200e-6, 30e6, 4

@@ -12,9 +12,10 @@ import numpy as np
 import optax
 import pytest
 import resumable
+from cases import LAUNCHER
 
 import topka2a_jax
-from topka2a_jax import checkpoint
+from topka2a_jax._src.training import checkpoint
 
 SCRIPT = Path(resumable.__file__)
 
@@ -22,7 +23,7 @@ SCRIPT = Path(resumable.__file__)
 def run_script(*args, processes=1):
   """Runs resumable.py in a fresh process, or in several (4 devices each)."""
   launcher = [] if processes == 1 else [
-      "-m", "topka2a_jax.launch", "-n", str(processes), "--devices-per-process",
+      LAUNCHER, "-n", str(processes), "--devices-per-process",
       str(8 // processes)]
   done = subprocess.run([sys.executable, *launcher, str(SCRIPT), *map(str, args)],
                         capture_output=True, text=True, timeout=300, check=False)

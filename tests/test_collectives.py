@@ -8,17 +8,17 @@ import reference
 from jax import lax
 from sharded import per_device
 
-from topka2a_jax import collectives
-from topka2a_jax.algorithms import REGISTRY
-from topka2a_jax.collectives import COLLECTIVES
-from topka2a_jax.selection import SELECTION_NAMES
+from topka2a_jax._src.collectives import exchanges
+from topka2a_jax._src.collectives.algorithms import ALGORITHMS
+from topka2a_jax._src.collectives.exchanges import COLLECTIVES
+from topka2a_jax._src.collectives.selection import SELECTION_NAMES
 
-ALGORITHMS = sorted(REGISTRY)
+ALGORITHMS = sorted(ALGORITHMS)
 
 
 def test_every_algorithm_has_its_collective_and_every_selection_its_function():
   assert sorted(COLLECTIVES) == ALGORITHMS
-  assert tuple(collectives.SELECTIONS) == SELECTION_NAMES
+  assert tuple(exchanges.SELECTIONS) == SELECTION_NAMES
 LENGTHS = [1, 5, 8, 13, 64, 1001]
 DENSITIES = [0.01, 0.1, 0.3, 1.0]
 
@@ -125,13 +125,13 @@ def test_other_axis_sizes(algorithm, num_devices):
 
 def test_unbound_axis_is_named():
   with pytest.raises(ValueError, match="axis name 'data' is not bound"):
-    collectives.topka2a(np.ones(8, np.float32), "data", 0.1)
+    exchanges.topka2a(np.ones(8, np.float32), "data", 0.1)
 
 
 @pytest.mark.parametrize("shape", [(), (2, 3), (0,)])
 def test_rejects_non_flat_buffers(mesh, shape):
   with pytest.raises(ValueError, match="1-D buffer"):
-    collectives.topka2a(np.ones(shape, np.float32), "data", 0.1)
+    exchanges.topka2a(np.ones(shape, np.float32), "data", 0.1)
 
 
 @pytest.mark.parametrize("algorithm", ["allgather", "topka2a", "topka2a_sparse"])

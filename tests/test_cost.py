@@ -2,7 +2,7 @@
 
 import pytest
 
-from topka2a_jax.cost import (
+from topka2a_jax._src.planner.cost import (
     FLAT,
     NETWORKS,
     TWO_LEVEL,

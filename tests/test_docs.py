@@ -1,4 +1,4 @@
-"""Every docstring example in the package runs, and prints what it shows.
+"""Every docstring example in the package and in tools/model_shapes.py runs as shown.
 
 The examples are complete programs but for the imports every JAX user has
 (``jax``, ``jnp``, ``np``, ``optax``, ``P``, ``NamedSharding`` and
@@ -20,15 +20,18 @@ from jax.sharding import PartitionSpec as P
 
 import topka2a_jax
 
-MODULES = sorted(info.name for info in pkgutil.iter_modules(topka2a_jax.__path__))
+MODULES = sorted(info.name for info in pkgutil.walk_packages(topka2a_jax.__path__,
+                                                             "topka2a_jax."))
 IMPORTS = {"jax": jax, "jnp": jnp, "np": np, "optax": optax, "P": P,
            "NamedSharding": NamedSharding, "topka2a_jax": topka2a_jax}
 
 
-@pytest.mark.parametrize("name", ["__init__", *MODULES])
+TOOLS = ["model_shapes"]  # tools/ (on the tests' path); plan and launch show usage
+
+
+@pytest.mark.parametrize("name", ["topka2a_jax", *MODULES, *TOOLS])
 def test_docstring_examples_run(name):
-  module = (topka2a_jax if name == "__init__"
-            else importlib.import_module(f"topka2a_jax.{name}"))
+  module = importlib.import_module(name)
   finder = doctest.DocTestFinder(exclude_empty=True)
   runner = doctest.DocTestRunner(
       optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
@@ -38,5 +41,6 @@ def test_docstring_examples_run(name):
     runner.run(test)
   results = runner.summarize(verbose=False)
   assert results.failed == 0, f"{results.failed} docstring examples failed in {name}"
-  if name not in ("__init__", "launch", "plan"):  # entry points show their usage
+  is_package = hasattr(module, "__path__")  # the face, and each part's overview
+  if not is_package:
     assert results.attempted > 0, f"{name} has no docstring example"

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import topka2a_jax
-from topka2a_jax.options import Options
+from topka2a_jax._src.options import Options
 
 PARAMS = {"w": jnp.ones((64, 32)), "b": jnp.zeros(32)}
 
@@ -64,6 +64,7 @@ def test_a_misspelt_option_of_compress_updates_is_named():
 def test_the_signature_defaults_are_the_options_defaults():
   # One default per option: the signature shows what Options.create fills in.
   fields = {f.name: f.default for f in dataclasses.fields(Options)}
+  fields["axis_name"] = fields.pop("axis").name  # the argument, parsed into a record
   for builder in (topka2a_jax.topka2a, topka2a_jax.compress_updates,
                   topka2a_jax.sharded_optimizer):
     for name, parameter in inspect.signature(builder).parameters.items():

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import topka2a_jax
-from topka2a_jax import low_rank
+from topka2a_jax._src.collectives import low_rank
 
 DEVICES = 8
 SHAPES = {"a": (64, 32), "b": (64, 32), "conv": (3, 3, 16, 32), "bias": (32,)}
@@ -68,10 +68,10 @@ def test_every_device_gets_the_same_update_bitwise(mesh, exchange_steps):
 
 
 def _run_exchange(mesh, grads, residuals, qs):
-  """low_rank.exchange on (P, m, n) gradients and residuals, with replicated Q."""
+  """low_rank.powersgd on (P, m, n) gradients and residuals, with replicated Q."""
   def one(grads, residuals, qs):
     accs = [g[0] + r[0] for g, r in zip(grads, residuals)]
-    means, left, factors = low_rank.exchange(accs, qs, "data")
+    means, left, factors = low_rank.powersgd(accs, qs, "data")
     return means, [r[None] for r in left], factors
   run = jax.jit(jax.shard_map(one, mesh=mesh, in_specs=(P("data"), P("data"), P()),
                               out_specs=(P(), P("data"), P())))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cases import LAUNCHER
 
 SCRIPT = Path(__file__).parent / "multiprocess_train.py"
 
@@ -30,7 +31,7 @@ def test_two_processes_match_one_with_all_their_devices(tmp_path, algorithm, rou
   one = run([sys.executable, str(SCRIPT), algorithm, str(tmp_path / "one.npz"), route],
             XLA_FLAGS=f"--xla_force_host_platform_device_count={2 * per_process}")
   assert one.returncode == 0, one.stderr[-3000:]
-  two = run([sys.executable, "-m", "topka2a_jax.launch", "-n", "2",
+  two = run([sys.executable, LAUNCHER, "-n", "2",
              "--devices-per-process", str(per_process), str(SCRIPT), algorithm,
              str(tmp_path / "two.npz"), route])
   assert two.returncode == 0, two.stdout[-3000:]
@@ -48,18 +49,18 @@ def test_launcher_stops_everyone_when_one_process_fails(tmp_path):
       "if os.environ['TOPKA2A_PROCESS_ID'] == '1':\n"
       "    print('giving up', flush=True); sys.exit(3)\n"
       "time.sleep(60)\n")
-  done = run([sys.executable, "-m", "topka2a_jax.launch", "-n", "3", str(script)])
+  done = run([sys.executable, LAUNCHER, "-n", "3", str(script)])
   assert done.returncode == 3
   assert "[1] giving up" in done.stdout
 
 
 def test_launcher_refuses_a_missing_script():
-  done = run([sys.executable, "-m", "topka2a_jax.launch", "-n", "2", "nowhere.py"])
+  done = run([sys.executable, LAUNCHER, "-n", "2", "nowhere.py"])
   assert done.returncode == 2 and "no such script: nowhere.py" in done.stderr
 
 
 def test_environment_names_the_processes(monkeypatch):
-  from topka2a_jax.distributed import from_environment
+  from topka2a_jax._src.training.distributed import from_environment
 
   for name in ("TOPKA2A_COORDINATOR", "TOPKA2A_NUM_PROCESSES", "TOPKA2A_PROCESS_ID",
                "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
@@ -114,7 +115,7 @@ def _gone(pid):
 def test_a_worker_that_raises_ends_the_run_within_seconds_naming_its_rank(tmp_path):
   script = tmp_path / "worker.py"
   script.write_text(FAILING_WORKER)
-  done = run([sys.executable, "-m", "topka2a_jax.launch", "-n", "2",
+  done = run([sys.executable, LAUNCHER, "-n", "2",
               "--devices-per-process", "2", str(script), "raise"])
   ended = time.time()
   assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
@@ -133,7 +134,7 @@ def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
   script.write_text("import os, time\nprint('pid', os.getpid(), flush=True)\n"
                     "time.sleep(120)\n")
   launcher = subprocess.Popen(
-      [sys.executable, "-m", "topka2a_jax.launch", "-n", "2", str(script)],
+      [sys.executable, LAUNCHER, "-n", "2", str(script)],
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   lines = []
   while len(_pids("\n".join(lines))) < 2:

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from topka2a_jax.algorithms import REGISTRY
-from topka2a_jax.cost import Network, exchange_cost
+from topka2a_jax._src.collectives.algorithms import ALGORITHMS
+from topka2a_jax._src.planner.cost import Network, exchange_cost
 
 spec = importlib.util.spec_from_file_location(
     "network_benchmark", Path(__file__).parent.parent / "benchmarks" / "network.py")
@@ -30,7 +30,7 @@ def synthetic_rows(link, processes, per_element=0.0, per_entry=0.0, per_matrix=0
                  + per_matrix * m * n + per_flop * 4 * m * n * rank)
       rows.append({"size": size, "algorithm": "powersgd", "density": None, "rank": rank,
                    "seconds": seconds})
-    for algorithm in REGISTRY:
+    for algorithm in ALGORITHMS:
       for density in [1.0] if algorithm == "dense" else [0.01, 0.1]:
         k = round(density * size)  # a multiple of 4: every shard gets k / 4
         entries = {"dense": 0, "allgather": k, "topka2a": k,

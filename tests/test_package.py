@@ -1,28 +1,51 @@
-"""The package's shape: how deep its imports go, and one core behind both steps."""
+"""The package's shape: a curated face over private code, shallow imports, one step core."""
 
 import ast
 import functools
 import pathlib
+import re
+
+import pytest
 
 import topka2a_jax
-from topka2a_jax.step import DataParallelStep
+from topka2a_jax._src.training.step import DataParallelStep
 
 PACKAGE = pathlib.Path(topka2a_jax.__file__).parent
+ROOT = PACKAGE.parent
 MAX_CHAIN = 8  # modules, the first and the last included
+PUBLIC_NAMESPACES = ("collectives", "cost", "checkpoint", "distributed")
+
+
+def module_name(path: pathlib.Path) -> str:
+  """``topka2a_jax/_src/planner/cost.py`` -> ``topka2a_jax._src.planner.cost``."""
+  parts = path.relative_to(ROOT).with_suffix("").parts
+  return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(node: ast.ImportFrom | ast.Import, modules: set[str]) -> set[str]:
+  """The package's modules one import statement names."""
+  if isinstance(node, ast.Import):
+    return {alias.name for alias in node.names} & modules
+  found = {f"{node.module}.{alias.name}" for alias in node.names} & modules
+  return found or ({node.module} & modules)
 
 
 def module_imports() -> dict[str, set[str]]:
-  """Each module's module-level imports of other modules of the package."""
-  modules = {path.stem for path in PACKAGE.glob("*.py")} - {"__init__"}
+  """Each module's module-level imports of other modules of the package.
+
+  Packages' ``__init__`` files are left out: the face's only re-exports, and
+  the others are empty.
+  """
+  paths = {module_name(path): path for path in PACKAGE.rglob("*.py")
+           if path.stem != "__init__"}
+  modules = set(paths)
   imports = {}
-  for name in modules:
+  for name, path in paths.items():
     found = set()
-    for node in ast.parse((PACKAGE / f"{name}.py").read_text()).body:
-      if isinstance(node, ast.ImportFrom) and node.module == "topka2a_jax":
-        found |= {alias.name for alias in node.names}
-      elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("topka2a_jax."):
-        found.add(node.module.split(".")[1])
-    imports[name] = (found & modules) - {name}
+    for node in ast.parse(path.read_text()).body:
+      if isinstance(node, (ast.Import, ast.ImportFrom)):
+        found |= imported_modules(node, modules)
+    imports[name] = found - {name}
   return imports
 
 
@@ -35,7 +58,9 @@ def longest_chain(imports: dict[str, set[str]]) -> list[str]:
 
 
 def test_no_import_chain_is_longer_than_eight_modules():
-  chain = longest_chain(module_imports())
+  imports = module_imports()
+  assert "topka2a_jax._src.planner.cost" in imports["topka2a_jax.cost"]
+  chain = longest_chain(imports)
   assert len(chain) <= MAX_CHAIN, " -> ".join(chain)
 
 
@@ -47,3 +72,30 @@ def test_the_chain_counter_counts_a_chain_it_is_shown():
 def test_one_class_is_behind_both_training_steps():
   assert issubclass(topka2a_jax.TrainStep, DataParallelStep)
   assert issubclass(topka2a_jax.NnxTrainStep, DataParallelStep)
+
+
+def test_the_public_face_is_small_and_every_name_resolves():
+  assert 20 <= len(topka2a_jax.__all__) <= 30
+  for namespace in (topka2a_jax, *(getattr(topka2a_jax, name)
+                                   for name in PUBLIC_NAMESPACES)):
+    for name in namespace.__all__:
+      assert getattr(namespace, name) is not None, (namespace.__name__, name)
+
+
+def test_only_private_code_lives_outside_the_face():
+  public = {path.stem for path in PACKAGE.glob("*.py")} - {"__init__"}
+  assert public == set(PUBLIC_NAMESPACES)
+
+
+USER_FACING = ["README.md", "examples/*.py", "benchmarks/*.py", "docs/index.md",
+               "docs/api.md", "docs/guides/*.md", "docs/evidence/*.md"]
+
+
+@pytest.mark.parametrize("pattern", USER_FACING)
+def test_what_users_read_uses_only_the_public_face(pattern):
+  for path in sorted(ROOT.glob(pattern)):
+    text = path.read_text()
+    assert "topka2a_jax._src" not in text, f"{path.relative_to(ROOT)} reaches into private code"
+    for module in re.findall(r"topka2a_jax\.([a-z_0-9]+)", text):
+      assert module in topka2a_jax.__all__ or module in PUBLIC_NAMESPACES, (
+          f"{path.relative_to(ROOT)} names topka2a_jax.{module}, not public")

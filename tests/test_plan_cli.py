@@ -2,9 +2,9 @@
 
 import math
 
+import plan
 import pytest
-
-from topka2a_jax import plan
+from model_shapes import resnet50
 
 
 def run(capsys, *args):
@@ -113,7 +113,7 @@ def goes_low_rank(shape, rank):
 def test_rank_prices_powersgd_on_the_models_layers(capsys):
   out = run(capsys, "--model", "resnet50", "--devices", "4", "--density", "0.01",
             "--network", "eth1", "--rank", "4")
-  shapes = [shape for _, shape in plan.resnet50()]
+  shapes = [shape for _, shape in resnet50()]
   low = [s for s in shapes if goes_low_rank(s, 4)]
   factors = sum((math.prod(s[:-1]) + s[-1]) * 4 for s in low)
   dense = sum(math.prod(s) for s in shapes if not goes_low_rank(s, 4))

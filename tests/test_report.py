@@ -8,8 +8,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import topka2a_jax
-from topka2a_jax.collectives import COLLECTIVES
-from topka2a_jax.cost import exchange_cost
+from topka2a_jax._src.collectives.exchanges import COLLECTIVES
+from topka2a_jax._src.planner.cost import exchange_cost
 
 
 def lowered_exchange(mesh, algorithm, length, density):

@@ -18,12 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from cases import LAUNCHER
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import topka2a_jax
-from topka2a_jax.sharded_optimizer import shard_length
+from topka2a_jax._src.transforms.sharded_optimizer import shard_length
 
 DEVICES = 8
 
@@ -249,7 +250,7 @@ SCRIPT = Path(__file__).with_name("resumable.py")
 def _run(*args, processes=1):
   """tests/resumable.py with the sharded optimizer, in fresh processes."""
   launcher = [] if processes == 1 else [
-      "-m", "topka2a_jax.launch", "-n", str(processes), "--devices-per-process",
+      LAUNCHER, "-n", str(processes), "--devices-per-process",
       str(DEVICES // processes)]
   done = subprocess.run([sys.executable, *launcher, str(SCRIPT), "--sharded",
                          *map(str, args)], capture_output=True, text=True,

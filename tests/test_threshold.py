@@ -7,10 +7,10 @@ import pytest
 import reference
 from sharded import per_device
 
-from topka2a_jax import collectives, threshold
-from topka2a_jax.collectives import COLLECTIVES
-from topka2a_jax.selection import top_magnitudes
-from topka2a_jax.threshold import threshold_magnitudes
+from topka2a_jax._src.collectives import exchanges, threshold
+from topka2a_jax._src.collectives.exchanges import COLLECTIVES
+from topka2a_jax._src.collectives.selection import top_magnitudes
+from topka2a_jax._src.collectives.threshold import threshold_magnitudes
 
 ROWS, LENGTH = 4, 200_000
 
@@ -144,4 +144,4 @@ def test_collectives_with_threshold_selection_lose_nothing(mesh, algorithm):
 
 def test_unknown_selection_is_named():
   with pytest.raises(ValueError, match="unknown selection 'fast'"):
-    collectives.topka2a(np.ones(8, np.float32), "data", 0.1, selection="fast")
+    exchanges.topka2a(np.ones(8, np.float32), "data", 0.1, selection="fast")

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import topka2a_jax
-from topka2a_jax.tuning import tune_fusion
+from topka2a_jax._src.planner.tuning import tune_fusion
 
 
 def test_binary_search_finds_the_minimum_of_a_valley():

@@ -19,12 +19,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import topka2a_jax
-from topka2a_jax import collectives, cost
+from topka2a_jax._src.collectives import exchanges
+from topka2a_jax._src.planner import cost
 
 NODES, LOCAL = 2, 4
 AXES = ("node", "local")
-OUTER = {"topka2a": collectives.topka2a, "topka2a_sparse": collectives.topka2a_sparse,
-         "allgather": collectives.allgather, "dense": collectives.dense}
+OUTER = {"topka2a": exchanges.topka2a, "topka2a_sparse": exchanges.topka2a_sparse,
+         "allgather": exchanges.allgather, "dense": exchanges.dense}
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,7 @@ def exchange(mesh, density, algorithm):
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=P(AXES),
                      out_specs=(P(), P(AXES)))
   def run(row):
-    mean, unsent = collectives.two_level(row[0], AXES, density, outer=outer)
+    mean, unsent = exchanges.two_level(row[0], AXES, density, outer=outer)
     return mean, unsent[None]
 
   return lambda rows: jax.tree.map(np.asarray, run(
@@ -146,7 +147,7 @@ def test_the_dense_phases_run_inside_nodes_and_the_sparse_one_between(mesh, algo
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=P(AXES),
                      out_specs=(P(), P(AXES)))
   def run(row):
-    mean, unsent = collectives.two_level(row[0], AXES, 0.01, outer=outer)
+    mean, unsent = exchanges.two_level(row[0], AXES, 0.01, outer=outer)
     return mean, unsent[None]
 
   rows = jax.device_put(np.ones((NODES * LOCAL, 40_000), np.float32),
@@ -174,7 +175,7 @@ def test_the_cost_model_counts_what_the_compiled_exchange_sends(mesh, algorithm)
   @jax.jit
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=P(AXES), out_specs=P())
   def run(row):
-    return collectives.two_level(row[0], AXES, 0.01, outer=OUTER[algorithm]).mean
+    return exchanges.two_level(row[0], AXES, 0.01, outer=OUTER[algorithm]).mean
 
   rows = jax.device_put(np.ones((NODES * LOCAL, 40_000), np.float32),
                         NamedSharding(mesh, P(AXES)))
@@ -300,7 +301,7 @@ def test_train_step_over_a_pair_of_axes_trains_every_replica_alike(mesh):
   assert float(loss) > 0
 
 
-SLOW_INSIDE = ("nvlink", topka2a_jax.Network(1e-6, 1e8, "slow inside"))
+SLOW_INSIDE = ("nvlink", topka2a_jax.cost.Network(1e-6, 1e8, "slow inside"))
 """Links for which every sparse bucket costs less flat: fast between nodes."""
 
 
@@ -592,7 +593,7 @@ def test_a_model_split_state_restores_onto_other_nodes_keeping_what_is_owed(tmp_
 
 def test_resizing_slices_by_hand():
   """2 nodes of 2 devices, slices of 3 (a shard of 5, padded) onto 1 node of 3."""
-  from topka2a_jax.checkpoint import Devices, resize_slices
+  from topka2a_jax._src.training.checkpoint import Devices, resize_slices
   saved = jnp.array([1.0, 2, 3, 4, 5, 0,  # node 0: slices [1 2 3], [4 5 .]
                      10, 20, 30, 40, 50, 0])  # node 1
   moved = resize_slices(saved, Devices(2, 2), Devices(1, 3), 6)  # slices of 2

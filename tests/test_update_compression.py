@@ -280,12 +280,12 @@ def test_adam_before_the_exchange_names_compress_updates(mesh):
 
 def test_auto_never_takes_an_exchange_that_holds_back(mesh):
   # 8M updates on the slow link: the gradient's "auto" takes TopKA2A-sparse.
-  from topka2a_jax import exchange
-  from topka2a_jax.options import Options
+  from topka2a_jax._src.options import Options
+  from topka2a_jax._src.transforms import error_feedback
 
   sizes = [8_000_000]
-  gradient = exchange.plan(Options.create(0.01, network="eth1"), sizes, 8)
-  updates = exchange.plan(Options.create(0.01, network="eth1", whole_selection=True),
+  gradient = error_feedback.plan(Options.create(0.01, network="eth1"), sizes, 8)
+  updates = error_feedback.plan(Options.create(0.01, network="eth1", whole_selection=True),
                           sizes, 8)
   assert [b.algorithm for b in gradient] == ["topka2a_sparse"]
   assert [b.algorithm for b in updates] in (["topka2a"], ["allgather"])

@@ -1,28 +1,24 @@
-"""Mean of a flat buffer across a mesh axis, dense or top-k sparse.
+"""The exchanges themselves, for a step you write with ``jax.shard_map``.
 
-Each function here is called inside ``jax.shard_map`` on one device's 1-D
-buffer and returns an :class:`Exchange`: the mean over the axis (identical on
-every device, typed invariant along the axis) and what this device did not
-send, which error feedback keeps for the next step.
+Each collective is called inside ``jax.shard_map`` on one device's 1-D
+buffer and returns an :class:`ExchangeResult`: the mean over the data axis
+(identical on every device) and what this device did not send, which error
+feedback keeps for the next step. :func:`topka2a_jax.topka2a` runs them for
+you, with error feedback, buckets and a plan; call them directly to build
+your own.
 
 * :func:`dense`: ``lax.pmean``, the reference.
-* :func:`allgather` ("TopkA"): every device's top-k (value, global index) pairs
-  are all-gathered and summed. Each device receives ``k * (P - 1)`` pairs,
-  which grows with P.
-* :func:`topka2a` (TopKA2A, Peng et al. 2024): shard-wise top-k, one AlltoAll to the
-  shards' owners, a scatter-add there, and an AllGather of the dense shards.
-  The volume no longer grows with P.
-* :func:`topka2a_sparse`: TopKA2A whose owners re-select the top of their
-  summed shard, so the second phase is a sparse AllGather too: O(k) volume.
-* :func:`two_level`: for clusters, a dense reduce-scatter inside each node,
-  one of the above between nodes on one slice per device, and an all-gather
-  inside the node.
+* :func:`allgather` ("TopkA"): every device's top-k pairs all-gathered.
+* :func:`topka2a`: TopKA2A (Peng et al., ICPP 2024): shard-wise top-k, one
+  AlltoAll to the shards' owners, an AllGather of the dense shards.
+* :func:`topka2a_sparse`: TopKA2A whose second phase is sparse too.
+* :func:`two_level`: over a pair of mesh axes ``(node, local)``: dense
+  inside each node, one of the above between nodes.
+* :func:`powersgd`: PowerSGD's rank-r exchange of matrices.
 
-The sparse ones take ``selection`` (``"exact"`` top-k, or ``"threshold"``,
-see :mod:`topka2a_jax.threshold`) and ``value_dtype`` (values on the wire,
-e.g. bfloat16; accumulation stays in the buffer's dtype and the rounding
-stays in the residual), and send indices in the narrowest unsigned type that
-fits.
+:data:`ALGORITHMS` names every exchange with its cost terms; the
+collective of each is :data:`COLLECTIVES` of the same name. :data:`SELECTIONS`
+names the ways of choosing the top entries.
 
 Example:
   >>> mesh = jax.make_mesh((8,), ("data",))
@@ -30,446 +26,56 @@ Example:
   ...                       NamedSharding(mesh, P("data")))  # row i: device i's
   >>> @jax.jit
   ... @jax.shard_map(mesh=mesh, in_specs=P("data"), out_specs=(P(), P("data")))
-  ... def exchange(row):
-  ...   mean, unsent = topka2a(row[0], "data", density=0.1)
+  ... def average(row):
+  ...   mean, unsent = topka2a_jax.collectives.topka2a(row[0], "data", density=0.1)
   ...   return mean, unsent[None]
-  >>> mean, unsent = exchange(rows)
+  >>> mean, unsent = average(rows)
   >>> bool(jnp.allclose(8 * mean + unsent.sum(0), rows.sum(0)))  # nothing lost
   True
-
-References:
-  Peng, Li, Shi, Li. The TopKA2A algorithm (shard-wise top-k, an AlltoAll
-  to the shards' owners). In Proceedings of the 53rd International
-  Conference on Parallel Processing (ICPP 2024). doi:10.1145/3673038.3673140.
-
-  Shi et al. gTop-k S-SGD: global top-k sparsification, whose aggregated
-  entries not sent stay with the aggregating worker, as in
-  :func:`topka2a_sparse`. ICDCS 2019.
-
-  Renggli, Ashkboos, Aghagolzadeh, Alistarh, Hoefler. "SparCML: High-Performance
-  Sparse Communication for Machine Learning" (the allgather of top-k pairs).
-  SC 2019.
 """
 
-from __future__ import annotations
-
-from collections.abc import Callable, Hashable
-from typing import NamedTuple, Protocol
-
-import jax
-import jax.numpy as jnp
-from jax import lax
-
-from topka2a_jax.axis import bound_axis_size
-from topka2a_jax.selection import (
-  ShardLayout,
-  approx_magnitudes,
-  check_selection,
-  sparse_count,
-  top_magnitudes,
+from topka2a_jax._src.collectives import algorithms as _algorithms
+from topka2a_jax._src.collectives import exchanges as _exchanges
+from topka2a_jax._src.collectives.algorithms import Algorithm
+from topka2a_jax._src.collectives.exchanges import (
+  ExchangeResult,
+  allgather,
+  auto_choice,
+  dense,
+  get_selection,
+  topka2a,
+  topka2a_sparse,
+  two_level,
 )
-from topka2a_jax.threshold import threshold_magnitudes
-from topka2a_jax.wire import WireFormat
-
-
-class Exchange(NamedTuple):
-  """Result of one collective on one device.
-
-  Attributes:
-    mean: the mean of every device's buffer as aggregated, shape ``(n,)``;
-      bitwise identical on all devices of the axis.
-    unsent: this device's buffer minus what it sent, shape ``(n,)``; adding
-      it to the next step's gradient is error feedback.
-  """
-
-  mean: jax.Array
-  unsent: jax.Array
-
-
-Selection = Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]
-
-
-def auto_choice() -> str:
-  """The selection ``"auto"`` runs on this backend; see :func:`auto_magnitudes`."""
-  return "approx" if jax.default_backend() == "tpu" else "threshold"
-
-
-def auto_magnitudes(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-  """The selection for this backend and row size: ``selection="auto"``.
-
-  * TPU: ``approx_max_k``, the one backend its documentation says it is
-    optimised for (unmeasured here: the repo has no TPU runs).
-  * Other backends: the threshold search (:mod:`topka2a_jax.threshold`). On
-    a CPU, ``benchmarks/selection.py`` measures it 2 to 22 times faster than
-    the exact sort on rows of 1M to 100M entries (5 to 22 from 25M up),
-    and ``approx_max_k`` no faster than the sort. On GPUs it is the choice
-    until ``benchmarks/gpu.py`` measures otherwise. Rows too short for it
-    to gain, and selections of more than a quarter of a row, sort
-    exactly (it falls back by itself).
-
-  Args:
-    rows: ``(R, n)`` floating array.
-    k: entries per row.
-
-  Returns:
-    ``(values, indices)`` as every selection returns them.
-  """
-  return SELECTIONS[auto_choice()](rows, k)
-
-
-SELECTIONS: dict[str, Selection] = {
-    "auto": auto_magnitudes,
-    "exact": top_magnitudes,
-    "threshold": threshold_magnitudes,
-    "approx": approx_magnitudes,
-}
-"""How the sparse collectives pick entries: ``(rows, k) -> (values, indices)``."""
-
-
-def get_selection(name: str) -> Selection:
-  """The selection called ``name``, or a ValueError listing the choices."""
-  check_selection(name)
-  return SELECTIONS[name]
-
-
-def _check_buffer(buffer: jax.Array) -> None:
-  if buffer.ndim != 1 or buffer.shape[0] == 0:
-    raise ValueError(
-        f"expected a non-empty 1-D buffer, got shape {buffer.shape}; flatten "
-        "the gradient first (the optax transform does this for you)"
-    )
-  if not jnp.issubdtype(buffer.dtype, jnp.floating):
-    raise TypeError(f"expected a floating buffer, got dtype {buffer.dtype}")
-
-
-def _gated(values: jax.Array, send: jax.Array | None) -> jax.Array:
-  """``values``, or zeros where ``send`` is False (a skipped step sends nothing)."""
-  return values if send is None else jnp.where(send, values, jnp.zeros_like(values))
-
-
-def _scatter_add_rows(
-    length: int, indices: jax.Array, values: jax.Array
-) -> jax.Array:
-  """Sums sparse rows into a dense ``(length,)`` array, row 0 first.
-
-  Indices are distinct within a row, so every row is a conflict-free scatter
-  and the order of additions is fixed: the result is deterministic on every
-  backend (a single scatter with duplicate indices is not on GPUs).
-  """
-
-  def add_row(row, dense):
-    return dense.at[indices[row]].add(values[row], unique_indices=True)
-
-  zeros = jnp.zeros_like(values, shape=(length,))  # same varying axes
-  return lax.fori_loop(0, indices.shape[0], add_row, zeros)
-
-
-def dense(
-    buffer: jax.Array, axis_name: Hashable, density: float, *,
-    value_dtype: jnp.dtype | None = None, selection: str = "exact",
-    send: jax.Array | None = None,
-) -> Exchange:
-  """The dense mean, ``lax.pmean``; sends everything, so nothing is unsent.
-
-  Args:
-    buffer: this device's 1-D floating buffer.
-    axis_name: the mesh axis to average over.
-    density: ignored; every entry is sent.
-    value_dtype: ignored: an all-reduce adds in transit, so it runs in the
-      buffer's dtype.
-    selection: ignored; nothing is selected.
-    send: a boolean scalar, the same on every device, or None (True). False
-      sends nothing: the mean is zero and the whole buffer stays unsent (a
-      skipped step).
-
-  Returns:
-    The :class:`Exchange`.
-
-  Example:
-    >>> mesh = jax.make_mesh((8,), ("data",))
-    >>> rows = jax.device_put(jnp.arange(8.0)[:, None] * jnp.ones((8, 3)),
-    ...                       NamedSharding(mesh, P("data")))
-    >>> jax.jit(jax.shard_map(lambda row: dense(row[0], "data", 1.0).mean, mesh=mesh,
-    ...               in_specs=P("data"), out_specs=P()))(rows)
-    Array([3.5, 3.5, 3.5], dtype=float32)
-  """
-  del density, value_dtype, selection
-  _check_buffer(buffer)
-  bound_axis_size(axis_name)
-  if send is None:
-    return Exchange(lax.pmean(buffer, axis_name), jnp.zeros_like(buffer))
-  zeros = jnp.zeros_like(buffer)
-  return Exchange(lax.pmean(jnp.where(send, buffer, zeros), axis_name),
-                  jnp.where(send, zeros, buffer))
-
-
-def allgather(
-    buffer: jax.Array, axis_name: Hashable, density: float, *,
-    value_dtype: jnp.dtype | None = None, selection: str = "exact",
-    send: jax.Array | None = None,
-) -> Exchange:
-  """TopkA: all-gather every device's top-k pairs and sum them everywhere.
-
-  Each device selects ``k = ceil(density * n)`` entries of its whole buffer
-  by magnitude and all-gathers them with their global indices (one message);
-  every device then adds the ``P * k`` pairs into a dense buffer, in device
-  order, and divides by ``P``.
-
-  Args:
-    buffer: this device's 1-D floating buffer of ``n`` elements.
-    axis_name: the mesh axis to average over.
-    density: fraction of entries to send, in (0, 1].
-    value_dtype: dtype of the values on the wire; None sends them as they are.
-    selection: a key of :data:`SELECTIONS` (``"auto"``, ``"exact"``,
-      ``"threshold"`` or ``"approx"``).
-    send: as in :func:`dense`: False sends nothing.
-
-  Returns:
-    The :class:`Exchange`.
-
-  Example:
-    >>> mesh = jax.make_mesh((8,), ("data",))
-    >>> rows = jax.device_put(jnp.eye(8) * 8, NamedSharding(mesh, P("data")))
-    >>> jax.jit(jax.shard_map(lambda row: allgather(row[0], "data", 1 / 8).mean,
-    ...               mesh=mesh, in_specs=P("data"), out_specs=P()))(rows)
-    Array([1., 1., 1., 1., 1., 1., 1., 1.], dtype=float32)
-  """
-  _check_buffer(buffer)
-  num_devices = bound_axis_size(axis_name)
-  length = buffer.shape[0]
-  fmt = WireFormat.create(value_dtype, length, buffer.dtype)
-  select = get_selection(selection)
-  values, indices = select(buffer[None], sparse_count(length, density))
-  values = _gated(fmt.rounded(values), send)
-  gathered = lax.all_gather(fmt.encode(values, indices), axis_name, tiled=True,
-                            to="invarying")
-  all_values, all_indices = fmt.decode(gathered, buffer.dtype)
-  total = _scatter_add_rows(length, all_indices, all_values)
-  unsent = buffer.at[indices[0]].add(-values[0], unique_indices=True)
-  return Exchange(total / num_devices, unsent)
-
-
-def to_owners(
-    buffer: jax.Array, axis_name: Hashable, density: float,
-    value_dtype: jnp.dtype | None, select: Selection, send: jax.Array | None = None,
-) -> tuple[ShardLayout, WireFormat, jax.Array, jax.Array]:
-  """TopKA2A's first phase: shard-wise top-k, one AlltoAll, sum at the owner.
-
-  ``send=False`` sends zeros: every owned shard sums to zero and the whole
-  buffer stays unsent.
-
-  Returns:
-    ``(layout, wire format, owned, unsent)``: this device's summed shard
-    ``(shard_length,)`` and its unsent entries as ``(P, shard_length)``.
-  """
-  _check_buffer(buffer)
-  num_devices = bound_axis_size(axis_name)
-  layout = ShardLayout.create(buffer.shape[0], num_devices, density)
-  fmt = WireFormat.create(value_dtype, layout.shard_length, buffer.dtype)
-  shards = jnp.pad(buffer, (0, layout.padded_length - layout.length)).reshape(
-      num_devices, layout.shard_length)
-  values, indices = select(shards, layout.per_shard)
-  values = _gated(fmt.rounded(values), send)
-  received = lax.all_to_all(fmt.encode(values, indices), axis_name, 0, 0,
-                            tiled=True)
-  from_values, from_indices = fmt.decode(received, buffer.dtype)
-  owned = _scatter_add_rows(layout.shard_length, from_indices, from_values)
-  # One scatter at flat positions: in place, where a scatter over (row,
-  # column) pairs copies the whole buffer first on XLA's CPU backend.
-  flat = indices + layout.shard_length * jnp.arange(num_devices)[:, None]
-  unsent = shards.reshape(-1).at[flat.ravel()].add(
-      -values.ravel(), unique_indices=True).reshape(shards.shape)
-  return layout, fmt, owned, unsent
-
-
-def add_to_own_row(rows: jax.Array, axis_name: Hashable, row: jax.Array) -> jax.Array:
-  """``rows`` with ``row`` added to row ``i``, for device ``i`` of the axis.
-
-  Used for an owner's shard-sized leftover, and for a device's slice of a
-  residual: one update of a row at a dynamic index, in place.
-  """
-  return rows.at[lax.axis_index(axis_name)].add(row)
-
-
-def topka2a(
-    buffer: jax.Array, axis_name: Hashable, density: float, *,
-    value_dtype: jnp.dtype | None = None, selection: str = "exact",
-    send: jax.Array | None = None,
-) -> Exchange:
-  """TopKA2A: shard-wise top-k, AlltoAll to owners, AllGather of the shards.
-
-  1. Pad the buffer to ``P`` equal contiguous shards; shard ``i`` is owned by
-     device ``i``. Select the top ``ceil(k / P)`` of every shard by
-     magnitude, so each (sender, owner) pair carries the same number of
-     entries.
-  2. One ``all_to_all`` sends shard ``i``'s values and shard-local indices to
-     device ``i``.
-  3. Each owner adds the ``P`` received pieces into a dense zero shard: the
-     exact sum of everyone's selection for that shard.
-  4. A tiled ``all_gather`` of the dense shards, divided by ``P``, gives every
-     device the whole, identical mean. With a narrower ``value_dtype`` the
-     owner keeps the rounding of its shard in its own residual.
-
-  Args:
-    buffer: this device's 1-D floating buffer of ``n`` elements.
-    axis_name: the mesh axis to average over.
-    density: fraction of entries to send, in (0, 1].
-    value_dtype: dtype of the values on the wire; None sends them as they are.
-    selection: a key of :data:`SELECTIONS` (``"auto"``, ``"exact"``,
-      ``"threshold"`` or ``"approx"``).
-    send: as in :func:`dense`: False sends nothing.
-
-  Returns:
-    The :class:`Exchange`.
-
-  Example:
-    >>> mesh = jax.make_mesh((8,), ("data",))
-    >>> rows = jax.device_put(jnp.eye(8) * 8, NamedSharding(mesh, P("data")))
-    >>> jax.jit(jax.shard_map(lambda row: topka2a(row[0], "data", 1 / 8).mean,
-    ...               mesh=mesh, in_specs=P("data"), out_specs=P()))(rows)
-    Array([1., 1., 1., 1., 1., 1., 1., 1.], dtype=float32)
-  """
-  layout, fmt, owned, unsent = to_owners(buffer, axis_name, density, value_dtype,
-                                          get_selection(selection), send)
-  shard_mean = owned / layout.num_shards
-  if fmt.value_dtype != buffer.dtype:
-    sent = fmt.rounded(shard_mean)
-    unsent = add_to_own_row(unsent, axis_name, owned - sent * layout.num_shards)
-    shard_mean = sent
-  gathered = fmt.decode_values(
-      lax.all_gather(fmt.encode_values(shard_mean), axis_name, tiled=True,
-                     to="invarying"), buffer.dtype)
-  return Exchange(gathered[: layout.length], unsent.reshape(-1)[: layout.length])
-
-
-def topka2a_sparse(
-    buffer: jax.Array, axis_name: Hashable, density: float, *,
-    value_dtype: jnp.dtype | None = None, selection: str = "exact",
-    send: jax.Array | None = None,
-) -> Exchange:
-  """TopKA2A with a sparse second phase: O(k) volume, independent of n and P.
-
-  Steps 1 to 3 are :func:`topka2a`'s. Then each owner selects the top
-  ``ceil(k / P)`` of its summed shard and one tiled ``all_gather`` of those
-  (value, index) pairs gives every device the mean. What the owner did not
-  send of its summed shard stays in the owner's residual, so across the axis
-  nothing is lost.
-
-  Args:
-    buffer: this device's 1-D floating buffer of ``n`` elements.
-    axis_name: the mesh axis to average over.
-    density: fraction of entries to send, in (0, 1], in each phase.
-    value_dtype: dtype of the values on the wire; None sends them as they are.
-    selection: a key of :data:`SELECTIONS` (``"auto"``, ``"exact"``,
-      ``"threshold"`` or ``"approx"``).
-    send: as in :func:`dense`: False sends nothing.
-
-  Returns:
-    The :class:`Exchange`.
-
-  Example:
-    >>> mesh = jax.make_mesh((8,), ("data",))
-    >>> rows = jax.device_put(jnp.eye(8) * 8, NamedSharding(mesh, P("data")))
-    >>> jax.jit(jax.shard_map(lambda row: topka2a_sparse(row[0], "data", 1 / 8).mean,
-    ...               mesh=mesh, in_specs=P("data"), out_specs=P()))(rows)
-    Array([1., 1., 1., 1., 1., 1., 1., 1.], dtype=float32)
-  """
-  select = get_selection(selection)
-  layout, fmt, owned, unsent = to_owners(buffer, axis_name, density, value_dtype,
-                                          select, send)
-  values, indices = select(owned[None], layout.per_shard)
-  values = fmt.rounded(values)
-  unsent = add_to_own_row(
-      unsent, axis_name, owned.at[indices[0]].add(-values[0], unique_indices=True))
-  gathered = lax.all_gather(fmt.encode(values, indices), axis_name, tiled=True,
-                            to="invarying")
-  from_values, from_indices = fmt.decode(gathered, buffer.dtype)
-  positions = from_indices + layout.shard_length * jnp.arange(layout.num_shards)[:, None]
-  # Owners' positions never collide, so each entry is one owner's sum and
-  # may be divided before it is placed; positions in the padding hold zeros.
-  mean = jnp.zeros((layout.length,), buffer.dtype).at[positions.ravel()].set(
-      from_values.ravel() / layout.num_shards, mode="drop", unique_indices=True)
-  return Exchange(mean, unsent.reshape(-1)[: layout.length])
-
-
-COLLECTIVES: dict[str, Collective] = {
-    "dense": dense, "allgather": allgather, "topka2a": topka2a,
-    "topka2a_sparse": topka2a_sparse,
-}
-"""The collective of every exchange in :data:`topka2a_jax.algorithms.REGISTRY`, by name."""
-
-
-def two_level(
-    buffer: jax.Array, axis_name: tuple[Hashable, Hashable], density: float, *,
-    value_dtype: jnp.dtype | None = None, selection: str = "exact",
-    outer: Callable[..., Exchange] = topka2a, send: jax.Array | None = None,
-) -> Exchange:
-  """Dense inside a node, sparse between nodes: reduce-scatter, exchange, all-gather.
-
-  ``axis_name`` is ``(outer axis, inner axis)``, e.g. ``("node", "local")``:
-  the inner axis joins the devices of one node by a fast link, the outer
-  axis the nodes by a slow one. With ``L`` devices per node:
-
-  1. ``lax.psum_scatter`` over the inner axis: device ``j`` of a node gets
-     its node's sum of slice ``j`` of the buffer (``m = ceil(n / L)``
-     entries; the buffer is zero-padded to ``L m``).
-  2. ``outer`` (a sparse exchange of this module) over the outer axis on that
-     slice, with the devices that hold slice ``j`` in the other nodes.
-  3. ``lax.all_gather`` over the inner axis of the slices' means.
-
-  The slow link then carries one slice per device instead of the whole
-  buffer, and what the outer exchange does not send is this device's slice
-  of its node's unsent sum: adding it to slice ``j`` of the next buffer
-  (error feedback) puts it back into that slice's node sum. So each device
-  keeps ``m`` unsent entries, not ``n``.
-
-  Args:
-    buffer: this device's 1-D floating buffer of ``n`` elements.
-    axis_name: ``(outer, inner)`` mesh axes.
-    density: fraction of each slice sent over the outer axis, in (0, 1].
-    value_dtype: dtype of the values on the outer wire; None sends them as
-      they are.
-    selection: a key of :data:`SELECTIONS`.
-    outer: the exchange over the outer axis: :func:`topka2a` (the default),
-      :func:`topka2a_sparse`, :func:`allgather` or :func:`dense`.
-    send: as in :func:`dense`, for the exchange between nodes: False makes
-      the mean zero and leaves each device its slice of its node's sum.
-
-  Returns:
-    The :class:`Exchange`: the mean over both axes (``n`` entries), and what
-    was not sent of this device's slice (``m`` entries, zero in the padding).
-
-  Example:
-    >>> mesh = jax.make_mesh((2, 4), ("node", "local"))
-    >>> rows = jax.device_put(jnp.arange(8 * 16.0).reshape(8, 16),
-    ...                       NamedSharding(mesh, P(("node", "local"))))
-    >>> @jax.jit
-    ... @jax.shard_map(mesh=mesh, in_specs=P(("node", "local")),
-    ...                out_specs=(P(), P(("node", "local"))))
-    ... def exchange(row):
-    ...   mean, unsent = two_level(row[0], ("node", "local"), density=0.5)
-    ...   return mean, unsent[None]
-    >>> mean, unsent = exchange(rows)  # unsent: (8, 4), one slice per device
-    >>> owed = np.asarray(unsent).reshape(2, 16).sum(0)  # nodes' slices, side by side
-    >>> bool(jnp.allclose(8 * mean + owed, rows.sum(0)))  # nothing lost
-    True
-  """
-  _check_buffer(buffer)
-  outer_axis, inner_axis = axis_name
-  per_node = bound_axis_size(inner_axis)
-  length = buffer.shape[0]
-  width = -(-length // per_node)
-  rows = jnp.pad(buffer, (0, per_node * width - length)).reshape(per_node, width)
-  node_sum = lax.psum_scatter(rows, inner_axis, scatter_dimension=0, tiled=True)[0]
-  result = outer(node_sum, outer_axis, density, value_dtype=value_dtype,
-                 selection=selection, send=send)
-  mean = lax.all_gather(result.mean / per_node, inner_axis, tiled=True, to="invarying")
-  return Exchange(mean[:length], result.unsent)
-
-
-class Collective(Protocol):
-  """The signature every exchange shares."""
-
-  def __call__(self, buffer: jax.Array, axis_name: Hashable, density: float, *,
-               value_dtype: jnp.dtype | None = None, selection: str = "exact",
-               send: jax.Array | None = None) -> Exchange: ...
+from topka2a_jax._src.collectives.low_rank import initial_factor, powersgd
+
+ALGORITHMS = _algorithms.ALGORITHMS
+"""Every exchange of a flat buffer by the name ``topka2a(algorithm=...)`` takes:
+an :class:`Algorithm` (its phases, cost terms and where unsent entries wait)."""
+
+COLLECTIVES = _exchanges.COLLECTIVES
+"""The collective of every name in :data:`ALGORITHMS`: ``COLLECTIVES["topka2a"]``
+is :func:`topka2a`."""
+
+SELECTIONS = _exchanges.SELECTIONS
+"""The ways of choosing which entries to send, by the name ``selection=``
+takes: ``"exact"`` (``lax.top_k``), ``"threshold"`` (a magnitude bound found
+without a sort), ``"approx"`` (``lax.approx_max_k``) and ``"auto"`` (the
+fastest for the backend, :func:`auto_choice`)."""
+
+__all__ = [
+  "ALGORITHMS",
+  "COLLECTIVES",
+  "SELECTIONS",
+  "Algorithm",
+  "ExchangeResult",
+  "allgather",
+  "auto_choice",
+  "dense",
+  "get_selection",
+  "initial_factor",
+  "powersgd",
+  "topka2a",
+  "topka2a_sparse",
+  "two_level",
+]

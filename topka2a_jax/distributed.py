@@ -1,145 +1,30 @@
-"""Joining JAX's multi-process runtime, locally or on a cluster.
+"""Several processes (hosts): joining JAX's runtime, and a launcher for one machine.
 
-JAX's multi-controller runtime (``jax.distributed``) runs one process per
-host (or per group of devices); the mesh then spans every process's devices
-and the collectives cross processes: NCCL on GPUs, gloo over TCP on CPUs.
-:func:`initialize` is the one call a training script makes first. It reads
-the coordinator, process count and rank that ``python -m topka2a_jax.launch``
-sets, or else ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
-``JAX_PROCESS_ID`` (set them on each host of a cluster), or else leaves them
-to JAX's own detection (SLURM, Open MPI, Kubernetes and cloud TPU
-environments).
+A script calls :func:`initialize` before any other JAX call. It reads the
+coordinator, process count and rank from the variables :func:`launch` sets
+(:data:`COORDINATOR`, :data:`NUM_PROCESSES`, :data:`PROCESS_ID`) or from a
+cluster's own (SLURM, Open MPI, Kubernetes, through
+``jax.distributed.initialize``), and ends the process at once when it raises,
+so that the others stop instead of waiting on it. :func:`launch` starts N
+processes of one script on this machine, stops them all when one fails, and
+names it (the command line: ``python tools/launch.py -n N SCRIPT``).
 
-Example (in a script that ``python -m topka2a_jax.launch`` or a cluster
-starts once per process; it cannot run in an interactive session that has
-already used JAX):
-
+Example:
   >>> import topka2a_jax.distributed
   >>> topka2a_jax.distributed.initialize()  # doctest: +SKIP
-  >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))  # every process's
 """
 
-from __future__ import annotations
+from topka2a_jax._src.training import distributed as _distributed
+from topka2a_jax._src.training.distributed import initialize
+from topka2a_jax._src.training.launch import launch
 
-import os
-import sys
+COORDINATOR = _distributed.COORDINATOR
+"""The environment variable with process 0's ``host:port``, set by :func:`launch`."""
 
-import jax
+NUM_PROCESSES = _distributed.NUM_PROCESSES
+"""The environment variable with the number of processes, set by :func:`launch`."""
 
-COORDINATOR = "TOPKA2A_COORDINATOR"
-NUM_PROCESSES = "TOPKA2A_NUM_PROCESSES"
-PROCESS_ID = "TOPKA2A_PROCESS_ID"
+PROCESS_ID = _distributed.PROCESS_ID
+"""The environment variable with this process's rank, set by :func:`launch`."""
 
-
-VARIABLES = (
-    (COORDINATOR, NUM_PROCESSES, PROCESS_ID),
-    ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"),
-)
-"""Where :func:`initialize` looks, in order: the launcher's, then per host."""
-
-
-def launched() -> bool:
-  """Whether this process was started by ``python -m topka2a_jax.launch``."""
-  return COORDINATOR in os.environ
-
-
-def from_environment() -> tuple[str, int, int] | None:
-  """Coordinator address, process count and rank, if the environment sets them.
-
-  Returns:
-    The first complete set of :data:`VARIABLES`, or None when neither is set
-    completely (JAX's cluster detection then applies).
-
-  Raises:
-    ValueError: the process count or rank is not an integer.
-
-  Example:
-    >>> from unittest import mock
-    >>> with mock.patch.dict(os.environ, JAX_COORDINATOR_ADDRESS="host0:1234",
-    ...                      JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="1"):
-    ...   print(from_environment())
-    ('host0:1234', 2, 1)
-  """
-  for names in VARIABLES:
-    if all(name in os.environ for name in names):
-      address, count, rank = (os.environ[name] for name in names)
-      try:
-        return address, int(count), int(rank)
-      except ValueError:
-        raise ValueError(
-            f"{names[1]}={count!r} and {names[2]}={rank!r} must be integers "
-            f"(the process count and this process's rank)") from None
-  return None
-
-
-FAILED_STATUS = 1
-"""The exit status of a process that :func:`initialize` ends on an uncaught
-exception (Python's own for one)."""
-
-
-def _exit_at_once(previous):
-  """An excepthook: ``previous`` prints the traceback, then the process ends.
-
-  Without it, an uncaught exception after ``jax.distributed.initialize``
-  runs JAX's shutdown at exit, a barrier that waits (5 minutes by default)
-  for the peers, which meanwhile wait in a collective for this process: the
-  whole job hangs, then aborts with another status.
-  """
-  def hook(kind, value, traceback):
-    previous(kind, value, traceback)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(FAILED_STATUS)
-
-  return hook
-
-
-def initialize(*, fail_fast: bool = True,
-               heartbeat_timeout_seconds: int | None = None,
-               shutdown_timeout_seconds: int | None = None) -> None:
-  """Joins the multi-process runtime; call it before any other JAX call.
-
-  CPU collectives across processes use gloo (JAX's default CPU client has
-  none); GPUs keep NCCL. With nothing in the environment and no cluster to
-  detect, ``jax.distributed.initialize`` raises: call this only when you
-  mean to run several processes.
-
-  Args:
-    fail_fast: an uncaught exception ends this process at once, with status
-      :data:`FAILED_STATUS` after its traceback, instead of waiting in JAX's
-      shutdown barrier for peers that wait for it. Then
-      ``python -m topka2a_jax.launch`` stops the others within seconds and
-      names the failed rank; under another launcher (SLURM, torchrun-style),
-      the peers stop when JAX's coordination service misses this process's
-      heartbeats, after ``heartbeat_timeout_seconds``. A ``sys.exit(n)``
-      runs the shutdown barrier as usual: leave through an exception, or
-      ``os._exit(n)``, where the peers may be blocked.
-    heartbeat_timeout_seconds: seconds after which the coordination service
-      counts a silent process as dead and stops the job (JAX's default:
-      100). Lower it to end a job whose process died (killed, out of memory)
-      sooner.
-    shutdown_timeout_seconds: how long a finishing process waits at exit for
-      the others to finish (JAX's default: 300).
-
-  Raises:
-    ValueError: the process count or rank in the environment is malformed.
-
-  Example:
-    >>> initialize(heartbeat_timeout_seconds=20)  # doctest: +SKIP
-    >>> jax.process_count()  # doctest: +SKIP
-    4
-  """
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  timeouts = {name: value for name, value in (
-      ("heartbeat_timeout_seconds", heartbeat_timeout_seconds),
-      ("shutdown_timeout_seconds", shutdown_timeout_seconds)) if value is not None}
-  settings = from_environment()
-  if settings is None:
-    jax.distributed.initialize(**timeouts)
-  else:
-    address, num_processes, process_id = settings
-    jax.distributed.initialize(coordinator_address=address,
-                               num_processes=num_processes, process_id=process_id,
-                               **timeouts)
-  if fail_fast:
-    sys.excepthook = _exit_at_once(sys.excepthook)
+__all__ = ["COORDINATOR", "NUM_PROCESSES", "PROCESS_ID", "initialize", "launch"]

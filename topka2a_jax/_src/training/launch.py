@@ -1,10 +1,8 @@
 """Starts N local JAX processes on one script, as a multi-host job would.
 
-Usage::
-
-  python -m topka2a_jax.launch -n 4 [--devices-per-process 2] SCRIPT [ARGS...]
-
-Every process runs ``SCRIPT ARGS`` with a loopback coordinator, its rank and
+:func:`launch` runs one command in N processes (the command line is
+``python tools/launch.py -n 4 [--devices-per-process 2] SCRIPT [ARGS...]``).
+Every process runs the command with a loopback coordinator, its rank and
 the process count in the environment (read by
 :func:`topka2a_jax.distributed.initialize`), ``devices-per-process`` emulated
 CPU devices, and gloo collectives over TCP. Output lines are forwarded with a
@@ -12,16 +10,10 @@ CPU devices, and gloo collectives over TCP. Output lines are forwarded with a
 launcher says which rank failed and exits with its status; it exits 0 when
 all succeed. SIGTERM, SIGINT or SIGHUP to the launcher stop every process
 before it exits (with 128 + the signal's number).
-
-Example:
-  $ python -m topka2a_jax.launch -n 2 --devices-per-process 2 train.py --steps 5
-  [0] 4 devices in 2 processes
-  [1] 4 devices in 2 processes
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import socket
@@ -31,7 +23,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from topka2a_jax.distributed import COORDINATOR, NUM_PROCESSES, PROCESS_ID
+from topka2a_jax._src.training.distributed import COORDINATOR, NUM_PROCESSES, PROCESS_ID
 
 GRACE_SECONDS = 5.0
 """How long a process stopped by a signal to the launcher gets to exit before
@@ -143,7 +135,7 @@ def launch(command: Sequence[str], num_processes: int, devices_per_process: int,
       signal.signal(number, handler)
   if failed_rank is not None:
     others = sum(1 for rank in range(len(processes)) if rank != failed_rank)
-    print(f"topka2a_jax.launch: process {failed_rank} of {len(processes)} failed "
+    print(f"launch: process {failed_rank} of {len(processes)} failed "
           f"with status {status}; stopped the other {others}", file=sys.stderr,
           flush=True)
   return status
@@ -173,26 +165,3 @@ def _stop_on_signals() -> dict[int, object]:
 def _status(returncode: int) -> int:
   """An exit status: a process killed by signal N counts as 128 + N."""
   return 128 - returncode if returncode < 0 else returncode
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(
-      prog="python -m topka2a_jax.launch",
-      description="Start N local JAX processes (gloo collectives over loopback) "
-                  "on one script; the script calls topka2a_jax.distributed.initialize().")
-  parser.add_argument("-n", "--num-processes", type=int, required=True)
-  parser.add_argument("--devices-per-process", type=int, default=1,
-                      help="emulated CPU devices in each process (default 1)")
-  parser.add_argument("script", help="the Python script every process runs")
-  parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
-  options = parser.parse_args(argv)
-  if options.num_processes < 1 or options.devices_per_process < 1:
-    parser.error("-n and --devices-per-process must be at least 1")
-  if not os.path.isfile(options.script):
-    parser.error(f"no such script: {options.script}")
-  return launch([sys.executable, options.script, *options.args],
-                options.num_processes, options.devices_per_process)
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -71,7 +71,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from topka2a_jax.selection import top_magnitudes
+from topka2a_jax._src.collectives.selection import top_magnitudes
 
 GROUPS_PER_ENTRY = 24
 """Groups per selected entry: fewer, larger groups lose more mass to entries

@@ -1,12 +1,12 @@
 """Command-line planner: predicted buckets and speedups before anything runs.
 
 Usage:
-  python -m topka2a_jax.plan --model resnet50 --devices 32 --density 0.01 \\
+  python tools/plan.py --model resnet50 --devices 32 --density 0.01 \\
       --network eth10
-  python -m topka2a_jax.plan --params 25000000 --devices 8 --density 0.05
-  python -m topka2a_jax.plan --model resnet50 --devices 4 --density 0.01 \\
+  python tools/plan.py --params 25000000 --devices 8 --density 0.05
+  python tools/plan.py --model resnet50 --devices 4 --density 0.01 \\
       --network eth1 --rank 4
-  python -m topka2a_jax.plan --model gpt2-small --devices 64 --density 0.01 \\
+  python tools/plan.py --model gpt2-small --devices 64 --density 0.01 \\
       --devices-per-node 8 --network eth10 --inner-network nvlink
 
 Prints the fusion plan (one row per bucket), the predicted step against
@@ -17,7 +17,7 @@ form nodes (``topka2a(axis_name=("node", "local"))``): ``--network`` is the
 link between nodes, ``--inner-network`` the one inside a node, and every
 sparse bucket takes the cheaper of the flat and the two-level route.
 ``--model`` takes the layer shapes of a
-known model (:data:`MODELS`, in the order its layers run; the backward pass
+known model (``model_shapes.MODELS``, in the order its layers run; the backward pass
 produces their gradients in reverse).
 """
 
@@ -27,16 +27,20 @@ import argparse
 import math
 import sys
 
-from topka2a_jax.algorithms import (
+from model_shapes import FORWARD_FLOPS, MODELS, Shapes
+
+from topka2a_jax import plan_fusion
+from topka2a_jax._src.collectives.algorithms import (
+  ALGORITHMS,
   ALLGATHER,
   AUTO,
   DENSE,
   POWERSGD,
-  REGISTRY,
   TOPKA2A,
   TOPKA2A_SPARSE,
 )
-from topka2a_jax.compute import DEVICES
+from topka2a_jax._src.options import DEFAULT_ALGORITHM, INNER_NETWORK
+from topka2a_jax._src.planner.compute import DEVICES
 from topka2a_jax.cost import (
   NETWORKS,
   Cluster,
@@ -45,90 +49,11 @@ from topka2a_jax.cost import (
   get_network,
   low_rank_step,
 )
-from topka2a_jax.fusion import plan_fusion
-from topka2a_jax.options import DEFAULT_ALGORITHM, INNER_NETWORK
-
-Shapes = list[tuple[str, tuple[int, ...]]]
-
-
-def _norm(name: str, width: int) -> Shapes:
-  return [(f"{name}.scale", (width,)), (f"{name}.bias", (width,))]
-
-
-def resnet50(classes: int = 1000) -> Shapes:
-  """ResNet-50 (He et al. 2016): bottleneck blocks [3, 4, 6, 3], batch norm."""
-  shapes: Shapes = [("conv1", (7, 7, 3, 64))] + _norm("bn1", 64)
-  channels = 64
-  for stage, (blocks, width) in enumerate(zip((3, 4, 6, 3), (64, 128, 256, 512))):
-    for block in range(blocks):
-      prefix = f"layer{stage + 1}.{block}"
-      shapes += [(f"{prefix}.conv1", (1, 1, channels, width))]
-      shapes += _norm(f"{prefix}.bn1", width)
-      shapes += [(f"{prefix}.conv2", (3, 3, width, width))]
-      shapes += _norm(f"{prefix}.bn2", width)
-      shapes += [(f"{prefix}.conv3", (1, 1, width, 4 * width))]
-      shapes += _norm(f"{prefix}.bn3", 4 * width)
-      if block == 0:
-        shapes += [(f"{prefix}.downsample", (1, 1, channels, 4 * width))]
-        shapes += _norm(f"{prefix}.downsample_bn", 4 * width)
-      channels = 4 * width
-  return shapes + [("fc.kernel", (channels, classes)), ("fc.bias", (classes,))]
-
-
-def bert_base(vocab: int = 30522, layers: int = 12, hidden: int = 768) -> Shapes:
-  """BERT-base (Devlin et al. 2019), with the pooler."""
-  shapes: Shapes = [
-      ("embeddings.word", (vocab, hidden)),
-      ("embeddings.position", (512, hidden)),
-      ("embeddings.token_type", (2, hidden)),
-  ] + _norm("embeddings.norm", hidden)
-  for layer in range(layers):
-    prefix = f"layer{layer}"
-    for proj in ("query", "key", "value", "output"):
-      shapes += [(f"{prefix}.attention.{proj}.kernel", (hidden, hidden)),
-                 (f"{prefix}.attention.{proj}.bias", (hidden,))]
-    shapes += _norm(f"{prefix}.attention.norm", hidden)
-    shapes += [(f"{prefix}.intermediate.kernel", (hidden, 4 * hidden)),
-               (f"{prefix}.intermediate.bias", (4 * hidden,)),
-               (f"{prefix}.output.kernel", (4 * hidden, hidden)),
-               (f"{prefix}.output.bias", (hidden,))]
-    shapes += _norm(f"{prefix}.output.norm", hidden)
-  return shapes + [("pooler.kernel", (hidden, hidden)), ("pooler.bias", (hidden,))]
-
-
-def gpt2_small(vocab: int = 50257, layers: int = 12, hidden: int = 768) -> Shapes:
-  """GPT-2 small (Radford et al. 2019), output embedding tied to the input."""
-  shapes: Shapes = [("wte", (vocab, hidden)), ("wpe", (1024, hidden))]
-  for layer in range(layers):
-    prefix = f"h{layer}"
-    shapes += _norm(f"{prefix}.ln_1", hidden)
-    shapes += [(f"{prefix}.attn.c_attn.kernel", (hidden, 3 * hidden)),
-               (f"{prefix}.attn.c_attn.bias", (3 * hidden,)),
-               (f"{prefix}.attn.c_proj.kernel", (hidden, hidden)),
-               (f"{prefix}.attn.c_proj.bias", (hidden,))]
-    shapes += _norm(f"{prefix}.ln_2", hidden)
-    shapes += [(f"{prefix}.mlp.c_fc.kernel", (hidden, 4 * hidden)),
-               (f"{prefix}.mlp.c_fc.bias", (4 * hidden,)),
-               (f"{prefix}.mlp.c_proj.kernel", (4 * hidden, hidden)),
-               (f"{prefix}.mlp.c_proj.bias", (hidden,))]
-  return shapes + _norm("ln_f", hidden)
-
-
-MODELS = {"resnet50": resnet50, "bert-base": bert_base, "gpt2": gpt2_small}
-"""Known models by the name ``--model`` takes."""
-
-FORWARD_FLOPS = {
-    "resnet50": (8.2e9, "4.1 G multiply-adds per 224 x 224 image"),
-    "bert-base": (2 * 110e6 * 128, "2 FLOP per parameter per token, 128 tokens"),
-    "gpt2": (2 * 124e6 * 1024, "2 FLOP per parameter per token, 1024 tokens"),
-}
-"""Forward FLOPs per sample of each known model, and how they are counted."""
-
 
 
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
-      prog="python -m topka2a_jax.plan", description=__doc__.splitlines()[0])
+      prog="python tools/plan.py", description=__doc__.splitlines()[0])
   model = parser.add_mutually_exclusive_group(required=True)
   model.add_argument("--model", choices=sorted(MODELS))
   model.add_argument("--params", type=int, help="one flat gradient of N elements")
@@ -146,10 +71,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="measured α in seconds (with --bandwidth, replaces --network)")
   parser.add_argument("--bandwidth", type=float, help="measured bytes per second")
   parser.add_argument(
-      "--algorithm", default=AUTO, choices=[AUTO, *REGISTRY],
+      "--algorithm", default=AUTO, choices=[AUTO, *ALGORITHMS],
       help=f"the exchange of every large bucket; default {AUTO}: each bucket its "
            f"cheapest (topka2a(...) itself defaults to {DEFAULT_ALGORITHM}). "
-           + "; ".join(f"{a.name}: {a.summary}" for a in REGISTRY.values()))
+           + "; ".join(f"{a.name}: {a.summary}" for a in ALGORITHMS.values()))
   parser.add_argument("--rank", type=int,
                       help="also price PowerSGD at this rank (algorithm='powersgd'); "
                            "needs --model, whose layer shapes it compresses")
@@ -212,11 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     _print_low_rank(shapes, args.devices, args.rank, network, plan)
   if args.devices > 1 and cluster is None:
     total = sum(sizes)
-    for exchange in (TOPKA2A, TOPKA2A_SPARSE):
-      dense = breakeven_density(exchange.name, DENSE.name, total, args.devices, network)
-      topka = breakeven_density(exchange.name, ALLGATHER.name, total, args.devices,
+    for sparse in (TOPKA2A, TOPKA2A_SPARSE):
+      dense = breakeven_density(sparse.name, DENSE.name, total, args.devices, network)
+      topka = breakeven_density(sparse.name, ALLGATHER.name, total, args.devices,
                                 network)
-      print(f"one {total:,}-element bucket: {exchange.title} beats dense below "
+      print(f"one {total:,}-element bucket: {sparse.title} beats dense below "
             f"density {_density(dense)} and beats {ALLGATHER.title} above density "
             f"{_density(topka)}")
   return 0

@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -24,31 +25,87 @@ import jax.numpy as jnp
 from jax import lax
 
 
-def axis_names(axis_name: Hashable) -> tuple[Hashable, ...]:
-  """The mesh axes a data axis is made of: ``("node", "local")``, or one.
+@dataclasses.dataclass(frozen=True)
+class DataAxis:
+  """The data-parallel axis, parsed once: one mesh axis, or a pair ``(outer, inner)``.
+
+  A pair (``("node", "local")``) is a cluster's nodes and the devices inside
+  each: the two-level exchange and the residuals' slices read it. Build it
+  with :meth:`parse`, which says what is wrong with a bad ``axis_name``.
+
+  Attributes:
+    name: the axis as JAX's collectives take it: ``"data"``, or the pair as
+      a tuple.
 
   Example:
-    >>> axis_names("data"), axis_names(("node", "local"))
-    (('data',), ('node', 'local'))
+    >>> axis = DataAxis.parse(("node", "local"))
+    >>> axis.names, axis.is_pair, axis.inner
+    (('node', 'local'), True, 'local')
+    >>> DataAxis.parse("data").size(jax.make_mesh((8,), ("data",)))
+    8
   """
-  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
+  name: Hashable = "data"
 
-def on_mesh(mesh: Any, axis_name: Hashable) -> bool:
-  """Whether ``mesh`` has every axis ``axis_name`` is made of."""
-  return all(name in mesh.axis_names for name in axis_names(axis_name))
+  @classmethod
+  def parse(cls, axis_name: Any) -> DataAxis:
+    """The record of ``axis_name`` (a record is returned as it is).
 
+    Raises:
+      TypeError: not a mesh axis name.
+      ValueError: a tuple that is not a pair.
+    """
+    if isinstance(axis_name, DataAxis):
+      return axis_name
+    if not isinstance(axis_name, Hashable):
+      raise TypeError(f"axis_name must be a mesh axis name, got {axis_name!r}")
+    if isinstance(axis_name, tuple) and len(axis_name) != 2:
+      raise ValueError(
+          f"axis_name={axis_name!r}: the data axis is one mesh axis, or a pair "
+          "(outer, inner) such as ('node', 'local') for the two-level exchange")
+    return cls(axis_name)
 
-def check_on_mesh(mesh: Any, axis_name: Hashable) -> None:
-  """Raises unless ``mesh`` has every axis ``axis_name`` is made of.
+  @property
+  def names(self) -> tuple[Hashable, ...]:
+    """The mesh axes it is made of: ``("node", "local")``, or one."""
+    return self.name if isinstance(self.name, tuple) else (self.name,)
 
-  Raises:
-    ValueError: naming the axis, the mesh's axes and the option to pass.
-  """
-  if not on_mesh(mesh, axis_name):
-    raise ValueError(f"mesh has no axis {axis_name!r}; its axes are "
-                     f"{mesh.axis_names}. Pass the data-parallel axis with "
-                     "axis_name=...")
+  @property
+  def is_pair(self) -> bool:
+    """Whether it is a pair ``(outer, inner)`` of mesh axes."""
+    return len(self.names) == 2
+
+  @property
+  def inner(self) -> Hashable:
+    """The axis inside a node: a pair's second, else the axis itself."""
+    return self.names[-1]
+
+  def on(self, mesh: Any) -> bool:
+    """Whether ``mesh`` has every mesh axis it is made of."""
+    return all(name in mesh.axis_names for name in self.names)
+
+  def check_on(self, mesh: Any) -> None:
+    """Raises unless ``mesh`` has every mesh axis it is made of.
+
+    Raises:
+      ValueError: naming the axis, the mesh's axes and the option to pass.
+    """
+    if not self.on(mesh):
+      raise ValueError(f"mesh has no axis {self.name!r}; its axes are "
+                       f"{mesh.axis_names}. Pass the data-parallel axis with "
+                       "axis_name=...")
+
+  def size(self, mesh: Any = None) -> int:
+    """Devices along it: on ``mesh``, or, without one, as bound by ``shard_map``."""
+    if mesh is None:
+      return bound_axis_size(self.name)
+    return math.prod(mesh.shape[name] for name in self.names)
+
+  def per_node(self, mesh: Any = None) -> int | None:
+    """A pair's inner size (devices per node), else None; read as :meth:`size`."""
+    if not self.is_pair:
+      return None
+    return DataAxis(self.inner).size(mesh)
 
 
 def is_bound(axis_name: Hashable) -> bool:
@@ -58,22 +115,6 @@ def is_bound(axis_name: Hashable) -> bool:
   except NameError:
     return False
   return True
-
-
-def mesh_axis_size(mesh: Any, axis_name: Hashable) -> int:
-  """Devices along ``axis_name`` of ``mesh``: the product over its axes."""
-  return math.prod(mesh.shape[name] for name in axis_names(axis_name))
-
-
-def devices_per_node(axis_name: Hashable, mesh: Any = None) -> int | None:
-  """The inner axis' size for a pair ``(outer, inner)`` of data axes, else None.
-
-  Read from ``mesh``, or, without one, from the axis bound by ``shard_map``.
-  """
-  names = axis_names(axis_name)
-  if len(names) == 1:
-    return None
-  return mesh.shape[names[1]] if mesh is not None else bound_axis_size(names[1])
 
 
 def bound_axis_size(axis_name: Hashable) -> int:
@@ -168,7 +209,7 @@ def is_varying(x: jax.Array, axis_name: Hashable) -> bool:
   Returns:
     True when ``x`` may differ between the devices of ``axis_name``.
   """
-  return set(axis_names(axis_name)) <= varying_axes(x)
+  return set(DataAxis.parse(axis_name).names) <= varying_axes(x)
 
 
 def as_varying(x: jax.Array, axis_name: Hashable) -> jax.Array:
@@ -182,4 +223,4 @@ def as_varying(x: jax.Array, axis_name: Hashable) -> jax.Array:
   """
   if not tracks_varying_axes(axis_name) or is_varying(x, axis_name):
     return x
-  return lax.pcast(x, axis_names(axis_name), to="varying")
+  return lax.pcast(x, DataAxis.parse(axis_name).names, to="varying")

@@ -21,10 +21,13 @@ from typing import Any
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from topka2a_jax import algorithms, low_rank
-from topka2a_jax.axis import axis_names, bound_axis_size, check_on_mesh
-from topka2a_jax.cost import AUTO_NETWORK, Cluster, Network, get_network
-from topka2a_jax.selection import check_selection
+from topka2a_jax._src.axis import DataAxis
+from topka2a_jax._src.collectives import algorithms, low_rank
+from topka2a_jax._src.collectives.selection import check_selection
+from topka2a_jax._src.planner.cost import AUTO_NETWORK, Cluster, Network, get_network
+
+DEFAULT_AXIS = DataAxis("data")
+"""``topka2a(density)`` with no ``axis_name=``: the mesh axis named ``"data"``."""
 
 DEFAULT_ALGORITHM = algorithms.AUTO
 """``topka2a(density)`` with no ``algorithm=``: each bucket its cheapest exchange
@@ -33,7 +36,7 @@ slow network, dense on a fast one)."""
 
 DEFAULT_SELECTION = "auto"
 """``topka2a(density)`` with no ``selection=``: the fastest for the backend
-(:func:`topka2a_jax.collectives.auto_magnitudes`)."""
+(``exchanges.auto_magnitudes``)."""
 
 INNER_NETWORK = "nvlink"
 """The link inside a node that a pair of data axes assumes, unless ``network``
@@ -94,35 +97,35 @@ def _backward_seconds(value: Any) -> float | None:
   return None if value is None else float(value)
 
 
-def _network(network: Any, axis_name: Hashable) -> Any:
+def _network(network: Any, axis: DataAxis) -> Any:
   """A preset name, ``"auto"`` or a :class:`Network`; a pair of them for a pair of axes."""
   if isinstance(network, tuple):
-    if len(axis_names(axis_name)) != 2 or len(network) != 2:
+    if not axis.is_pair or len(network) != 2:
       raise ValueError(
           f"network={network!r} is a pair of links (between nodes, inside a "
-          f"node) for axis_name=(outer, inner); with axis_name={axis_name!r} give "
+          f"node) for axis_name=(outer, inner); with axis_name={axis.name!r} give "
           "one network")
-    return tuple(_network(one, "data") for one in network)
+    return tuple(_network(one, DEFAULT_AXIS) for one in network)
   return network if network == AUTO_NETWORK else get_network(network)
 
 
-def _mesh(mesh: Any, axis_name: Hashable) -> Mesh | None:
+def _mesh(mesh: Any, axis: DataAxis) -> Mesh | None:
   if mesh is None:
     return None
   if not isinstance(mesh, Mesh):
     raise TypeError(f"mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh(...)) "
                     f"or None, got {type(mesh).__name__}")
-  check_on_mesh(mesh, axis_name)
+  axis.check_on(mesh)
   return mesh
 
 
-def _check_low_rank(options: dict[str, Any], axis_name: Hashable) -> None:
+def _check_low_rank(options: dict[str, Any], axis: DataAxis) -> None:
   """Validates ``rank`` for ``algorithm="powersgd"`` (its default if None) and what it excludes."""
   rank = options.get("rank")
   options["rank"] = (low_rank.DEFAULT_RANK if rank is None else _count("rank", rank, 1))
-  if len(axis_names(axis_name)) > 1:
+  if axis.is_pair:
     raise ValueError(
-        f"algorithm='powersgd' runs over one data axis, got axis_name={axis_name!r}. "
+        f"algorithm='powersgd' runs over one data axis, got axis_name={axis.name!r}. "
         "Name the axis over all data-parallel devices (a mesh axis that spans "
         "both levels), or use a top-k algorithm for the two-level exchange.")
   if options.get("value_dtype") is not None:
@@ -137,7 +140,7 @@ class Options:
 
   Attributes:
     density: fraction of every sparse bucket each device sends, in (0, 1].
-    axis_name: the data-parallel mesh axis.
+    axis: the data-parallel axis (``axis_name``, parsed).
     algorithm: a collective's name, or ``"auto"``.
     error_feedback: whether unsent entries are kept for the next step.
     min_size: smaller leaves go dense and keep no residual.
@@ -157,7 +160,7 @@ class Options:
   """
 
   density: float
-  axis_name: Hashable = "data"
+  axis: DataAxis = DEFAULT_AXIS
   algorithm: str = DEFAULT_ALGORITHM
   error_feedback: bool = True
   min_size: int = DEFAULT_MIN_SIZE
@@ -180,24 +183,20 @@ class Options:
       ValueError, TypeError: an argument out of range or of the wrong type.
     """
     defaults = {field.name: field.default for field in dataclasses.fields(cls)}
+    defaults["axis_name"] = defaults.pop("axis").name  # the argument's name
     normalised = dict(options)
     unknown = sorted(set(normalised) - set(defaults))
     if unknown:
       raise TypeError(f"unknown option(s) {', '.join(unknown)}; the options are "
                       f"{', '.join(sorted(set(defaults) - {'density'}))}")
-    axis_name = normalised.get("axis_name", defaults["axis_name"])
-    if not isinstance(axis_name, Hashable):
-      raise TypeError(f"axis_name must be a mesh axis name, got {axis_name!r}")
-    if isinstance(axis_name, tuple) and len(axis_name) != 2:
-      raise ValueError(
-          f"axis_name={axis_name!r}: the data axis is one mesh axis, or a pair "
-          "(outer, inner) such as ('node', 'local') for the two-level exchange")
+    axis = normalised["axis"] = DataAxis.parse(
+        normalised.pop("axis_name", defaults["axis_name"]))
     fusion = normalised.get("fusion", defaults["fusion"])
     if fusion != "auto":
       normalised["fusion"] = _count("fusion", fusion, 1)
     algorithm = normalised.get("algorithm", defaults["algorithm"])
     if algorithm == algorithms.POWERSGD.name:
-      _check_low_rank(normalised, axis_name)
+      _check_low_rank(normalised, axis)
     else:
       algorithms.check_plan_options(algorithm, fusion)
       if normalised.get("rank") is not None:
@@ -212,12 +211,12 @@ class Options:
       if name in normalised:
         normalised[name] = _count(name, normalised[name], minimum)
     normalised["network"] = _network(normalised.get("network", defaults["network"]),
-                                     axis_name)
+                                     axis)
     normalised["backward_seconds"] = _backward_seconds(
         normalised.get("backward_seconds"))
     normalised["value_dtype"] = _value_dtype(normalised.get("value_dtype"))
     check_selection(normalised.get("selection", defaults["selection"]))
-    normalised["mesh"] = _mesh(normalised.get("mesh"), axis_name)
+    normalised["mesh"] = _mesh(normalised.get("mesh"), axis)
     if density is None:
       if algorithm not in (algorithms.POWERSGD.name, algorithms.DENSE.name):
         raise ValueError(
@@ -232,18 +231,23 @@ class Options:
 
     The inner link is ``network``'s second, or :data:`INNER_NETWORK`.
     """
-    names = axis_names(self.axis_name)
-    if len(names) == 1:
+    if not self.axis.is_pair:
       return None
     outer, inner = (self.network if isinstance(self.network, tuple)
                     else (self.network, INNER_NETWORK))
-    return Cluster(bound_axis_size(names[0]), bound_axis_size(names[1]),
+    per_node = self.axis.per_node()
+    return Cluster(self.axis.size() // per_node, per_node,
                    outer=get_network(outer), inner=get_network(inner))
 
   def outer_network(self) -> Network:
     """The link the planner prices: between nodes for a pair of data axes."""
     outer = self.network[0] if isinstance(self.network, tuple) else self.network
     return get_network(outer)
+
+  @property
+  def axis_name(self) -> Hashable:
+    """The data axis as JAX's collectives take it (``axis.name``)."""
+    return self.axis.name
 
   @property
   def value_bytes(self) -> int:

@@ -35,10 +35,10 @@ from typing import Any
 
 import jax
 
-from topka2a_jax import algorithms
-from topka2a_jax.algorithms import AUTO, DENSE, REGISTRY
-from topka2a_jax.buckets import Bucket, plan_buckets
-from topka2a_jax.cost import (
+from topka2a_jax._src.collectives import algorithms
+from topka2a_jax._src.collectives.algorithms import ALGORITHMS, AUTO, DENSE
+from topka2a_jax._src.planner.buckets import Bucket, plan_buckets
+from topka2a_jax._src.planner.cost import (
   FLAT,
   TWO_LEVEL,
   Cluster,
@@ -268,8 +268,8 @@ class StepModel:
     """
     if algorithm != AUTO:
       return [algorithm]
-    return [name for name, exchange in REGISTRY.items()
-            if not (self.whole_selection and exchange.holds_back)]
+    return [name for name, entry in ALGORITHMS.items()
+            if not (self.whole_selection and entry.holds_back)]
 
   def routes(self) -> tuple[str, ...]:
     """The routes a bucket may take: two-level too on a cluster."""
@@ -287,21 +287,21 @@ class StepModel:
     return self._seconds[key]
 
   def _priced(self, algorithm: str, size: int, route: str) -> float:
-    exchange = REGISTRY[algorithm]
+    entry = ALGORITHMS[algorithm]
     length, devices = size, self.num_devices
     if self.cluster is None:
-      comm = exchange.cost(size, devices, self.density, self.value_bytes,
-                           self.index_bytes if exchange.sparse else None
-                           ).seconds(self.network)
+      comm = entry.cost(size, devices, self.density, self.value_bytes,
+                        self.index_bytes if entry.sparse else None
+                        ).seconds(self.network)
     else:
       comm = cluster_cost(algorithm, size, self.cluster, self.density, route,
                           self.value_bytes, self.residual_slices).seconds
       if route == TWO_LEVEL:
         length, devices = -(-size // self.cluster.per_node), self.cluster.nodes
     return (comm
-            + self.selection_seconds_per_element * exchange.elements_read(
+            + self.selection_seconds_per_element * entry.elements_read(
                 length, devices)
-            + self.selection_seconds_per_entry * exchange.selected_entries(
+            + self.selection_seconds_per_entry * entry.selected_entries(
                 length, devices, self.density))
 
   def layout(self, algorithm: str, threshold: int) -> tuple[PlannedBucket, ...]:
@@ -346,7 +346,7 @@ def step_model(
 
   ``backward_seconds=None`` assumes no overlap: every bucket is ready when
   the step's exchanges begin (:data:`NO_BACKWARD`). Pass the backward
-  pass's duration (:mod:`topka2a_jax.compute` estimates it) for plans that
+  pass's duration (``_src/planner/compute.py`` estimates it) for plans that
   overlap it. With a ``cluster``, ``network`` and ``num_devices`` are its
   outer link and its devices.
 
@@ -392,7 +392,7 @@ def plan_fusion(
       bucket of leaves with at least ``min_size`` elements.
     threshold: bucket size in elements, or ``"auto"`` to search for it.
     backward_source: where ``backward_seconds`` comes from, for the printout.
-    **model_options: ``network`` (preset name or :class:`topka2a_jax.Network`,
+    **model_options: ``network`` (preset name or :class:`topka2a_jax.cost.Network`,
       default ``"eth10"``), ``min_size``, ``backward_seconds``,
       ``selection_seconds_per_element``, ``selection_seconds_per_entry``,
       ``value_bytes``, ``index_bytes``, ``cluster``; see :func:`step_model`.

@@ -32,7 +32,7 @@ class Bucket(NamedTuple):
     leaves: positions of the leaves in the flattened gradient pytree, in the
       order they are packed.
     algorithm: the collective's name, a key of
-      :data:`topka2a_jax.algorithms.REGISTRY`.
+      :data:`topka2a_jax.collectives.ALGORITHMS`.
     size: total elements.
     route: ``"flat"`` over the data axis, or ``"two_level"`` where the data
       axis is a pair (:func:`topka2a_jax.collectives.two_level`).

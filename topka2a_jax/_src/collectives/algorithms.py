@@ -28,7 +28,7 @@ pattern decides which bytes cross a node's network card on a cluster
 (:func:`topka2a_jax.cost.cluster_cost`).
 
 Example:
-  >>> REGISTRY["topka2a"].cost(25_000_000, 8, 0.01).messages
+  >>> ALGORITHMS["topka2a"].cost(25_000_000, 8, 0.01).messages
   14
 """
 
@@ -39,8 +39,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from topka2a_jax.selection import ShardLayout, sparse_count
-from topka2a_jax.wire import index_dtype
+from topka2a_jax._src.collectives.selection import ShardLayout, sparse_count
+from topka2a_jax._src.collectives.wire import index_dtype
 
 AUTO = "auto"
 """``algorithm=AUTO``: each bucket takes the cheapest entry under the cost model."""
@@ -102,7 +102,7 @@ class Cost:
   bytes: float
 
   def seconds(self, network) -> float:
-    """Time on ``network`` (a :class:`topka2a_jax.Network`) in the α-β model."""
+    """Time on ``network`` (a :class:`topka2a_jax.cost.Network`) in the α-β model."""
     return self.messages * network.latency + self.bytes / network.bandwidth
 
 
@@ -166,7 +166,7 @@ class Algorithm:
     """Messages and bytes of one exchange of ``length`` elements.
 
     Example:
-      >>> REGISTRY["dense"].cost(1000, 8, 0.01).bytes
+      >>> ALGORITHMS["dense"].cost(1000, 8, 0.01).bytes
       7000.0
     """
     phases = self.phases(length, devices, density, value_bytes, index_bytes,
@@ -179,7 +179,7 @@ class Algorithm:
     """The collectives of one exchange of ``length`` elements, in order.
 
     Example:
-      >>> [phase.pattern for phase in REGISTRY["topka2a"].phases(1000, 8, 0.01)]
+      >>> [phase.pattern for phase in ALGORITHMS["topka2a"].phases(1000, 8, 0.01)]
       ['pairs', 'ring']
     """
     return self.traffic(self.counts(length, devices, density, value_bytes,
@@ -189,7 +189,7 @@ class Algorithm:
     """Elements one device's selections read in one exchange.
 
     Example:
-      >>> REGISTRY["topka2a_sparse"].elements_read(1000, 4)
+      >>> ALGORITHMS["topka2a_sparse"].elements_read(1000, 4)
       1250
     """
     return self.reads(length, devices)
@@ -198,7 +198,7 @@ class Algorithm:
     """Entries one device selects in one exchange (packed, sent, added in).
 
     Example:
-      >>> REGISTRY["topka2a_sparse"].selected_entries(1000, 4, 0.01)
+      >>> ALGORITHMS["topka2a_sparse"].selected_entries(1000, 4, 0.01)
       15
     """
     return int(self.selects(self.counts(length, devices, density)))
@@ -258,14 +258,14 @@ TOPKA2A_SPARSE = Algorithm(
     reads=lambda length, devices: length + -(-length // devices),
     selects=lambda c: (c.devices + 1) * c.per_shard, holds_back=True)
 
-REGISTRY: dict[str, Algorithm] = {
+ALGORITHMS: dict[str, Algorithm] = {
     algorithm.name: algorithm for algorithm in (DENSE, ALLGATHER, TOPKA2A, TOPKA2A_SPARSE)}
 """Every exchange of a flat buffer, by the name ``topka2a(algorithm=...)`` takes."""
 
 
 @dataclasses.dataclass(frozen=True)
 class LowRank:
-  """An exchange of matrix leaves as low-rank products (:mod:`topka2a_jax.low_rank`).
+  """An exchange of matrix leaves as low-rank products (``_src/collectives/low_rank.py``).
 
   It works on each leaf's shape, not on a flat bucket, so it is priced per
   step from the matrices' shapes; the leaves it does not compress go dense.
@@ -325,7 +325,7 @@ POWERSGD = LowRank(
     summary="each large matrix as a rank-r product: two all-reduces (P, then Q)")
 """PowerSGD (Vogels et al., NeurIPS 2019); ``topka2a(algorithm="powersgd", rank=r)``."""
 
-NAMES: tuple[str, ...] = (*REGISTRY, POWERSGD.name)
+NAMES: tuple[str, ...] = (*ALGORITHMS, POWERSGD.name)
 """Every name ``topka2a(algorithm=...)`` takes besides ``"auto"``."""
 
 
@@ -354,12 +354,12 @@ def get(name: str) -> Algorithm:
   """
   if name == AUTO:
     raise ValueError(f"no cost model for algorithm {AUTO!r}: it takes one exchange "
-                     f"per bucket; name one of {', '.join(map(repr, REGISTRY))}")
+                     f"per bucket; name one of {', '.join(map(repr, ALGORITHMS))}")
   if name == POWERSGD.name:
     raise ValueError(f"{name!r} exchanges matrices, not flat buckets: its cost is "
                      f"algorithms.POWERSGD.cost(shapes, devices, rank); the bucket "
-                     f"exchanges are {', '.join(map(repr, REGISTRY))}")
-  if name not in REGISTRY:
+                     f"exchanges are {', '.join(map(repr, ALGORITHMS))}")
+  if name not in ALGORITHMS:
     raise ValueError(f"unknown algorithm {name!r}; choose {AUTO!r} or one of "
                      f"{', '.join(map(repr, NAMES))}")
-  return REGISTRY[name]
+  return ALGORITHMS[name]

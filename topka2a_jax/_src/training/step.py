@@ -36,10 +36,12 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from topka2a_jax import compute, layout, placement
-from topka2a_jax.axis import axis_names, check_on_mesh, mesh_axis_size
-from topka2a_jax.clipping import warn_if_clipped_before_exchange
-from topka2a_jax.transform import BACKWARD_SECONDS, PARAM_SPECS, flatten
+from topka2a_jax._src import layout
+from topka2a_jax._src.axis import DataAxis
+from topka2a_jax._src.planner import compute
+from topka2a_jax._src.training import placement
+from topka2a_jax._src.transforms.clipping import warn_if_clipped_before_exchange
+from topka2a_jax._src.transforms.topka2a import BACKWARD_SECONDS, PARAM_SPECS, flatten
 
 LossFn = Callable[..., Any]
 
@@ -76,8 +78,8 @@ def check_batch(batch: Any, num_devices: int, micro_batches: int,
           "remainder of the batch.")
 
 
-def check_step_options(mesh: Mesh, axis_name: Hashable, micro_batches: int) -> None:
-  """Raises unless ``axis_name`` is a mesh axis and ``micro_batches`` an int >= 1.
+def check_step_options(mesh: Mesh, axis_name: Hashable, micro_batches: int) -> DataAxis:
+  """The data axis, parsed; raises unless it is on ``mesh`` and ``micro_batches`` an int >= 1.
 
   Example:
     >>> check_step_options(jax.make_mesh((8,), ("data",)), "batch", 1)
@@ -87,22 +89,24 @@ def check_step_options(mesh: Mesh, axis_name: Hashable, micro_batches: int) -> N
   if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or (
       micro_batches < 1):
     raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
-  check_on_mesh(mesh, axis_name)
+  axis = DataAxis.parse(axis_name)
+  axis.check_on(mesh)
+  return axis
 
 
 def check_inputs(checked: set[Any], opt_state: Any, batch: Any, mesh: Mesh,
-                 axis_name: Hashable, micro_batches: int) -> None:
+                 axis: DataAxis, micro_batches: int) -> None:
   """What a step checks before it traces: the chain order and the batch's split.
 
   The chain is checked once per state structure (``checked`` remembers them).
 
   Raises:
-    ValueError: from :func:`topka2a_jax.placement.check_chain` or
+    ValueError: from ``placement.check_chain`` or
       :func:`check_batch`, naming the problem and the fix.
 
   Example:
     >>> mesh = jax.make_mesh((1,), ("data",))
-    >>> check_inputs(set(), (), {"x": jnp.zeros((4, 3))}, mesh, "data", 2)
+    >>> check_inputs(set(), (), {"x": jnp.zeros((4, 3))}, mesh, DataAxis("data"), 2)
     Traceback (most recent call last):
     ValueError: the optimizer holds no topka2a exchange, so nothing would average the gradients across devices. Chain one first: optax.chain(topka2a_jax.topka2a(density), ...) (algorithm='dense' for a dense baseline).
   """
@@ -110,7 +114,7 @@ def check_inputs(checked: set[Any], opt_state: Any, batch: Any, mesh: Mesh,
   if structure not in checked:
     placement.check_chain(opt_state, require_exchange=True)
     checked.add(structure)
-  check_batch(batch, mesh_axis_size(mesh, axis_name), micro_batches, axis_name)
+  check_batch(batch, axis.size(mesh), micro_batches, axis.name)
 
 
 def device_key(key: jax.Array | None, axis_name: Hashable) -> jax.Array | None:
@@ -188,7 +192,7 @@ def accumulated_gradients(
   return (loss_sum / micro_batches).astype(loss.dtype), grads, aux, carry
 
 
-def resolve_param_specs(params: Any, mesh: Mesh, axis_name: Hashable,
+def resolve_param_specs(params: Any, mesh: Mesh, axis: DataAxis,
                         given: Any = None) -> list[P | None]:
   """Each parameter's spec over the other mesh axes: given, read, or None (unknown).
 
@@ -198,11 +202,11 @@ def resolve_param_specs(params: Any, mesh: Mesh, axis_name: Hashable,
   paths, leaves, treedef, _ = flatten(params)
   given_leaves = ([None] * len(leaves) if given is None
                   else treedef.flatten_up_to(given))
-  others = {n: s for n, s in mesh.shape.items() if n != axis_name}
+  others = {n: s for n, s in mesh.shape.items() if n not in axis.names}
   specs = []
   for path, leaf, spec in zip(paths, leaves, given_leaves):
     spec = spec if spec is not None else layout.param_spec_of(leaf, mesh)
-    layout.check_not_over_data(spec, axis_name, path)
+    layout.check_not_over_data(spec, axis, path)
     specs.append(None if spec is None else layout.restrict_spec(spec, leaf.shape,
                                                                 others))
   return specs
@@ -217,20 +221,20 @@ def _is_concrete(tree: Any) -> bool:
   return not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(tree))
 
 
-def shardings(mesh: Mesh, axis_name: Hashable, params: Any,
+def shardings(mesh: Mesh, axis: DataAxis, params: Any,
               specs: tuple[P, ...], opt_state: Any) -> tuple[Any, Any]:
   """Where the parameters and the optimizer state live on ``mesh``.
 
   Parameters are split by ``specs`` (one per leaf, over the other axes) and
-  replicated over ``axis_name``; residuals are per device
-  (:mod:`topka2a_jax.layout`); state shaped like the parameters is split
+  replicated over ``axis``; residuals are per device
+  (``_src/layout.py``); state shaped like the parameters is split
   like them; the rest is replicated.
   """
   spec_tree = flatten(params)[2].unflatten(specs)
   named = lambda spec: NamedSharding(mesh, spec)
   is_spec = lambda node: isinstance(node, P)
   return (jax.tree.map(named, spec_tree, is_leaf=is_spec),
-          jax.tree.map(named, placement.state_specs(opt_state, axis_name, spec_tree),
+          jax.tree.map(named, placement.state_specs(opt_state, axis, spec_tree),
                        is_leaf=is_spec))
 
 
@@ -256,9 +260,9 @@ class DataParallelStep:
     True
   """
 
-  def __init__(self, mesh: Mesh, *, axis_name: Hashable, has_aux: bool,
+  def __init__(self, mesh: Mesh, *, axis: DataAxis, has_aux: bool,
                micro_batches: int, donate: bool):
-    self._mesh, self._axis_name = mesh, axis_name
+    self._mesh, self._axis = mesh, axis
     self._has_aux, self._micro_batches = has_aux, micro_batches
     self._checked: set[Any] = set()  # state structures whose chain was checked
     self._warned: set[int] = set()  # ids of the transforms checked for clipping
@@ -283,7 +287,7 @@ class DataParallelStep:
     raise NotImplementedError
 
   def _body(self, params, carry, opt_state, keys, batch, *, model, tx, specs, backward):
-    axis = self._axis_name
+    axis = self._axis.name
     value_and_grad, key = self._per_device(model, keys)
     local = lax.pcast(params, axis, to="varying")
     loss, grads, aux, carry = accumulated_gradients(
@@ -296,35 +300,35 @@ class DataParallelStep:
 
   def _run(self, params, carry, opt_state, keys, batch, *, model, tx, specs, backward):
     spec_tree = flatten(params)[2].unflatten(specs)
-    state = placement.state_specs(opt_state, self._axis_name)
+    state = placement.state_specs(opt_state, self._axis)
     out_specs = (P(), P(), state, P()) + ((P(),) if self._has_aux else ())
     body = jax.shard_map(
         functools.partial(self._body, model=model, tx=tx, specs=spec_tree,
                           backward=backward),
-        mesh=self._mesh, in_specs=(P(), P(), state, P(), P(self._axis_name)),
-        out_specs=out_specs, axis_names=set(axis_names(self._axis_name)))
+        mesh=self._mesh, in_specs=(P(), P(), state, P(), P(self._axis.name)),
+        out_specs=out_specs, axis_names=set(self._axis.names))
     return body(params, carry, opt_state, keys,
-                split_batch(batch, self._mesh, self._axis_name))
+                split_batch(batch, self._mesh, self._axis.name))
 
   def _inputs(self, model: Any, tx: optax.GradientTransformation, params: Any,
               carry: Any, opt_state: Any, keys: Any, batch: Any,
               given_specs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The jitted step's inputs, checked and (when concrete) placed, and its static args."""
-    check_inputs(self._checked, opt_state, batch, self._mesh, self._axis_name,
+    check_inputs(self._checked, opt_state, batch, self._mesh, self._axis,
                  self._micro_batches)
     if id(tx) not in self._warned:
       self._warned.add(id(tx))
       warn_if_clipped_before_exchange(tx, stacklevel=4)
-    specs = resolve_param_specs(params, self._mesh, self._axis_name, given_specs)
+    specs = resolve_param_specs(params, self._mesh, self._axis, given_specs)
     specs = tuple(P() if s is None else s for s in specs)  # unknown: whole
     inputs = (params, carry, opt_state, keys, batch)
     if _is_concrete(inputs):
       replicated = NamedSharding(self._mesh, P())
       param_shardings, state_shardings = shardings(
-          self._mesh, self._axis_name, params, specs, opt_state)
+          self._mesh, self._axis, params, specs, opt_state)
       inputs = jax.device_put(inputs, (
           param_shardings, replicated, state_shardings, replicated,
-          NamedSharding(self._mesh, P(self._axis_name))))
+          NamedSharding(self._mesh, P(self._axis.name))))
     backward = self._backward_seconds(model, params, carry, keys, batch)
     return inputs, {"model": model, "tx": tx, "specs": specs, "backward": backward}
 
@@ -333,10 +337,10 @@ class DataParallelStep:
     """The backward pass's estimated duration on one device, for the planner.
 
     XLA's cost analysis of one device's gradient over its micro-batches,
-    against its device's rate (:func:`topka2a_jax.compute.backward_seconds`);
+    against its device's rate (``compute.backward_seconds``);
     computed once per model and shapes of the inputs.
     """
-    parts = mesh_axis_size(self._mesh, self._axis_name) * self._micro_batches
+    parts = self._axis.size(self._mesh) * self._micro_batches
     shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
     micro = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((x.shape[0] // parts, *x.shape[1:]), x.dtype),
@@ -360,9 +364,9 @@ class TrainStep(DataParallelStep):
   """
 
   def __init__(self, loss_fn: LossFn, tx: optax.GradientTransformation, mesh: Mesh,
-               *, axis_name: Hashable, has_aux: bool, micro_batches: int,
+               *, axis: DataAxis, has_aux: bool, micro_batches: int,
                param_specs: Any, donate: bool):
-    super().__init__(mesh, axis_name=axis_name, has_aux=has_aux,
+    super().__init__(mesh, axis=axis, has_aux=has_aux,
                      micro_batches=micro_batches, donate=donate)
     warn_if_clipped_before_exchange(tx, stacklevel=3)
     self._warned.add(id(tx))
@@ -378,7 +382,7 @@ class TrainStep(DataParallelStep):
     return (loss, aux, carry), grads
 
   def _per_device(self, model, keys):
-    return self._value_and_grad, device_key(keys, self._axis_name)
+    return self._value_and_grad, device_key(keys, self._axis.name)
 
   def _estimate(self, model, params, carry, key, micro):
     def loss_and_grads(params, batch, *key):
@@ -397,7 +401,7 @@ class TrainStep(DataParallelStep):
     """The backward pass's estimated duration on one device, for the planner.
 
     XLA's cost analysis of one device's gradient over its micro-batches,
-    against its device's rate (:func:`topka2a_jax.compute.backward_seconds`);
+    against its device's rate (``compute.backward_seconds``);
     computed once per shape of the inputs.
     """
     return self._backward_seconds(None, params, None, key, batch)
@@ -490,8 +494,8 @@ def train_step(
     >>> int(metrics["kept"]) <= 64 * 32  # a count over the global batch
     True
   """
-  check_step_options(mesh, axis_name, micro_batches)
-  return TrainStep(loss_fn, tx, mesh, axis_name=axis_name, has_aux=has_aux,
+  axis = check_step_options(mesh, axis_name, micro_batches)
+  return TrainStep(loss_fn, tx, mesh, axis=axis, has_aux=has_aux,
                    micro_batches=micro_batches, param_specs=param_specs,
                    donate=donate)
 

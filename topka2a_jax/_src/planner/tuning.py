@@ -32,7 +32,7 @@ from typing import Any
 
 import jax
 
-from topka2a_jax.fusion import search_threshold
+from topka2a_jax._src.planner.fusion import search_threshold
 
 
 def time_call(run: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> float:

@@ -49,25 +49,24 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from topka2a_jax import exchange, layout, low_rank
-from topka2a_jax.axis import (
+from topka2a_jax._src import layout
+from topka2a_jax._src.axis import (
   bound_axis_size,
-  devices_per_node,
   is_bound,
   is_varying,
-  mesh_axis_size,
-  on_mesh,
   tracks_varying_axes,
 )
-from topka2a_jax.cost import AUTO_NETWORK
-from topka2a_jax.nonfinite import NONFINITE
-from topka2a_jax.options import (
+from topka2a_jax._src.collectives import low_rank
+from topka2a_jax._src.options import (
   DEFAULT_ALGORITHM,
   DEFAULT_MIN_SIZE,
   DEFAULT_SELECTION,
   Options,
 )
-from topka2a_jax.states import TopKA2AState
+from topka2a_jax._src.planner.cost import AUTO_NETWORK
+from topka2a_jax._src.states import TopKA2AState
+from topka2a_jax._src.transforms import error_feedback
+from topka2a_jax._src.transforms.nonfinite import NONFINITE
 
 PARAM_SPECS = "topka2a_param_specs"
 """Extra argument of the update: the parameters' ``PartitionSpec`` pytree.
@@ -80,7 +79,7 @@ BACKWARD_SECONDS = "topka2a_backward_seconds"
 """Extra argument of the update: the backward pass's estimated duration.
 
 :func:`topka2a_jax.train_step` passes it, from XLA's cost analysis of the
-compiled gradient (:mod:`topka2a_jax.compute`); an explicit
+compiled gradient (``_src/planner/compute.py``); an explicit
 ``backward_seconds=`` option wins over it."""
 
 
@@ -142,12 +141,12 @@ def topka2a(
     algorithm: ``"auto"`` (the default): each bucket takes the cheapest
       exchange under the cost model on ``network``, dense where compression
       does not pay (small buckets, fast links). Or one name in
-      :data:`topka2a_jax.algorithms.REGISTRY` for every large bucket: the
+      :data:`topka2a_jax.collectives.ALGORITHMS` for every large bucket: the
       paper's TopKA2A; its sparse-second-phase variant, O(k) volume; TopkA,
       whose volume grows with the number of devices; dense ``lax.pmean``,
       which ignores ``density``. Or ``"powersgd"``: every matrix leaf as a
       rank-``rank`` product in two all-reduces, vectors and small matrices
-      dense (:mod:`topka2a_jax.low_rank`): ``topka2a(algorithm="powersgd",
+      dense (``_src/collectives/low_rank.py``): ``topka2a(algorithm="powersgd",
       rank=4)``. It ignores ``density``, and ``"auto"`` never picks it.
     error_feedback: keep what was not sent and add it to the next step's
       gradient. Without it the unsent mass is dropped and accuracy suffers.
@@ -155,30 +154,30 @@ def topka2a(
     fusion: leaves are fused, last first, into flat buckets of at least this
       many elements (a larger leaf gets a bucket of its own); ``"auto"``
       finds the threshold at trace time by binary search on the cost model's
-      predicted step time (:mod:`topka2a_jax.fusion`).
+      predicted step time (``_src/planner/fusion.py``).
     network: the link the cost model plans for: ``"auto"`` (the default:
       ``eth10`` between processes, ``nvlink`` among one process's
       accelerators; :func:`topka2a_jax.cost.detected_network`), a preset name
-      (:data:`topka2a_jax.NETWORKS`) or a measured :class:`topka2a_jax.Network`.
+      (:data:`topka2a_jax.cost.NETWORKS`) or a measured :class:`topka2a_jax.cost.Network`.
       Used by ``fusion="auto"`` and ``algorithm="auto"``. For a pair of data
       axes it is the link between nodes, the one inside a node being
       ``"nvlink"``; or give both, ``network=(between, inside)``.
     backward_seconds: the backward pass's duration, which bucket exchanges
       overlap. By default :func:`topka2a_jax.train_step` estimates it from
       XLA's cost analysis of the compiled gradient against the device's rate
-      (:mod:`topka2a_jax.compute`); in a hand-written step, no overlap is
+      (``_src/planner/compute.py``); in a hand-written step, no overlap is
       assumed.
     value_dtype: dtype of the sparse values on the wire, e.g.
       ``jnp.bfloat16``; accumulation stays in float32 and the rounding stays
       in the residual. None sends float32. Indices always travel in the
       narrowest unsigned type that fits (uint16 for shards of up to 65,536).
     selection: ``"auto"`` (the default: the fastest for the backend,
-      :func:`topka2a_jax.collectives.auto_magnitudes`), ``"exact"`` top-k (a
+      ``exchanges.auto_magnitudes``), ``"exact"`` top-k (a
       sort), ``"threshold"`` (a magnitude threshold found in a few passes,
       many times faster on large buckets; where it may keep less than 99%
       of exact top-k's magnitude mass, or miss a nonzero entry over a
       background of zeros, it sorts exactly instead;
-      :mod:`topka2a_jax.threshold`) or ``"approx"`` (``lax.approx_max_k``).
+      ``_src/collectives/threshold.py``) or ``"approx"`` (``lax.approx_max_k``).
     warmup_steps: exchange densely (``lax.pmean``) for this many applied
       steps, then sparsely. The switch happens at run time inside the one
       compiled step; the residuals are zero when sparsification begins.
@@ -190,7 +189,7 @@ def topka2a(
       skip it too (its decision is passed down, so the check runs once).
       False lets non-finite values through (and into the residuals).
     rank: the rank of ``algorithm="powersgd"`` (default
-      :data:`topka2a_jax.low_rank.DEFAULT_RANK`, 4); refused with the others.
+      ``low_rank.DEFAULT_RANK``, 4); refused with the others.
       A matrix goes low rank where its factors are at most half its size.
 
   Returns:
@@ -271,7 +270,7 @@ def layout_mesh(options: Options, leaves: Sequence[Any]) -> Mesh | None:
   for leaf in leaves:
     sharding = getattr(leaf, "sharding", None)
     if (isinstance(sharding, NamedSharding)
-        and on_mesh(sharding.mesh, options.axis_name)):
+        and options.axis.on(sharding.mesh)):
       return sharding.mesh
   return None
 
@@ -294,13 +293,13 @@ def init_state(options: Options, params: optax.Params) -> TopKA2AState:
   if is_bound(options.axis_name):
     residuals = [
         jnp.zeros(residual_block_shape(options, leaf.shape),
-                  exchange.residual_dtype(leaf.dtype))
+                  error_feedback.residual_dtype(leaf.dtype))
         if options.keeps_residual(leaf.size, leaf.shape) else optax.MaskedNode()
         for leaf in leaves]
     return TopKA2AState(treedef.unflatten(residuals), zero, zero,
                         initial_factors(options, leaves, treedef))
   mesh = layout_mesh(options, leaves)
-  if mesh is not None and not on_mesh(mesh, options.axis_name):
+  if mesh is not None and not options.axis.on(mesh):
     raise ValueError(
         f"mesh has no axis {options.axis_name!r}; its axes are "
         f"{mesh.axis_names}. Build topka2a with the data-parallel axis: "
@@ -329,9 +328,9 @@ def residual_block_shape(options: Options, shape: Sequence[int]) -> tuple[int, .
   """One device's residual for its ``shape``-d shard, inside ``shard_map``.
 
   Shaped like the shard (``(1,)`` for a scalar) over one data axis; over a
-  pair, the device's slice of it (:func:`topka2a_jax.layout.residual_slice`).
+  pair, the device's slice of it (``layout.residual_slice``).
   """
-  per_node = devices_per_node(options.axis_name)
+  per_node = options.axis.per_node()
   if per_node is not None:
     return (layout.residual_slice(math.prod(shape), per_node),)
   return tuple(shape) or (1,)
@@ -340,15 +339,15 @@ def residual_block_shape(options: Options, shape: Sequence[int]) -> tuple[int, .
 def _global_state(options: Options, mesh: Mesh, paths: Sequence[str],
                   leaves: Sequence[Any], treedef: Any) -> TopKA2AState:
   """Zero residuals as global arrays, each split like its parameter."""
-  num_devices = mesh_axis_size(mesh, options.axis_name)
-  per_node = devices_per_node(options.axis_name, mesh)
-  others = layout.automatic_axes(mesh, options.axis_name)
+  num_devices = options.axis.size(mesh)
+  per_node = options.axis.per_node(mesh)
+  others = layout.automatic_axes(mesh, options.axis)
   tracing = any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
   residuals: list[Any] = [optax.MaskedNode()] * len(leaves)
   kept, shapes, shardings, factors = [], [], [], []
   for i, (leaf, path) in enumerate(zip(leaves, paths)):
     given = layout.param_spec_of(leaf, mesh)
-    layout.check_not_over_data(given, options.axis_name, path)
+    layout.check_not_over_data(given, options.axis, path)
     spec = layout.restrict_spec(given, leaf.shape, others)
     local_shape = layout.local_shape(leaf.shape, spec, others)
     local_size = math.prod(local_shape)
@@ -360,9 +359,8 @@ def _global_state(options: Options, mesh: Mesh, paths: Sequence[str],
       shapes.append(jax.ShapeDtypeStruct(
           layout.residual_shape(leaf.shape, num_devices, per_node=per_node,
                                 pieces=math.prod(leaf.shape) // local_size),
-          exchange.residual_dtype(leaf.dtype)))
-      shardings.append(NamedSharding(mesh, layout.residual_spec(options.axis_name,
-                                                                spec)))
+          error_feedback.residual_dtype(leaf.dtype)))
+      shardings.append(NamedSharding(mesh, layout.residual_spec(options.axis, spec)))
 
   def zeros() -> list[jax.Array]:  # the residuals, then count and nonfinite_steps
     return ([jnp.zeros(shape.shape, shape.dtype) for shape in shapes]
@@ -438,10 +436,10 @@ def update_state(options: Options, updates: optax.Updates, state: TopKA2AState,
   carries = with_factors(options, treedef, state, grads, paths, residuals,
                          _local_shapes(grads, given_specs(treedef, extra_args.get(
                              PARAM_SPECS)), layout.automatic_axes(
-                                 jax.sharding.get_abstract_mesh(), options.axis_name)))
-  others = layout.automatic_axes(jax.sharding.get_abstract_mesh(), options.axis_name)
+                                 jax.sharding.get_abstract_mesh(), options.axis)))
+  others = layout.automatic_axes(jax.sharding.get_abstract_mesh(), options.axis)
   if not others:
-    means, new, count, skipped = exchange.step(
+    means, new, count, skipped = error_feedback.step(
         options, grads, carries, state.count, state.nonfinite_steps, bad)
   else:
     means, new, count, skipped = _step_on_shards(
@@ -536,14 +534,14 @@ def _step_on_shards(options: Options, others: dict[Hashable, int],
   the exchange adds no collective over those axes.
   """
   specs = shard_specs(grads, given, others)
-  blocks = [layout.residual_block_spec(options.axis_name, spec) for spec in specs]
+  blocks = [layout.residual_block_spec(options.axis, spec) for spec in specs]
   blocks = [low_rank.Carry(block if not isinstance(r.residual, optax.MaskedNode)
                            else optax.MaskedNode(), layout.factor_spec(spec))
             if isinstance(r, low_rank.Carry) else block
             for block, spec, r in zip(blocks, specs, residuals)]
 
   def on_shards(grads, residuals, count, skipped, bad):
-    return exchange.step(options, grads, residuals, count, skipped, bad)
+    return error_feedback.step(options, grads, residuals, count, skipped, bad)
 
   run = jax.shard_map(
       on_shards, mesh=jax.sharding.get_abstract_mesh(), axis_names=set(others),
@@ -567,7 +565,7 @@ def matching_residuals(options: Options, treedef: Any, state: TopKA2AState,
         "initialised for another model? Re-create it with tx.init(params) "
         f"(topka2a built with mesh=...) or topka2a_jax.init(tx, params, mesh). "
         f"({error})") from None
-  others = layout.automatic_axes(jax.sharding.get_abstract_mesh(), options.axis_name)
+  others = layout.automatic_axes(jax.sharding.get_abstract_mesh(), options.axis)
   local_shapes = _local_shapes(grads, given_specs(treedef, param_specs), others)
   for grad, residual, path, shape in zip(grads, residuals, paths, local_shapes):
     if options.keeps_residual(math.prod(shape), shape):

@@ -28,16 +28,16 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from topka2a_jax import layout
-from topka2a_jax.algorithms import DENSE
-from topka2a_jax.axis import check_on_mesh
-from topka2a_jax.clipping import warn_if_clipped_before_exchange
-from topka2a_jax.layout import inner_specs, laid_out_for, replica_specs
-from topka2a_jax.states import (
+from topka2a_jax._src import layout
+from topka2a_jax._src.axis import DataAxis
+from topka2a_jax._src.collectives.algorithms import DENSE
+from topka2a_jax._src.layout import inner_specs, laid_out_for, replica_specs
+from topka2a_jax._src.states import (
   CompressedUpdatesState,
   ShardedOptimizerState,
   TopKA2AState,
 )
+from topka2a_jax._src.transforms.clipping import warn_if_clipped_before_exchange
 
 
 def _is_topka2a_state(node: Any) -> bool:
@@ -130,13 +130,13 @@ def check_chain(opt_state: Any, *, require_exchange: bool = False) -> None:
           f"devices. {fix}")
 
 
-def _residual_specs(residuals: Any, axis_name: Hashable, param_specs: Any) -> Any:
+def _residual_specs(residuals: Any, axis: DataAxis, param_specs: Any) -> Any:
   """The spec of every residual leaf: per device, split like its parameter."""
   if param_specs is None:
-    return jax.tree.map(lambda _: layout.residual_spec(axis_name), residuals)
+    return jax.tree.map(lambda _: layout.residual_spec(axis), residuals)
   return jax.tree.map(
       lambda spec, residual: (residual if isinstance(residual, optax.MaskedNode)
-                              else layout.residual_spec(axis_name, spec)),
+                              else layout.residual_spec(axis, spec)),
       param_specs, residuals, is_leaf=_is_spec)
 
 
@@ -155,7 +155,7 @@ def state_specs(opt_state: optax.OptState, axis_name: Hashable = "data",
   """The ``PartitionSpec`` of every optimizer-state leaf, for shard_map.
 
   Residuals of :func:`topka2a_jax.topka2a` (wherever it sits in a chain) are
-  per device (:func:`topka2a_jax.layout.residual_spec`), and so is the inner
+  per device (``layout.residual_spec``), and so is the inner
   state of :func:`topka2a_jax.sharded_optimizer` and of
   :func:`topka2a_jax.compress_updates`. With
   ``param_specs``, every part of the state shaped like the parameters (Adam's
@@ -186,8 +186,9 @@ def state_specs(opt_state: optax.OptState, axis_name: Hashable = "data",
     >>> specs[0].residuals["w"], specs[1][0].mu["w"]
     (P('data', 'model'), P(None, 'model'))
   """
+  axis = DataAxis.parse(axis_name)
   check_chain(opt_state)
-  _check_param_specs(param_specs, axis_name)
+  _check_param_specs(param_specs, axis)
   params_structure = (None if param_specs is None else
                       jax.tree.structure(param_specs, is_leaf=_is_spec))
 
@@ -199,19 +200,19 @@ def state_specs(opt_state: optax.OptState, axis_name: Hashable = "data",
 
   def spec_for(node: Any) -> Any:
     if _is_topka2a_state(node):
-      return TopKA2AState(_residual_specs(node.residuals, axis_name, param_specs),
+      return TopKA2AState(_residual_specs(node.residuals, axis, param_specs),
                           count=P(), nonfinite_steps=P(),
                           factors=_factor_specs(node.factors, param_specs))
     if isinstance(node, ShardedOptimizerState):
       if params_structure is None:
         return ShardedOptimizerState(spec_for(node.exchange),
-                                     jax.tree.map(lambda _: P(axis_name), node.inner))
+                                     jax.tree.map(lambda _: P(axis.name), node.inner))
       return ShardedOptimizerState(spec_for(node.exchange), inner_specs(
           node.inner, params_structure,
-          jax.tree.leaves(param_specs, is_leaf=_is_spec), axis_name))
+          jax.tree.leaves(param_specs, is_leaf=_is_spec), axis.name))
     if isinstance(node, CompressedUpdatesState):
       return CompressedUpdatesState(spec_for(node.exchange), replica_specs(
-          node.inner, axis_name, params_structure,
+          node.inner, axis, params_structure,
           None if param_specs is None else
           jax.tree.leaves(param_specs, is_leaf=_is_spec)))
     if shaped_like_params(node):
@@ -225,12 +226,12 @@ def state_specs(opt_state: optax.OptState, axis_name: Hashable = "data",
                             or isinstance(node, kinds)))
 
 
-def _check_param_specs(param_specs: Any, axis_name: Hashable) -> None:
+def _check_param_specs(param_specs: Any, axis: DataAxis) -> None:
   if param_specs is None:
     return
   with_paths = jax.tree_util.tree_flatten_with_path(param_specs, is_leaf=_is_spec)[0]
   for path, spec in with_paths:
-    layout.check_not_over_data(spec, axis_name, jax.tree_util.keystr(path))
+    layout.check_not_over_data(spec, axis, jax.tree_util.keystr(path))
 
 
 def _is_traced(leaf: Any) -> bool:
@@ -279,7 +280,8 @@ def init(
     >>> opt_state[0].residuals["w"].shape  # one (4, 3) block per device
     (32, 3)
   """
-  check_on_mesh(mesh, axis_name)
+  axis = DataAxis.parse(axis_name)
+  axis.check_on(mesh)
   warn_if_clipped_before_exchange(tx)
   leaves, treedef = jax.tree.flatten(params)
   spec_leaves = ([P()] * len(leaves) if param_specs is None
@@ -287,7 +289,7 @@ def init(
   if len(spec_leaves) != len(leaves):
     raise ValueError(f"param_specs has {len(spec_leaves)} PartitionSpecs for "
                      f"{len(leaves)} parameter leaves; give one per parameter")
-  _check_param_specs(param_specs, axis_name)
+  _check_param_specs(param_specs, axis)
   placed = treedef.unflatten(
       [_placed(leaf, NamedSharding(mesh, spec)) for leaf, spec in zip(leaves, spec_leaves)])
   with laid_out_for(mesh):

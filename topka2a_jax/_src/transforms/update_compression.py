@@ -56,25 +56,28 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from topka2a_jax import layout
-from topka2a_jax.algorithms import AUTO
-from topka2a_jax.axis import (
-    as_varying,
-    bound_axis_size,
-    is_bound,
-    mesh_axis_size,
-    varying_axes,
+from topka2a_jax._src import layout
+from topka2a_jax._src.axis import (
+  as_varying,
+  bound_axis_size,
+  is_bound,
+  varying_axes,
 )
-from topka2a_jax.nonfinite import NONFINITE, applied_or_skipped, step_is_bad
-from topka2a_jax.options import Options
-from topka2a_jax.states import CompressedUpdatesState
-from topka2a_jax.transform import (
-    check_per_device,
-    flatten,
-    holds_exchange,
-    init_state,
-    layout_mesh,
-    update_state,
+from topka2a_jax._src.collectives.algorithms import AUTO
+from topka2a_jax._src.options import Options
+from topka2a_jax._src.states import CompressedUpdatesState
+from topka2a_jax._src.transforms.nonfinite import (
+  NONFINITE,
+  applied_or_skipped,
+  step_is_bad,
+)
+from topka2a_jax._src.transforms.topka2a import (
+  check_per_device,
+  flatten,
+  holds_exchange,
+  init_state,
+  layout_mesh,
+  update_state,
 )
 
 
@@ -111,7 +114,7 @@ def compress_updates(
     algorithm: ``"auto"`` (the default): each bucket the cheapest exchange
       under the cost model among those whose mean holds every device's
       whole selection (TopKA2A, TopkA, dense); or one name of
-      :data:`topka2a_jax.algorithms.REGISTRY`.
+      :data:`topka2a_jax.collectives.ALGORITHMS`.
     **options: the other options of :func:`topka2a_jax.topka2a`
       (``min_size``, ``fusion``, ``network``, ``value_dtype``,
       ``selection``, ``warmup_steps``, ``skip_nonfinite``,
@@ -163,15 +166,15 @@ def _init_inner(opts: Options, inner: optax.GradientTransformation,
   if is_bound(opts.axis_name):
     return _checked(_per_device(inner.init(params), opts.axis_name))
   mesh = layout_mesh(opts, leaves)  # init_state has refused a missing one
-  others = layout.automatic_axes(mesh, opts.axis_name)
+  others = layout.automatic_axes(mesh, opts.axis)
   specs = [layout.restrict_spec(layout.param_spec_of(leaf, mesh), leaf.shape, others)
            for leaf in leaves]
-  devices = mesh_axis_size(mesh, opts.axis_name)
+  devices = opts.axis.size(mesh)
   with layout.laid_out_for(mesh):  # an exchange inside is refused, not asked for a mesh
     one = _checked(inner.init(params))
   shardings = jax.tree.map(
       lambda spec: NamedSharding(mesh, spec),
-      layout.replica_specs(one, opts.axis_name, treedef, specs),
+      layout.replica_specs(one, opts.axis, treedef, specs),
       is_leaf=lambda node: isinstance(node, P))
 
   def copies(state: Any) -> Any:

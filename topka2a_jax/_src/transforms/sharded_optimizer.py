@@ -18,7 +18,7 @@ Every leaf that keeps a residual is its own TopKA2A bucket (so its owned
 shard is its own slice); the others go through one dense reduce-scatter.
 Where the parameters are split over other mesh axes (a ``("data", "model")``
 mesh), each device shards its own piece of them, as
-:func:`topka2a_jax.topka2a` keeps residuals for its piece (:func:`topka2a_jax.layout.inner_specs`).
+:func:`topka2a_jax.topka2a` keeps residuals for its piece (``layout.inner_specs``).
 
 Only element-wise inner transforms give the same updates as the plain chain;
 those that reduce over a leaf or over all of them (global-norm clipping,
@@ -47,30 +47,36 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from topka2a_jax import collectives, exchange, layout
-from topka2a_jax.algorithms import AUTO, DENSE, TOPKA2A
-from topka2a_jax.axis import (
-    as_varying,
-    axis_names,
-    bound_axis_size,
-    grouped_by_varying_axes,
-    is_bound,
-    varying_axes,
+from topka2a_jax._src import layout
+from topka2a_jax._src.axis import (
+  DataAxis,
+  as_varying,
+  bound_axis_size,
+  grouped_by_varying_axes,
+  is_bound,
+  varying_axes,
 )
-from topka2a_jax.fusion import step_model
-from topka2a_jax.nonfinite import NONFINITE, applied_or_skipped, step_is_bad
-from topka2a_jax.options import Options
-from topka2a_jax.states import ShardedOptimizerState, TopKA2AState
-from topka2a_jax.transform import (
-    PARAM_SPECS,
-    check_per_device,
-    flatten,
-    given_specs,
-    holds_exchange,
-    init_state,
-    layout_mesh,
-    matching_residuals,
-    shard_specs,
+from topka2a_jax._src.collectives import exchanges
+from topka2a_jax._src.collectives.algorithms import AUTO, DENSE, TOPKA2A
+from topka2a_jax._src.options import Options
+from topka2a_jax._src.planner.fusion import step_model
+from topka2a_jax._src.states import ShardedOptimizerState, TopKA2AState
+from topka2a_jax._src.transforms import error_feedback
+from topka2a_jax._src.transforms.nonfinite import (
+  NONFINITE,
+  applied_or_skipped,
+  step_is_bad,
+)
+from topka2a_jax._src.transforms.topka2a import (
+  PARAM_SPECS,
+  check_per_device,
+  flatten,
+  given_specs,
+  holds_exchange,
+  init_state,
+  layout_mesh,
+  matching_residuals,
+  shard_specs,
 )
 
 ALGORITHMS = (AUTO, TOPKA2A.name, DENSE.name)
@@ -177,16 +183,17 @@ def sharded_optimizer(
         f"sharded_optimizer runs the optimizer where TopKA2A's first phase "
         f"leaves each device its summed shard; algorithm={algorithm!r} has no "
         f"such phase. Choose one of {', '.join(map(repr, ALGORITHMS))}.")
-  if len(axis_names(axis_name)) > 1:
+  axis = DataAxis.parse(axis_name)
+  if axis.is_pair:
     raise ValueError(
-        f"sharded_optimizer shards over one data axis; axis_name={axis_name!r} is a "
+        f"sharded_optimizer shards over one data axis; axis_name={axis.name!r} is a "
         "pair. Use optax.chain(topka2a_jax.topka2a(..., axis_name=...), inner) "
         "for the two-level exchange.")
   if "fusion" in options:
     raise ValueError("sharded_optimizer makes every sparse leaf its own bucket; "
                      "it takes no fusion= option.")
   check_element_wise(inner)
-  opts = Options.create(density, axis_name=axis_name, mesh=mesh,
+  opts = Options.create(density, axis_name=axis, mesh=mesh,
                         algorithm=algorithm, fusion=1, **options)
 
   def init_fn(params: optax.Params) -> ShardedOptimizerState:
@@ -253,10 +260,10 @@ def _init_inner(opts: Options, inner: optax.GradientTransformation,
   if is_bound(opts.axis_name):
     return _local_inner_init(opts, inner, leaves, treedef)
   mesh = layout_mesh(opts, leaves)  # init_state has refused a missing one
-  others = layout.automatic_axes(mesh, opts.axis_name)
+  others = layout.automatic_axes(mesh, opts.axis)
   specs = [layout.restrict_spec(layout.param_spec_of(leaf, mesh), leaf.shape, others)
            for leaf in leaves]
-  num_devices = mesh.shape[opts.axis_name]
+  num_devices = opts.axis.size(mesh)
   shards = [jax.ShapeDtypeStruct(_present_shape(shard_length(
       math.prod(layout.local_shape(leaf.shape, spec, others)), num_devices),
       leaf.ndim), leaf.dtype) for leaf, spec in zip(leaves, specs)]
@@ -340,15 +347,15 @@ def owner_phase(opts: Options, grads: Sequence[jax.Array], residuals: Sequence[A
   num_devices = bound_axis_size(opts.axis_name)
   shards: list[Any] = [None] * len(grads)
   new: list[Any] = [optax.MaskedNode()] * len(grads)
-  accs = [jnp.ravel(g).astype(exchange.residual_dtype(g.dtype)) + jnp.ravel(r)
+  accs = [jnp.ravel(g).astype(error_feedback.residual_dtype(g.dtype)) + jnp.ravel(r)
           if opts.keeps_residual(g.size) else jnp.ravel(g)
           for g, r in zip(grads, residuals)]
   dense = []
   for i, (grad, acc) in enumerate(zip(grads, accs)):
     if sparse and _sparse(opts, grad.size, num_devices):
-      _, _, owned, unsent = collectives.to_owners(
+      _, _, owned, unsent = exchanges.to_owners(
           acc, opts.axis_name, opts.density, opts.value_dtype,
-          collectives.get_selection(opts.selection))
+          exchanges.get_selection(opts.selection))
       shards[i] = owned / num_devices
       if opts.keeps_residual(grad.size):
         new[i] = unsent.reshape(-1)[: grad.size].reshape(residuals[i].shape)
@@ -372,7 +379,7 @@ def _step(opts: Options, inner: optax.GradientTransformation, treedef: Any,
   shapes = [g.shape for g in grads]
 
   def applied(grads, residuals, count, inner_state):
-    shards, new = exchange.dense_while_warming_up(
+    shards, new = error_feedback.dense_while_warming_up(
         opts, count, functools.partial(owner_phase, opts), grads, residuals)
     mean = treedef.unflatten([_present(s.astype(g.dtype), g.ndim)
                               for s, g in zip(shards, grads)])
@@ -413,7 +420,7 @@ def _update(opts: Options, inner: optax.GradientTransformation, updates: Any,
   step = functools.partial(_step, opts, inner, treedef)
   args = (grads, residuals, param_leaves, state.exchange.count,
           state.exchange.nonfinite_steps, state.inner, bad)
-  others = layout.automatic_axes(jax.sharding.get_abstract_mesh(), opts.axis_name)
+  others = layout.automatic_axes(jax.sharding.get_abstract_mesh(), opts.axis)
   if others:  # each device on its piece of every parameter, as topka2a does
     specs = shard_specs(grads, given_specs(treedef, given), others)
     inner_in = layout.inner_specs(state.inner, treedef, specs, None)

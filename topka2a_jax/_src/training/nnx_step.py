@@ -43,8 +43,8 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from topka2a_jax.axis import is_varying
-from topka2a_jax.step import DataParallelStep, check_step_options
+from topka2a_jax._src.axis import DataAxis, is_varying
+from topka2a_jax._src.training.step import DataParallelStep, check_step_options
 
 
 def _agreed(leaf: jax.Array, axis_name: Hashable) -> jax.Array:
@@ -86,14 +86,14 @@ class NnxTrainStep(DataParallelStep):
 
   ``step(model, optimizer, batch)`` updates ``model`` and ``optimizer`` in
   place and returns the loss (and the metrics with ``has_aux=True``). The
-  core is :class:`topka2a_jax.step.DataParallelStep`'s; this class splits the
+  core is ``step.DataParallelStep``'s; this class splits the
   model into its parameters, random keys and other state (the carry) and
   merges them back.
   """
 
   def __init__(self, loss_fn: Callable[..., Any], mesh: Mesh, *,
-               axis_name: Hashable, has_aux: bool, micro_batches: int, donate: bool):
-    super().__init__(mesh, axis_name=axis_name, has_aux=has_aux,
+               axis: DataAxis, has_aux: bool, micro_batches: int, donate: bool):
+    super().__init__(mesh, axis=axis, has_aux=has_aux,
                      micro_batches=micro_batches, donate=donate)
     self._loss_fn = loss_fn
 
@@ -114,10 +114,10 @@ class NnxTrainStep(DataParallelStep):
 
   def _per_device(self, model, keys):
     graphdef, wrt = model
-    return self._value_and_grad(graphdef, wrt, _device_keys(keys, self._axis_name)), None
+    return self._value_and_grad(graphdef, wrt, _device_keys(keys, self._axis.name)), None
 
   def _agreed(self, carry):
-    return jax.tree.map(lambda leaf: _agreed(leaf, self._axis_name), carry)
+    return jax.tree.map(lambda leaf: _agreed(leaf, self._axis.name), carry)
 
   def _estimate(self, model, params, rest, keys, micro):
     graphdef, wrt = model
@@ -214,6 +214,6 @@ def nnx_train_step(
     >>> model.layers[1].mean.shape  # batch statistics, averaged over devices
     (32,)
   """
-  check_step_options(mesh, axis_name, micro_batches)
-  return NnxTrainStep(loss_fn, mesh, axis_name=axis_name, has_aux=has_aux,
+  axis = check_step_options(mesh, axis_name, micro_batches)
+  return NnxTrainStep(loss_fn, mesh, axis=axis, has_aux=has_aux,
                       micro_batches=micro_batches, donate=donate)

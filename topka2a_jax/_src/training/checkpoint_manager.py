@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 from jax.sharding import Mesh
 
-from topka2a_jax import checkpoint
-from topka2a_jax.axis import check_on_mesh
+from topka2a_jax._src.axis import DataAxis
+from topka2a_jax._src.training import checkpoint
 
 if TYPE_CHECKING:  # typing.Self from Python 3.11
   from typing_extensions import Self
@@ -70,8 +70,8 @@ class CheckpointManager:
                async_save: bool = True):
     import orbax.checkpoint as ocp
 
-    check_on_mesh(mesh, axis_name)
-    self._mesh, self._axis_name = mesh, axis_name
+    self._mesh, self._axis = mesh, DataAxis.parse(axis_name)
+    self._axis.check_on(mesh)
     self._manager = ocp.CheckpointManager(
         Path(directory).absolute(), item_names=(STATE, LAYOUT),
         options=ocp.CheckpointManagerOptions(
@@ -86,7 +86,7 @@ class CheckpointManager:
     """
     import orbax.checkpoint as ocp
 
-    layout = checkpoint.describe(state, self._mesh, self._axis_name)
+    layout = checkpoint.describe(state, self._mesh, self._axis)
     return self._manager.save(step, args=ocp.args.Composite(**{
         STATE: ocp.args.StandardSave(state), LAYOUT: ocp.args.JsonSave(layout)}))
 
@@ -119,7 +119,7 @@ class CheckpointManager:
           STATE: ocp.args.StandardRestore(targets)}))[STATE]
 
     return checkpoint.restore_laid_out(
-        saved, read, like, self._mesh, self._axis_name,
+        saved, read, like, self._mesh, self._axis,
         f"step {step} of {self._manager.directory}")
 
   def latest_step(self) -> int | None:

@@ -17,11 +17,11 @@ one block of ``m`` per device, ordered by the data axes and then by the
 other mesh axes that split the parameter.
 
 Example:
-  >>> residual_spec("data", P(None, "model"))
+  >>> residual_spec(DataAxis("data"), P(None, "model"))
   P('data', 'model')
   >>> residual_shape((16, 64), 4)
   (64, 64)
-  >>> residual_spec(("node", "local"), P(None, "model"))
+  >>> residual_spec(DataAxis(("node", "local")), P(None, "model"))
   P(('node', 'local', 'model'),)
   >>> residual_shape((16, 64), 8, per_node=4, pieces=2)  # slices of 128
   (2048,)
@@ -39,7 +39,7 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from topka2a_jax.axis import axis_names
+from topka2a_jax._src.axis import DataAxis
 
 
 def spec_axes(spec: P) -> tuple[Hashable, ...]:
@@ -122,7 +122,7 @@ def residual_shape(shape: Sequence[int], num_devices: int, *,
   return (num_devices * shape[0], *shape[1:]) if shape else (num_devices,)
 
 
-def residual_spec(axis_name: Hashable, param_spec: P | None = None) -> P:
+def residual_spec(axis: DataAxis, param_spec: P | None = None) -> P:
   """The ``PartitionSpec`` of a parameter's residual.
 
   The data axis splits dimension 0 first (one block per data index); inside
@@ -131,7 +131,7 @@ def residual_spec(axis_name: Hashable, param_spec: P | None = None) -> P:
   axes and then by every axis of the parameter's spec.
 
   Args:
-    axis_name: the data-parallel mesh axis, or a pair of them.
+    axis: the data-parallel axis.
     param_spec: the parameter's spec over the other axes; None when it is
       replicated.
 
@@ -139,38 +139,38 @@ def residual_spec(axis_name: Hashable, param_spec: P | None = None) -> P:
     The spec, e.g. ``P("data")`` or ``P(("data", "model"), None)``.
 
   Example:
-    >>> residual_spec("data", P("model", None))
+    >>> residual_spec(DataAxis("data"), P("model", None))
     P(('data', 'model'),)
   """
-  if len(axis_names(axis_name)) > 1:
-    return P(_entry((*axis_names(axis_name), *spec_axes(param_spec or P()))))
+  if axis.is_pair:
+    return P(_entry((*axis.names, *spec_axes(param_spec or P()))))
   entries = list(param_spec or ())
   while entries and entries[-1] is None:
     entries.pop()
   if not entries:
-    return P(_entry(axis_names(axis_name)))
-  first = _entry((*axis_names(axis_name), *_entry_axes(entries[0])))
+    return P(_entry(axis.names))
+  first = _entry((*axis.names, *_entry_axes(entries[0])))
   return P(first, *entries[1:])
 
 
-def residual_block_spec(axis_name: Hashable, param_spec: P) -> P:
+def residual_block_spec(axis: DataAxis, param_spec: P) -> P:
   """How one data index's residual block splits over the other mesh axes.
 
   Like the parameter for one data axis; over all of the parameter's axes,
   in order, for the 1-D slices of a pair.
 
   Example:
-    >>> residual_block_spec(("node", "local"), P("model", "expert"))
+    >>> residual_block_spec(DataAxis(("node", "local")), P("model", "expert"))
     P(('model', 'expert'),)
   """
-  if len(axis_names(axis_name)) > 1:
+  if axis.is_pair:
     axes = spec_axes(param_spec)
     return P(_entry(axes)) if axes else P()
   return param_spec
 
 
 def factor_spec(param_spec: P | None) -> P:
-  """The ``PartitionSpec`` of a PowerSGD factor ``Q`` (:mod:`topka2a_jax.low_rank`).
+  """The ``PartitionSpec`` of a PowerSGD factor ``Q`` (``_src/collectives/low_rank.py``).
 
   Replicated over the data axis; where the other mesh axes split the
   parameter, one ``(n, rank)`` block per shard along dimension 0, ordered by
@@ -216,21 +216,22 @@ def constrain(x: Any, sharding: NamedSharding) -> Any:
   return jax.lax.with_sharding_constraint(x, sharding)
 
 
-def automatic_axes(mesh: Any, exclude: Hashable) -> dict[Hashable, int]:
+def automatic_axes(mesh: Any, exclude: DataAxis) -> dict[Hashable, int]:
   """Axes of ``mesh`` other than ``exclude``'s that are not manual, by size (> 1)."""
   types = getattr(mesh, "axis_types", None) or (AxisType.Auto,) * len(mesh.axis_names)
   return {name: size for name, size, kind in
           zip(mesh.axis_names, mesh.axis_sizes, types)
-          if name not in axis_names(exclude) and kind != AxisType.Manual and size > 1}
+          if name not in exclude.names and kind != AxisType.Manual and size > 1}
 
 
-def check_not_over_data(spec: P | None, axis_name: Hashable, path: str) -> None:
+def check_not_over_data(spec: P | None, axis: DataAxis, path: str) -> None:
   """Refuses a parameter split over the data axis itself, saying why.
 
   Raises:
-    ValueError: ``spec`` names ``axis_name``.
+    ValueError: ``spec`` names an axis of ``axis``.
   """
-  if spec is not None and set(axis_names(axis_name)) & set(spec_axes(spec)):
+  axis_name = axis.name
+  if spec is not None and set(axis.names) & set(spec_axes(spec)):
     raise ValueError(
         f"parameter {path} is sharded over the data axis {axis_name!r} "
         f"({spec}). topka2a averages gradients over {axis_name!r}, so every "
@@ -262,7 +263,7 @@ def mesh_laid_out_for() -> Mesh | None:
   return _LAYOUT_MESH.get()
 
 
-def replica_specs(inner_state: Any, axis_name: Hashable, params_structure: Any = None,
+def replica_specs(inner_state: Any, axis: DataAxis | None, params_structure: Any = None,
                   param_specs: Any = None) -> Any:
   """The ``PartitionSpec`` of every leaf of the per-device ``inner`` state.
 
@@ -271,8 +272,7 @@ def replica_specs(inner_state: Any, axis_name: Hashable, params_structure: Any =
 
   Args:
     inner_state: the state, arrays or shapes, every leaf ``(P, *shape)``.
-    axis_name: the data axis, or a pair of them; None inside a shard_map
-      already manual over it.
+    axis: the data axis; None inside a shard_map already manual over it.
     params_structure: the parameters' pytree structure, with ``param_specs``.
     param_specs: one ``PartitionSpec`` per parameter leaf, or None.
 
@@ -281,10 +281,10 @@ def replica_specs(inner_state: Any, axis_name: Hashable, params_structure: Any =
 
   Example:
     >>> state = {"mu": jnp.zeros((8, 4, 6)), "count": jnp.zeros(8)}
-    >>> replica_specs(state, "data")
+    >>> replica_specs(state, DataAxis("data"))
     {'count': P('data',), 'mu': P('data',)}
   """
-  first = None if axis_name is None else residual_spec(axis_name)[0]
+  first = None if axis is None else residual_spec(axis)[0]
   if param_specs is None:
     return jax.tree.map(lambda _: P(first), inner_state)
   spec_leaves = list(param_specs)

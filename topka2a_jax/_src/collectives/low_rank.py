@@ -28,7 +28,7 @@ Example:
   ... @jax.shard_map(mesh=mesh, in_specs=(P("data"), P()),
   ...                out_specs=(P(), P("data")))
   ... def full_rank(grad, q):
-  ...   (mean,), (residual,), _ = exchange([grad[0]], [q], "data")
+  ...   (mean,), (residual,), _ = powersgd([grad[0]], [q], "data")
   ...   return mean, residual[None]
   >>> mean, residuals = full_rank(grads, q)  # rank 5 of 6 x 5: exact
   >>> bool(jnp.allclose(mean, grads.mean(0), atol=1e-5))
@@ -153,7 +153,7 @@ def _mean_of_pieces(pieces: Sequence[jax.Array], axis_name: Hashable) -> list[ja
           for start, size, piece in zip(starts, sizes, pieces)]
 
 
-def exchange(accumulators: Sequence[jax.Array], factors: Sequence[jax.Array],
+def powersgd(accumulators: Sequence[jax.Array], factors: Sequence[jax.Array],
              axis_name: Hashable) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
   """One PowerSGD step of this device's matrices: means, residuals, next factors.
 

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from topka2a_jax.update_compression import compress_updates
+from topka2a_jax._src.transforms.update_compression import compress_updates
 
 
 class FrozenRmsState(NamedTuple):

@@ -7,7 +7,7 @@ flag, so every device decides alike.
 
 :func:`topka2a_jax.topka2a` guards its own state this way by default: on a
 bad step its exchange runs with nothing sent, so its residuals stay as they
-were without a branch (:mod:`topka2a_jax.exchange`). Optimizers, whose
+were without a branch (``_src/transforms/error_feedback.py``). Optimizers, whose
 state would move on zero updates, are switched by :func:`applied_or_skipped`.
 :func:`skip_nonfinite` wraps a whole optax chain, so that a stateful optimizer
 after it (momentum, Adam) skips the step too; it hands its decision to the
@@ -33,7 +33,12 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from topka2a_jax.axis import axis_names, is_varying, tracks_varying_axes, varying_axes
+from topka2a_jax._src.axis import (
+  DataAxis,
+  is_varying,
+  tracks_varying_axes,
+  varying_axes,
+)
 
 NONFINITE = "nonfinite_step"
 """Extra argument of the update: the decision taken once, for inner transforms."""
@@ -76,8 +81,8 @@ def nonfinite_on_any_device(tree: Any, axis_name: Hashable) -> jax.Array:
     local = lax.pcast(local, axis_name, to="varying")
   # Over every axis the gradients vary along (on a 2-D mesh, the model axis
   # too), so that all shards of the model skip together.
-  axes = (*axis_names(axis_name),
-          *sorted(varying_axes(local) - set(axis_names(axis_name)), key=str))
+  names = DataAxis.parse(axis_name).names
+  axes = (*names, *sorted(varying_axes(local) - set(names), key=str))
   return lax.pmax(local, axes) > 0
 
 

@@ -5,7 +5,7 @@ where the parameters are sharded over other mesh axes) and residuals:
 
 * :func:`plan` fuses the leaves into buckets (:mod:`.buckets`), planned by
   the cost model (:mod:`.fusion`);
-* :func:`exchange` adds every leaf's residual (error feedback), runs each
+* :func:`exchange_buckets` adds every leaf's residual (error feedback), runs each
   bucket's collective (:mod:`.collectives`) and returns the means and what
   stays behind;
 * :func:`step` wraps that in the two run-time switches of the one compiled
@@ -42,19 +42,20 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from topka2a_jax import buckets, collectives, layout, low_rank
-from topka2a_jax.algorithms import DENSE, REGISTRY
-from topka2a_jax.axis import (
-  axis_names,
+from topka2a_jax._src import layout
+from topka2a_jax._src.axis import (
+  DataAxis,
   bound_axis_size,
-  devices_per_node,
   grouped_by_varying_axes,
   varying_axes,
 )
-from topka2a_jax.cost import TWO_LEVEL
-from topka2a_jax.fusion import step_model
-from topka2a_jax.nonfinite import applied_or_skipped, step_is_bad
-from topka2a_jax.options import Options
+from topka2a_jax._src.collectives import exchanges, low_rank
+from topka2a_jax._src.collectives.algorithms import ALGORITHMS, DENSE
+from topka2a_jax._src.options import Options
+from topka2a_jax._src.planner import buckets
+from topka2a_jax._src.planner.cost import TWO_LEVEL
+from topka2a_jax._src.planner.fusion import step_model
+from topka2a_jax._src.transforms.nonfinite import applied_or_skipped, step_is_bad
 
 
 def residual_dtype(dtype: jnp.dtype) -> jnp.dtype:
@@ -110,7 +111,7 @@ def _accumulator(grad: jax.Array, residual: Any, per_node: int,
     return rows
   if per_node == 1:
     return rows + jnp.ravel(residual)[None]
-  return collectives.add_to_own_row(rows, inner_axis, jnp.ravel(residual))
+  return exchanges.add_to_own_row(rows, inner_axis, jnp.ravel(residual))
 
 
 def wire_limit(options: Options, dtypes: Sequence[jnp.dtype]) -> float | None:
@@ -133,13 +134,13 @@ def _split_columns(rows: jax.Array, widths: Sequence[int]) -> list[jax.Array]:
           for start, width in zip(itertools.accumulate(widths), widths)]
 
 
-def exchange(options: Options, grads: Sequence[jax.Array],
+def exchange_buckets(options: Options, grads: Sequence[jax.Array],
              residuals: Sequence[Any], sparse: bool,
              send: jax.Array | None = None) -> tuple[list, list]:
   """Means of ``grads + residuals`` over the axis, and the new residuals.
 
   Over a pair of data axes with ``L`` devices per node, every residual is
-  this device's slice of its leaf (:mod:`topka2a_jax.layout`). A bucket routed
+  this device's slice of its leaf (``_src/layout.py``). A bucket routed
   two-level packs its leaves slice by slice (slice ``j`` of the buffer holds
   slice ``j`` of every leaf), so what the outer exchange leaves unsent splits
   into the leaves' slices. A sparse bucket routed flat reduce-scatters what
@@ -154,7 +155,7 @@ def exchange(options: Options, grads: Sequence[jax.Array],
     residuals: for every leaf, its residual (shaped like the leaf, ``(1,)``
       for a scalar, or its slice over a pair of axes) or
       ``optax.MaskedNode()`` where it keeps none; for a leaf that goes low
-      rank, a :class:`topka2a_jax.low_rank.Carry`.
+      rank, a ``low_rank.Carry``.
     sparse: False sends every bucket dense (warm-up): nothing stays behind.
     send: a boolean scalar, the same on every device, or None (True). False
       sends nothing (a skipped step): the means are zero and every residual
@@ -167,8 +168,8 @@ def exchange(options: Options, grads: Sequence[jax.Array],
   if options.is_low_rank:
     return _exchange_low_rank(options, grads, residuals, sparse)
   num_devices = bound_axis_size(options.axis_name)
-  per_node = devices_per_node(options.axis_name) or 1
-  inner_axis = axis_names(options.axis_name)[-1]
+  per_node = options.axis.per_node() or 1
+  inner_axis = options.axis.inner
   means: list[jax.Array] = list(grads)  # empty leaves pass through as they are
   new_residuals: list[Any] = [optax.MaskedNode()] * len(grads)
   for members, bucket in _buckets(options, grads, num_devices):
@@ -178,7 +179,7 @@ def exchange(options: Options, grads: Sequence[jax.Array],
     widths = [layout.residual_slice(size, per_node) for size in sizes]
     rows = [_accumulator(grads[i], residuals[i] if keep else None, per_node,
                          inner_axis, dtype) for i, keep in zip(members, keeps)]
-    algorithm = REGISTRY[bucket.algorithm] if sparse else DENSE
+    algorithm = ALGORITHMS[bucket.algorithm] if sparse else DENSE
     limit = wire_limit(options, [grads[i].dtype for i in members])
     excess = [None] * len(rows)
     if algorithm.sparse and per_node == 1 and limit is not None:
@@ -190,14 +191,14 @@ def exchange(options: Options, grads: Sequence[jax.Array],
     options_kw = {"value_dtype": options.value_dtype, "selection": options.selection,
                   "send": send}
     if bucket.route == TWO_LEVEL:
-      result = collectives.two_level(
+      result = exchanges.two_level(
           jnp.concatenate(rows, axis=1).ravel(), options.axis_name, options.density,
-          outer=collectives.COLLECTIVES[algorithm.name], **options_kw)
+          outer=exchanges.COLLECTIVES[algorithm.name], **options_kw)
       mean_pieces = [piece.ravel()[:size] for piece, size in zip(
           _split_columns(result.mean.reshape(per_node, -1), widths), sizes)]
       unsent = buckets.unpack(result.unsent, widths)
     else:
-      result = collectives.COLLECTIVES[algorithm.name](
+      result = exchanges.COLLECTIVES[algorithm.name](
           buckets.pack([r.ravel()[:size] for r, size in zip(rows, sizes)], dtype),
           options.axis_name, options.density, **options_kw)
       mean_pieces = buckets.unpack(result.mean, sizes)
@@ -214,10 +215,10 @@ def exchange(options: Options, grads: Sequence[jax.Array],
 
 def _exchange_low_rank(options: Options, grads: Sequence[jax.Array],
                        residuals: Sequence[Any], sparse: bool) -> tuple[list, list]:
-  """:func:`exchange` for ``algorithm="powersgd"``: matrices low rank, the rest dense.
+  """:func:`exchange_buckets` for ``algorithm="powersgd"``: matrices low rank, the rest dense.
 
   The leaves whose state is a :class:`low_rank.Carry` go through
-  :func:`low_rank.exchange`; every other leaf goes through the dense
+  :func:`low_rank.powersgd`; every other leaf goes through the dense
   buckets. ``sparse=False`` (warm-up) sends the matrices dense as well,
   which empties their residuals and keeps their ``Q``.
   """
@@ -226,7 +227,7 @@ def _exchange_low_rank(options: Options, grads: Sequence[jax.Array],
   means: list[Any] = list(grads)
   new: list[Any] = list(residuals)
   dense_options = dataclasses.replace(options, algorithm=DENSE.name, rank=None)
-  rest_means, _ = exchange(dense_options, [grads[i] for i in rest],
+  rest_means, _ = exchange_buckets(dense_options, [grads[i] for i in rest],
                            [optax.MaskedNode()] * len(rest), sparse)
   for i, mean in zip(rest, rest_means):
     means[i] = mean
@@ -240,7 +241,7 @@ def _exchange_low_rank(options: Options, grads: Sequence[jax.Array],
       acc = acc + carry.residual
     accumulators.append(acc)
   if sparse:
-    low_means, left, factors = low_rank.exchange(
+    low_means, left, factors = low_rank.powersgd(
         accumulators, [carry.factor for carry in carries], options.axis_name)
   else:
     low_means = jax.lax.pmean(accumulators, options.axis_name)
@@ -282,10 +283,10 @@ def unsent_slices(unsent: Sequence[jax.Array], widths: Sequence[int],
   return buckets.unpack(summed[0], widths)
 
 
-def _zeros_like_mean(grad: jax.Array, axis_name: Hashable) -> jax.Array:
+def _zeros_like_mean(grad: jax.Array, axis: DataAxis) -> jax.Array:
   """Zeros typed like the mean of ``grad``: invariant along the axis only."""
   zeros = jnp.zeros(grad.shape, grad.dtype)
-  others = tuple(varying_axes(grad) - set(axis_names(axis_name)))
+  others = tuple(varying_axes(grad) - set(axis.names))
   return jax.lax.pcast(zeros, others, to="varying") if others else zeros
 
 
@@ -305,7 +306,7 @@ def dense_while_warming_up(options: Options, count: jax.Array, run: Any,
 def _applied(options: Options, grads: list, residuals: list,
              count: jax.Array) -> tuple[list, list, jax.Array]:
   """The exchange, dense while ``count < warmup_steps``; one more applied step."""
-  means, new = dense_while_warming_up(options, count, functools.partial(exchange, options),
+  means, new = dense_while_warming_up(options, count, functools.partial(exchange_buckets, options),
                                       grads, residuals)
   return means, new, count + 1
 
@@ -323,7 +324,7 @@ def _applied_or_held(options: Options, bad: jax.Array, grads: list, residuals: l
   updated in place.
   """
   live = [jnp.where(bad, jnp.zeros_like(g), g) for g in grads]
-  run = functools.partial(exchange, options, send=jnp.logical_not(bad))
+  run = functools.partial(exchange_buckets, options, send=jnp.logical_not(bad))
   means, new = dense_while_warming_up(options, count, run, live, residuals)
   return means, new, count + jnp.where(bad, 0, 1).astype(count.dtype)
 
@@ -331,7 +332,7 @@ def _applied_or_held(options: Options, bad: jax.Array, grads: list, residuals: l
 def _skipped(options: Options, grads: list, residuals: list,
              count: jax.Array) -> tuple[list, list, jax.Array]:
   """Zero updates; residuals and count as they were."""
-  zeros = [_zeros_like_mean(g, options.axis_name) if g.size else g for g in grads]
+  zeros = [_zeros_like_mean(g, options.axis) if g.size else g for g in grads]
   return zeros, residuals, count
 
 

@@ -1,0 +1,53 @@
+"""Starts N local JAX processes on one script, as a multi-host job would.
+
+Usage::
+
+  python tools/launch.py -n 4 [--devices-per-process 2] SCRIPT [ARGS...]
+
+Every process runs ``SCRIPT ARGS`` with a loopback coordinator, its rank and
+the process count in the environment (read by
+``topka2a_jax.distributed.initialize()``), ``devices-per-process`` emulated
+CPU devices, and gloo collectives over TCP. Output lines are forwarded with a
+``[rank]`` prefix. When a process fails the others are stopped, and the
+launcher says which rank failed and exits with its status; it exits 0 when
+all succeed. SIGTERM, SIGINT or SIGHUP to the launcher stop every process
+before it exits (with 128 + the signal's number).
+
+Example::
+
+  $ python tools/launch.py -n 2 --devices-per-process 2 train.py --steps 5
+  [0] 4 devices in 2 processes
+  [1] 4 devices in 2 processes
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from topka2a_jax.distributed import launch
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(
+      prog="python tools/launch.py",
+      description="Start N local JAX processes (gloo collectives over loopback) "
+                  "on one script; the script calls topka2a_jax.distributed.initialize().")
+  parser.add_argument("-n", "--num-processes", type=int, required=True)
+  parser.add_argument("--devices-per-process", type=int, default=1,
+                      help="emulated CPU devices in each process (default 1)")
+  parser.add_argument("script", help="the Python script every process runs")
+  parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+  options = parser.parse_args(argv)
+  if options.num_processes < 1 or options.devices_per_process < 1:
+    parser.error("-n and --devices-per-process must be at least 1")
+  if not os.path.isfile(options.script):
+    parser.error(f"no such script: {options.script}")
+  return launch([sys.executable, options.script, *options.args],
+                options.num_processes, options.devices_per_process)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

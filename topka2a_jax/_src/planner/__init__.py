@@ -1,0 +1,1 @@
+"""Which exchange each bucket takes: the cost model and the bucket plan."""

@@ -1,0 +1,1 @@
+"""What users call to train: the steps, placement on a mesh, checkpoints, processes."""

@@ -1,0 +1,1 @@
+"""The optax transforms: the exchange with error feedback, and what wraps it."""
