@@ -17,7 +17,7 @@ bytes per value and index:
 | topka2a | 2(P-1) | (P-1) · (q(v+i) + s·v) | d | P·q |
 | topka2a_sparse | 2(P-1) | (P-1) · 2q(v+i) | d + s | P·q + q |
 
-Values and indices travel in one message (:mod:`.wire`), so TopkA and
+Values and indices travel in one message (``wire.py``), so TopkA and
 TopKA2A pay one latency term per phase. Indices are as narrow as the
 positions they address allow: a shard, or for TopkA the whole buffer.
 

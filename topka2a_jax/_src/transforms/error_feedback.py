@@ -3,14 +3,14 @@
 Called inside ``jax.shard_map`` on this device's gradient leaves (its shards,
 where the parameters are sharded over other mesh axes) and residuals:
 
-* :func:`plan` fuses the leaves into buckets (:mod:`.buckets`), planned by
-  the cost model (:mod:`.fusion`);
-* :func:`exchange_buckets` adds every leaf's residual (error feedback), runs each
-  bucket's collective (:mod:`.collectives`) and returns the means and what
-  stays behind;
+* :func:`plan` fuses the leaves into buckets (``planner/buckets.py``), planned by
+  the cost model (``planner/fusion.py``);
+* :func:`exchange_buckets` adds every leaf's residual (error feedback), runs
+  each bucket's collective (``collectives/exchanges.py``) and returns the
+  means and what stays behind;
 * :func:`step` wraps that in the two run-time switches of the one compiled
   step: a step with a non-finite gradient anywhere is skipped everywhere
-  (:mod:`.nonfinite`), and the first ``warmup_steps`` go dense.
+  (``nonfinite.py``), and the first ``warmup_steps`` go dense.
 
 Example:
   >>> mesh = jax.make_mesh((8,), ("data",))
@@ -306,8 +306,8 @@ def dense_while_warming_up(options: Options, count: jax.Array, run: Any,
 def _applied(options: Options, grads: list, residuals: list,
              count: jax.Array) -> tuple[list, list, jax.Array]:
   """The exchange, dense while ``count < warmup_steps``; one more applied step."""
-  means, new = dense_while_warming_up(options, count, functools.partial(exchange_buckets, options),
-                                      grads, residuals)
+  run = functools.partial(exchange_buckets, options)
+  means, new = dense_while_warming_up(options, count, run, grads, residuals)
   return means, new, count + 1
 
 

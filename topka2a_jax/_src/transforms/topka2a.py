@@ -5,19 +5,19 @@
 the dense ``lax.pmean`` of the gradients:
 
 1. per device, ``acc = grad + residual`` (error feedback);
-2. the leaves of ``acc`` are fused into flat buckets (:mod:`.buckets`), small
+2. the leaves of ``acc`` are fused into flat buckets (``planner/buckets.py``), small
    leaves apart, which go dense;
-3. every bucket goes through its collective (:mod:`.collectives`), which
+3. every bucket goes through its collective (``collectives/exchanges.py``), which
    returns the mean over the axis and what this device did not send;
 4. ``residual = acc - sent`` is kept for the next step, so no gradient mass is
    lost, only delayed.
 
-Steps 1-4 are :mod:`.exchange`, with its two run-time switches (non-finite
+Steps 1-4 are ``error_feedback.py``, with its two run-time switches (non-finite
 steps skipped everywhere, dense warm-up). Where the parameters are sharded
 over other mesh axes that the partitioner handles (a shard_map manual over
 the data axis only), the update runs them in a nested shard_map over those
 axes, so that each device selects from, and keeps residuals for, its own
-parameter shard only (:mod:`.layout`).
+parameter shard only (``layout.py``).
 
 :func:`topka2a_jax.train_step` and :func:`topka2a_jax.nnx_train_step` build
 the shard_map for you.
