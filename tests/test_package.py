@@ -82,7 +82,7 @@ def test_the_public_face_is_small_and_every_name_resolves():
       assert getattr(namespace, name) is not None, (namespace.__name__, name)
 
 
-def test_only_private_code_lives_outside_the_face():
+def test_the_only_public_modules_are_the_four_namespaces():
   public = {path.stem for path in PACKAGE.glob("*.py")} - {"__init__"}
   assert public == set(PUBLIC_NAMESPACES)
 
