@@ -331,3 +331,13 @@ def test_parameters_sharded_over_the_data_axis_are_refused(mesh):
   step = topka2a_jax.train_step(loss_of, tx, mesh)
   with pytest.raises(ValueError, match=r"parameter \['w'\] is sharded over the data"):
     step(placed, state, jnp.ones((16, 64)))
+
+
+@pytest.mark.parametrize("name, now", [("NETWORKS", "topka2a_jax.cost.NETWORKS"),
+                                       ("Exchange", "collectives.ExchangeResult")])
+def test_a_name_that_moved_off_the_top_level_says_where_it_is_now(name, now):
+  # Code written for 0.1.0 reads these from the top level.
+  with pytest.raises(AttributeError, match=f"topka2a_jax.{name} has moved: use .*{now}"):
+    getattr(topka2a_jax, name)
+  with pytest.raises(AttributeError, match="has no attribute 'not_a_name'"):
+    topka2a_jax.not_a_name  # noqa: B018

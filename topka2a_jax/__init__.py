@@ -83,6 +83,17 @@ __all__ = [
 ]
 
 
+_MOVED = {
+    "Exchange": "topka2a_jax.collectives.ExchangeResult",
+    "NETWORKS": "topka2a_jax.cost.NETWORKS",
+    "Network": "topka2a_jax.cost.Network",
+    "breakeven_density": "topka2a_jax.cost.breakeven_density",
+    "exchange_cost": "topka2a_jax.cost.exchange_cost",
+    "low_rank": "topka2a_jax.collectives.powersgd and .initial_factor",
+}
+"""Names the top level exported in 0.1.0 that moved, and where each is now."""
+
+
 def __getattr__(name: str):
   """``nnx_train_step`` and ``NnxTrainStep`` import Flax, so only on first use."""
   if name in ("nnx_train_step", "NnxTrainStep"):
@@ -92,4 +103,6 @@ def __getattr__(name: str):
       raise ImportError(f"topka2a_jax.{name} needs Flax: pip install "
                         f"'topka2a-jax[nnx]' ({error})") from None
     return getattr(nnx_step, name)
+  if name in _MOVED:
+    raise AttributeError(f"topka2a_jax.{name} has moved: use {_MOVED[name]}")
   raise AttributeError(f"module 'topka2a_jax' has no attribute {name!r}")
