@@ -15,18 +15,18 @@ and :mod:`topka2a_jax.distributed` (several processes). The code lives in
 
 Example:
   >>> mesh = jax.make_mesh((8,), ("data",))
-  >>> def loss_fn(params, batch):
-  ...   x, y = batch
-  ...   return jnp.mean((x @ params["w"] - y) ** 2)
+  >>> def loss_fn(params, x):
+  ...   return jnp.mean((x @ params["w"] - 1.0) ** 2)
   >>> params = {"w": jnp.zeros((16, 4))}
-  >>> batch = (jnp.ones((64, 16)), jnp.ones((64, 4)))
-  >>> tx = optax.chain(topka2a_jax.topka2a(density=0.01, mesh=mesh),
-  ...                  optax.adam(1e-3))
-  >>> opt_state = tx.init(params)
+  >>> tx = topka2a_jax.compress_updates(optax.adam(1e-2), density=0.01, mesh=mesh)
+  >>> opt_state = tx.init(params)  # Adam per device, residuals per device
   >>> step = topka2a_jax.train_step(loss_fn, tx, mesh)
-  >>> params, opt_state, loss = step(params, opt_state, batch)
-  >>> float(loss)
-  1.0
+  >>> losses = []
+  >>> for _ in range(50):
+  ...   params, opt_state, loss = step(params, opt_state, jnp.ones((64, 16)))
+  ...   losses.append(float(loss))
+  >>> losses[0], bool(losses[-1] < 0.5 * losses[0])
+  (1.0, True)
 """
 
 from topka2a_jax import checkpoint as checkpoint
