@@ -163,7 +163,7 @@ def test_compressing_the_optimizers_step_with_powersgd(mesh, exchange_steps):
 
 
 @pytest.mark.parametrize("old, new", [(8, 4), (4, 8)])
-def test_restart_on_another_device_count_keeps_q_and_the_residual_total(
+def test_restart_on_another_device_count_keeps_q_and_what_is_owed(
     tmp_path, old, new):
   tx = optax.chain(topka2a_jax.topka2a(algorithm="powersgd", rank=4),
                    optax.adam(1e-2))
@@ -176,8 +176,10 @@ def test_restart_on_another_device_count_keeps_q_and_the_residual_total(
   was = np.asarray(before["opt_state"][0].residuals["w"], np.float64)
   now = np.asarray(after["opt_state"][0].residuals["w"], np.float64)
   assert np.abs(was).sum() > 0
-  np.testing.assert_array_equal(now.reshape(new, 40, 30).sum(0),
-                                was.reshape(old, 40, 30).sum(0))
+  # What is owed, the sum over devices over their number: exact for a
+  # power-of-two ratio.
+  np.testing.assert_array_equal(now.reshape(new, 40, 30).sum(0) / new,
+                                was.reshape(old, 40, 30).sum(0) / old)
   chex.assert_trees_all_equal(after["opt_state"][0].factors,
                               before["opt_state"][0].factors)
   assert after["opt_state"][0].factors["w"].shape == (30, 4)

@@ -436,8 +436,9 @@ def test_a_checkpoint_restores_onto_fewer_nodes_keeping_what_is_owed(tmp_path, m
       tx, {"w": jax.ShapeDtypeStruct((40,), np.float32)}, one_node, axis_name=AXES)}
   restored = topka2a_jax.restore(tmp_path / "ckpt", like, one_node, axis_name=AXES)
   now = np.asarray(restored["opt_state"].residuals["w"]).reshape(LOCAL, -1)
-  # One node keeps each entry once: the two nodes' sum, rounded to float32.
-  np.testing.assert_array_equal(owed(now, 40), before.astype(np.float32))
+  # One node keeps each entry once: the two nodes' sum over their 8 devices,
+  # times its own 4, rounded to float32. The mean over devices is kept.
+  np.testing.assert_array_equal(owed(now, 40), (before / 2).astype(np.float32))
 
 
 def test_a_checkpoint_restores_onto_other_node_sizes_and_trains_on(tmp_path, mesh):
@@ -596,10 +597,13 @@ def test_resizing_slices_by_hand():
   from topka2a_jax._src.training.checkpoint import Devices, resize_slices
   saved = jnp.array([1.0, 2, 3, 4, 5, 0,  # node 0: slices [1 2 3], [4 5 .]
                      10, 20, 30, 40, 50, 0])  # node 1
+  # 4 devices onto 3: each owes 3/4 of the nodes' sum, so the mean is the same.
   moved = resize_slices(saved, Devices(2, 2), Devices(1, 3), 6)  # slices of 2
-  np.testing.assert_array_equal(moved, [11, 22, 33, 44, 55, 0])
+  np.testing.assert_allclose(moved, np.array([11, 22, 33, 44, 55, 0]) * 3 / 4,
+                             rtol=1e-7)
   grown = resize_slices(saved, Devices(2, 2), Devices(3, 1), 15)  # 3 nodes of 1
-  np.testing.assert_array_equal(grown, [1, 2, 3, 4, 5, 10, 20, 30, 40, 50] + [0] * 5)
+  np.testing.assert_allclose(
+      grown, np.array([1, 2, 3, 4, 5, 10, 20, 30, 40, 50] + [0] * 5) * 3 / 4, rtol=1e-7)
 
 
 def test_a_checkpoint_of_one_data_axis_is_refused_on_a_pair(tmp_path, mesh):

@@ -2,13 +2,15 @@
 
 The residuals are the part of sparse training that is easy to lose: they are
 per device, so a checkpoint must hold every device's copy, and a restart on
-another number of devices must hand the same total to the new devices.
+another number of devices must leave the parameters owed what they were
+(the residuals' sum over devices divided by the number of devices).
 :func:`save` writes the whole state (parameters, optimizer state, residuals
 of every device) with Orbax and a small description of the layout;
 :func:`restore` reads it onto a mesh of any size along the data axis,
 resizing the residuals with :func:`resize_residual` (over a pair of data
-axes, whose devices keep slices, :func:`resize_slices`) so that their sum
-over devices is kept.
+axes, whose devices keep slices, :func:`resize_slices`) so that what they
+owe the parameters, their sum over devices divided by the number of
+devices, is kept.
 
 Example:
   >>> import tempfile
@@ -387,17 +389,57 @@ def save(directory: str | Path, state: Any, mesh: Mesh,
     raise
 
 
+def owed_rows(rows: jax.Array, blocks: int, scale: float) -> jax.Array:
+  """Per-device rows of what is owed, ``(old, n)``, laid out as ``blocks`` rows.
+
+  Every exchange applies the mean over the devices of what they send, so a
+  residual owes the parameters its sum over devices divided by their number.
+  Keeping that on another device count means multiplying the sum by
+  ``scale`` (new devices / old). The rows are scaled in float64. Growing
+  keeps each old device's row and puts the rows' float32 rounding, summed,
+  on the first new device; shrinking adds the rows up and stores the total
+  as a float32 pair (rounded total on row 0, its rounding error on row 1).
+  Either way the float64 sum over rows is ``scale`` times the old one
+  whenever it has at most 48 significant bits, which sums of float32
+  residuals of similar scale have; with one row (or as many rows as before)
+  only the rounded total fits.
+
+  Args:
+    rows: one row per old device (or node), the residual's dtype.
+    blocks: rows wanted.
+    scale: the factor on the sum over rows.
+
+  Returns:
+    ``(blocks, n)``, the same dtype.
+  """
+  old, dtype = rows.shape[0], rows.dtype
+  with jax.enable_x64():
+    wide = rows.astype(jnp.promote_types(dtype, jnp.float64)) * scale
+    if blocks >= old:
+      high = wide.astype(dtype)
+      low = jnp.sum(wide - high.astype(wide.dtype), axis=0)
+      if blocks == old:  # no spare row: the rounding joins row 0
+        return high.at[0].set((wide[0] + low).astype(dtype))
+      zeros = jnp.zeros((blocks - old - 1, rows.shape[1]), dtype)
+      return jnp.concatenate([high, low.astype(dtype)[None], zeros])
+    total = jnp.sum(wide, axis=0)
+    high = total.astype(dtype)
+    low = (total - high.astype(wide.dtype)).astype(dtype)
+  parts = [high, low][:blocks]
+  parts += [jnp.zeros_like(high)] * (blocks - len(parts))
+  return jnp.stack(parts)
+
+
 def resize_residual(residual: jax.Array, old_devices: int,
                     new_devices: int) -> jax.Array:
   """One per-device residual, ``(old * d0, ...)``, laid out for ``new`` devices.
 
-  The sum over devices is what error feedback still owes, so it is kept.
-  Growing keeps every old device's residual and gives the new devices zeros:
-  exact. Shrinking adds up each entry's residuals in float64 and stores the
-  total as a float32 pair (rounded total on device 0, its rounding error on
-  device 1): the float64 sum over devices is unchanged whenever it has at
-  most 48 significant bits, which a sum of float32 residuals of similar
-  scale has. On one device only the rounded total fits.
+  What the residuals owe the parameters is their sum over devices divided
+  by the number of devices (every step applies the mean of what is sent),
+  so that is what is kept: the new residuals sum to ``new / old`` times the
+  old ones (:func:`owed_rows` says how, to float32's rounding or better).
+  Training that goes on after the restore delivers to the parameters what
+  the uninterrupted run would have.
 
   Args:
     residual: the global array, device ``i``'s block at rows
@@ -410,23 +452,15 @@ def resize_residual(residual: jax.Array, old_devices: int,
 
   Example:
     >>> resize_residual(jnp.arange(8.0), 4, 2)  # 4 devices of 2 entries onto 2
-    Array([12., 16.,  0.,  0.], dtype=float32)
+    Array([6., 8., 0., 0.], dtype=float32)
   """
   if residual.ndim < 1 or residual.shape[0] % old_devices:
     raise ValueError(f"a residual of shape {residual.shape} is not "
                      f"{old_devices} equal per-device blocks")
   block = (residual.shape[0] // old_devices, *residual.shape[1:])
-  rows = residual.reshape(old_devices, -1)
-  if new_devices >= old_devices:
-    padding = jnp.zeros((new_devices - old_devices, rows.shape[1]), rows.dtype)
-    return jnp.concatenate([rows, padding]).reshape(new_devices * block[0], *block[1:])
-  with jax.enable_x64():
-    total = jnp.sum(rows.astype(jnp.float64), axis=0)
-    high = total.astype(rows.dtype)
-    low = (total - high.astype(jnp.float64)).astype(rows.dtype)
-  parts = [high, low][:new_devices]
-  parts += [jnp.zeros_like(high)] * (new_devices - len(parts))
-  return jnp.stack(parts).reshape(new_devices * block[0], *block[1:])
+  rows = owed_rows(residual.reshape(old_devices, -1), new_devices,
+                   new_devices / old_devices)
+  return rows.reshape(new_devices * block[0], *block[1:])
 
 
 def resize_slices(residual: jax.Array, old: Devices, new: Devices, length: int,
@@ -436,8 +470,9 @@ def resize_slices(residual: jax.Array, old: Devices, new: Devices, length: int,
   Device ``j`` of a node keeps slice ``j`` of its parameter shard, so a node's
   L slices side by side are what that node owes. They are cut anew into the
   new node size's slices (only padding zeros are dropped or added), and the
-  nodes are then resized as devices are by :func:`resize_residual`: the sum
-  over nodes is kept.
+  nodes are then resized as devices are by :func:`resize_residual`: their
+  sum over nodes, divided by all the devices, is what the parameters are
+  owed, and it is kept.
 
   Args:
     residual: the global 1-D array: per node, per device, per piece of the
@@ -452,8 +487,8 @@ def resize_slices(residual: jax.Array, old: Devices, new: Devices, length: int,
 
   Example:
     >>> owed = jnp.arange(1.0, 7.0)  # 1 node of 2 devices: slices [1 2 3], [4 5 6]
-    >>> resize_slices(owed, Devices(1, 2), Devices(1, 3), 6)  # 3 slices of 2
-    Array([1., 2., 3., 4., 5., 6.], dtype=float32)
+    >>> resize_slices(owed, Devices(1, 2), Devices(1, 3), 6)  # 3 slices of 2, x 3/2
+    Array([1.5, 3. , 4.5, 6. , 7.5, 9. ], dtype=float32)
     >>> resize_slices(owed, Devices(1, 2), Devices(2, 1), 12)  # 2 nodes of 1
     Array([1., 2., 3., 4., 5., 6., 0., 0., 0., 0., 0., 0.], dtype=float32)
   """
@@ -463,7 +498,8 @@ def resize_slices(residual: jax.Array, old: Devices, new: Devices, length: int,
   owed = owed.reshape(old_nodes, pieces, -1)
   cut = new_per_node * new_width
   owed = jnp.pad(owed[..., :cut], ((0, 0), (0, 0), (0, max(0, cut - owed.shape[-1]))))
-  per_node = resize_residual(owed.reshape(-1), old_nodes, new_nodes)
+  scale = new_nodes * new_per_node / (old_nodes * old_per_node)
+  per_node = owed_rows(owed.reshape(old_nodes, -1), new_nodes, scale)
   return per_node.reshape(new_nodes, pieces, new_per_node, new_width).transpose(
       0, 2, 1, 3).reshape(-1)
 

@@ -21,7 +21,8 @@ arrives. ``inner``'s state differs from device to device: it is laid out per
 device, one copy per data index along a new leading dimension
 (:class:`topka2a_jax.CompressedUpdatesState`). Restored onto another number of devices
 (:func:`topka2a_jax.restore`), every new device starts from the mean of the
-saved copies, and the residuals keep their sum.
+saved copies, and the residuals keep what they owe the parameters (their
+sum over devices divided by the number of devices).
 
 Over ``"auto"``, the planner takes only exchanges whose mean holds every
 device's whole selection: TopKA2A-sparse's owners hold back part of each
