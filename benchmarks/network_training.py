@@ -64,6 +64,12 @@ RUNS = {
     "updates, powersgd rank 4": {"form": "updates", "algorithm": "powersgd", "rank": 4},
     "updates at 0.35%": {"form": "updates", "density": 0.0035},
     "updates at 0.1%": {"form": "updates", "density": 0.001},
+    "updates, onebit": {"form": "updates", "algorithm": "onebit"},
+    "updates, onebit_4": {"form": "updates", "algorithm": "onebit_4"},
+    "updates, onebit_1": {"form": "updates", "algorithm": "onebit_1"},
+    "momentum, variance frozen at 30, onebit": {"form": "momentum", "freeze_after": 30,
+                                                "algorithm": "onebit"},
+    "onebit": {"algorithm": "onebit"},
 }
 """Configurations: name -> options of ``topka2a`` besides the density.
 
@@ -82,7 +88,10 @@ with ``warmup_steps=N``: ``"updates, 30 dense steps"``. ``"density"`` overrides
 ``--density`` for one run: the updates at 0.35% and at 0.1% send about the
 bytes of PowerSGD at rank 4 and at rank 1 on this model (the table's
 ``MB/step``: what each process sends per step, read from the compiled step by
-:func:`topka2a_jax.comm_report`).
+:func:`topka2a_jax.comm_report`). The ``onebit`` runs send every entry's sign
+to its shard's owner and the owners' means back in 8 bits (``onebit_4``: 4,
+``onebit_1``: 1): Adam's updates, the frozen-variance momentum, or (plain
+``"onebit"``) the gradient before a replicated Adam; they ignore the density.
 """
 
 DEFAULT_RUNS = ["dense", "defaults", "updates", "updates, topka2a_sparse",

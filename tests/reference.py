@@ -84,8 +84,68 @@ def topka2a_sparse(buffers: np.ndarray, density: float):
   return sent[:n] / num_devices, unsent[:, :n]
 
 
+def _chunk_codes(values: np.ndarray, bits: int) -> tuple[np.ndarray, float]:
+  """One chunk's decoded values and its scale, rounded to float32 as it travels.
+
+  1 bit: the sign (zero counts as positive) times the mean magnitude.
+  b bits: round(x / scale) in [-L, L], L = 2^(b-1) - 1, scale = max |x| / L.
+  """
+  if bits == 1:
+    scale = float(np.float32(np.abs(values).mean()))
+    return np.array([scale if x >= 0 else -scale for x in values]), scale
+  levels = 2 ** (bits - 1) - 1
+  scale = float(np.float32(np.abs(values).max() / levels))
+  if scale == 0:
+    return np.zeros(len(values)), scale
+  return np.array([min(levels, max(-levels, round(x / scale))) * scale
+                   for x in values]), scale
+
+
+def _coded(row: np.ndarray, start: int, n: int, bits: int, chunk: int) -> np.ndarray:
+  """A shard's entries decoded chunk by chunk; only positions below ``n`` count."""
+  out = np.zeros(len(row))
+  for first in range(0, len(row), chunk):
+    real = [i for i in range(first, min(first + chunk, len(row))) if start + i < n]
+    if real:
+      out[real] = _chunk_codes(row[real], bits)[0]
+  return out
+
+
+def onebit(buffers: np.ndarray, density: float, gather_bits: int = 8,
+           chunk: int = 4096):
+  """Signs to the owners, their means back in ``gather_bits`` bits.
+
+  Each shard (``ceil(n / P)`` rounded up to 32 entries) goes from every
+  device as the sign of each entry times its chunk's mean magnitude; the
+  owner adds them up, rounds the mean chunk by chunk to ``gather_bits``
+  bits, and keeps the rounding, times P, in its own residual.
+  """
+  del density
+  buffers = buffers.astype(np.float64)
+  num_devices, n = buffers.shape
+  shard = -(-math.ceil(n / num_devices) // 32) * 32
+  padded = np.zeros((num_devices, num_devices * shard))
+  padded[:, :n] = buffers
+  unsent = padded.copy()
+  total = np.zeros(num_devices * shard)
+  for device in range(num_devices):
+    for owner in range(num_devices):
+      span = slice(owner * shard, (owner + 1) * shard)
+      sent = _coded(padded[device, span], owner * shard, n, 1, chunk)
+      total[span] += sent
+      unsent[device, span] -= sent
+  mean = np.zeros(num_devices * shard)
+  for owner in range(num_devices):
+    span = slice(owner * shard, (owner + 1) * shard)
+    mean[span] = _coded(total[span] / num_devices, owner * shard, n, gather_bits, chunk)
+    unsent[owner, span] += total[span] - num_devices * mean[span]
+  return mean[:n], unsent[:, :n]
+
+
 ALGORITHMS = {"dense": dense, "allgather": allgather, "topka2a": topka2a,
-              "topka2a_sparse": topka2a_sparse}
+              "topka2a_sparse": topka2a_sparse, "onebit": onebit,
+              "onebit_4": lambda b, d: onebit(b, d, gather_bits=4),
+              "onebit_1": lambda b, d: onebit(b, d, gather_bits=1)}
 
 
 def leafwise(algorithm, grads, residuals, density):

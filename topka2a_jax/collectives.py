@@ -12,6 +12,10 @@ your own.
 * :func:`topka2a`: TopKA2A (Peng et al., ICPP 2024): shard-wise top-k, one
   AlltoAll to the shards' owners, an AllGather of the dense shards.
 * :func:`topka2a_sparse`: TopKA2A whose second phase is sparse too.
+* :func:`onebit`: every entry's sign to its shard's owner, the owners'
+  means back in 8 bits (1-bit Adam's compressed all-reduce); in
+  :data:`COLLECTIVES`, ``"onebit_4"`` and ``"onebit_1"`` send them back in 4
+  bits and 1.
 * :func:`two_level`: over a pair of mesh axes ``(node, local)``: dense
   inside each node, one of the above between nodes.
 * :func:`powersgd`: PowerSGD's rank-r exchange of matrices.
@@ -30,8 +34,12 @@ Example:
   ...   return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("data"),
   ...                                out_specs=P()))(rows)
   >>> [bool(jnp.allclose(mean(name, 1.0), rows.mean(0), atol=1e-6))
-  ...  for name in topka2a_jax.collectives.ALGORITHMS]  # density 1: the mean
+  ...  for name, entry in topka2a_jax.collectives.ALGORITHMS.items()
+  ...  if not entry.quantizes]  # density 1: the mean
   [True, True, True, True]
+  >>> error = mean("onebit", 1.0) - rows.mean(0)  # signs: the error fed back later
+  >>> bool(jnp.abs(error).mean() < jnp.abs(rows.mean(0)).mean())
+  True
   >>> 0 < int(jnp.count_nonzero(mean("topka2a_sparse", 0.01))) <= 0.02 * 1000  # O(k)
   True
 """
@@ -45,6 +53,7 @@ from topka2a_jax._src.collectives.exchanges import (
   auto_choice,
   dense,
   get_selection,
+  onebit,
   topka2a,
   topka2a_sparse,
   two_level,
@@ -76,6 +85,7 @@ __all__ = [
   "dense",
   "get_selection",
   "initial_factor",
+  "onebit",
   "powersgd",
   "topka2a",
   "topka2a_sparse",

@@ -218,11 +218,12 @@ class Options:
     check_selection(normalised.get("selection", defaults["selection"]))
     normalised["mesh"] = _mesh(normalised.get("mesh"), axis)
     if density is None:
-      if algorithm not in (algorithms.POWERSGD.name, algorithms.DENSE.name):
+      if not algorithms.ignores_density(algorithm):
         raise ValueError(
             f"density is required with algorithm={algorithm!r}: the fraction of "
             "entries each device sends, e.g. topka2a(0.01). Only "
-            "algorithm='powersgd' and 'dense' leave it out, as they ignore it.")
+            f"{', '.join(map(repr, algorithms.IGNORING_DENSITY))} leave it out, "
+            "as they ignore it.")
       density = 1.0
     return cls(_density(density), **normalised)
 

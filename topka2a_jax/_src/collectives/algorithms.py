@@ -16,6 +16,10 @@ bytes per value and index:
 | allgather (TopkA) | P-1 | (P-1) · k(v+i) | d | k |
 | topka2a | 2(P-1) | (P-1) · (q(v+i) + s·v) | d | P·q |
 | topka2a_sparse | 2(P-1) | (P-1) · 2q(v+i) | d + s | P·q + q |
+| onebit (b bits back) | 2(P-1) | (P-1) · s'(1 + b + 64/C)/8 | d + s | 0 |
+
+(``s'``: the shard rounded up to 32 entries; ``C``: entries per scale,
+``quantized.CHUNK``.)
 
 Values and indices travel in one message (``wire.py``), so TopkA and
 TopKA2A pay one latency term per phase. Indices are as narrow as the
@@ -39,6 +43,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+from topka2a_jax._src.collectives import quantized
 from topka2a_jax._src.collectives.selection import ShardLayout, sparse_count
 from topka2a_jax._src.collectives.wire import index_dtype
 
@@ -127,6 +132,9 @@ class Algorithm:
     holds_back: whether owners hold back part of the summed selection (it
       waits in their residuals), so that the mean lacks some of what the
       devices selected.
+    quantizes: whether it sends every entry as a few-bit code rather than a
+      selection. ``"auto"`` never picks one: it trades what is sent, not
+      only time, against the top-k exchanges; it is named explicitly.
   """
 
   name: str
@@ -140,6 +148,7 @@ class Algorithm:
   reads: Callable[[int, int], int]
   selects: Callable[[Counts], float]
   holds_back: bool = False
+  quantizes: bool = False
 
   def index_bytes(self, length: float, devices: int) -> int:
     """Bytes of one index on the wire, as the collective sends it."""
@@ -229,6 +238,32 @@ def _to_owners_then_pairs(c: Counts) -> tuple[Phase, ...]:
   return owners, owners._replace(pattern=RING)
 
 
+def _signs_then(bits: int) -> Callable[[Counts], tuple[Phase, ...]]:
+  """The phases of :func:`onebit <topka2a_jax.collectives.onebit>` with ``bits`` back.
+
+  Each device sends every peer its shard's signs and chunk scales, then
+  every peer gets each owner's shard in ``bits`` bits per entry.
+  """
+  def traffic(c: Counts) -> tuple[Phase, ...]:
+    shard = quantized.padded_length(math.ceil(c.length / c.devices))
+    return (Phase(PAIRS, c.devices - 1, (c.devices - 1) * quantized.wire_bytes(shard, 1)),
+            Phase(RING, c.devices - 1,
+                  (c.devices - 1) * quantized.wire_bytes(shard, bits)))
+  return traffic
+
+
+def _quantized(bits: int) -> Algorithm:
+  name = "onebit" if bits == 8 else f"onebit_{bits}"
+  return Algorithm(
+      name=name, title=f"1-bit A2A, {bits}-bit AllGather",
+      summary=(f"every entry's sign to its shard's owner by AlltoAll, the owners' "
+               f"means back in {bits} bit{'s' if bits > 1 else ''} by AllGather"),
+      sparse=True, unsent_at="the sender, and the owner for its mean's rounding",
+      compresses_values=False, global_indices=False, traffic=_signs_then(bits),
+      reads=lambda length, devices: length + -(-length // devices),
+      selects=lambda c: 0, holds_back=True, quantizes=True)
+
+
 DENSE = Algorithm(
     name="dense", title="dense", summary="lax.pmean: a ring all-reduce of everything",
     sparse=False, unsent_at="nowhere (all is sent)",
@@ -258,8 +293,18 @@ TOPKA2A_SPARSE = Algorithm(
     reads=lambda length, devices: length + -(-length // devices),
     selects=lambda c: (c.devices + 1) * c.per_shard, holds_back=True)
 
+ONEBIT = _quantized(8)
+"""Signs to the owners, 8-bit means back: 1.125 bytes per entry in all."""
+
+ONEBIT_4 = _quantized(4)
+"""Signs to the owners, 4-bit means back: 0.625 bytes per entry."""
+
+ONEBIT_1 = _quantized(1)
+"""Signs both ways (DeepSpeed's compressed all-reduce): 0.25 bytes per entry."""
+
 ALGORITHMS: dict[str, Algorithm] = {
-    algorithm.name: algorithm for algorithm in (DENSE, ALLGATHER, TOPKA2A, TOPKA2A_SPARSE)}
+    algorithm.name: algorithm for algorithm in (
+        DENSE, ALLGATHER, TOPKA2A, TOPKA2A_SPARSE, ONEBIT, ONEBIT_4, ONEBIT_1)}
 """Every exchange of a flat buffer, by the name ``topka2a(algorithm=...)`` takes."""
 
 
@@ -327,6 +372,22 @@ POWERSGD = LowRank(
 
 NAMES: tuple[str, ...] = (*ALGORITHMS, POWERSGD.name)
 """Every name ``topka2a(algorithm=...)`` takes besides ``"auto"``."""
+
+
+IGNORING_DENSITY: tuple[str, ...] = (
+    POWERSGD.name, DENSE.name,
+    *(name for name, entry in ALGORITHMS.items() if entry.quantizes))
+"""The algorithms that send no selection, so take no ``density``."""
+
+
+def ignores_density(name: str) -> bool:
+  """Whether ``topka2a(algorithm=name)`` needs no ``density``.
+
+  Example:
+    >>> ignores_density("onebit"), ignores_density("topka2a")
+    (True, False)
+  """
+  return name in IGNORING_DENSITY
 
 
 def check_plan_options(algorithm: str, threshold: int | str) -> None:

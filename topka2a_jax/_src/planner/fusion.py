@@ -263,13 +263,14 @@ class StepModel:
   def candidates(self, algorithm: str) -> list[str]:
     """The exchanges a bucket labelled ``algorithm`` may take.
 
-    ``"auto"`` takes any, or with ``whole_selection`` only those whose mean
-    holds every device's whole selection.
+    ``"auto"`` takes any but the quantizing ones (they are named, never
+    picked), or with ``whole_selection`` only those whose mean holds every
+    device's whole selection.
     """
     if algorithm != AUTO:
       return [algorithm]
-    return [name for name, entry in ALGORITHMS.items()
-            if not (self.whole_selection and entry.holds_back)]
+    return [name for name, entry in ALGORITHMS.items() if not entry.quantizes
+            and not (self.whole_selection and entry.holds_back)]
 
   def routes(self) -> tuple[str, ...]:
     """The routes a bucket may take: two-level too on a cluster."""

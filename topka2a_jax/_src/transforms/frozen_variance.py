@@ -118,7 +118,8 @@ def scale_by_frozen_rms(b1: float, b2: float = 0.999, eps: float = 1e-8, *,
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def frozen_variance_adam(learning_rate: optax.ScalarOrSchedule, density: float, *,
+def frozen_variance_adam(learning_rate: optax.ScalarOrSchedule,
+                         density: float | None = None, *,
                          freeze_after: int, b1: float = 0.9, b2: float = 0.999,
                          eps: float = 1e-8, variance_floor: float = 0.01,
                          **options: Any) -> optax.GradientTransformation:
@@ -126,7 +127,8 @@ def frozen_variance_adam(learning_rate: optax.ScalarOrSchedule, density: float, 
 
   Args:
     learning_rate: a float or an optax schedule.
-    density: fraction of every sparse bucket of momenta each device sends.
+    density: fraction of every sparse bucket of momenta each device sends;
+      left out with ``algorithm="onebit"``, which sends every entry's sign.
     freeze_after: dense steps during which the variance learns.
     b1, b2, eps: Adam's.
     variance_floor: see :func:`scale_by_frozen_rms`.

@@ -124,7 +124,8 @@ def topka2a(
   Args:
     density: fraction of every bucket's entries each device sends, in (0, 1].
       1.0 sends everything and equals ``lax.pmean``. Leave it out only for
-      ``algorithm="powersgd"`` or ``"dense"``, which ignore it.
+      ``algorithm="powersgd"``, ``"dense"`` or the ``"onebit"`` family,
+      which ignore it.
     axis_name: the data-parallel mesh axis, or a pair ``(outer, inner)`` of
       them, e.g. ``("node", "local")``: then the planner prices every
       bucket both flat over all devices and two-level (reduced densely
@@ -147,7 +148,13 @@ def topka2a(
       which ignores ``density``. Or ``"powersgd"``: every matrix leaf as a
       rank-``rank`` product in two all-reduces, vectors and small matrices
       dense (``_src/collectives/low_rank.py``): ``topka2a(algorithm="powersgd",
-      rank=4)``. It ignores ``density``, and ``"auto"`` never picks it.
+      rank=4)``. It ignores ``density``, and ``"auto"`` never picks it. Or
+      ``"onebit"``: every entry's sign (one scale per chunk) to its shard's
+      owner by AlltoAll, the owners' means back in 8 bits by AllGather,
+      with error feedback on both phases (1-bit Adam's compressed
+      all-reduce, :func:`topka2a_jax.collectives.onebit`); ``"onebit_4"``
+      and ``"onebit_1"`` send the means back in 4 bits and 1 bit. They
+      ignore ``density``, and ``"auto"`` never picks them.
     error_feedback: keep what was not sent and add it to the next step's
       gradient. Without it the unsent mass is dropped and accuracy suffers.
     min_size: leaves with fewer elements on a device go dense.

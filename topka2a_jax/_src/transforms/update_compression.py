@@ -108,14 +108,17 @@ def compress_updates(
       exchange of its own.
     density: fraction of every sparse bucket of updates each device sends,
       in (0, 1]; 1.0 applies the mean of the devices' updates. Leave it out
-      only for ``algorithm="powersgd"`` or ``"dense"``, which ignore it.
+      only for ``algorithm="powersgd"``, ``"dense"`` or the ``"onebit"``
+      family, which ignore it.
     axis_name: the data-parallel mesh axis, or a pair ``(outer, inner)``.
     mesh: the mesh ``init`` lays the state out for (else read from the
       parameters' shardings), as for :func:`topka2a_jax.topka2a`.
     algorithm: ``"auto"`` (the default): each bucket the cheapest exchange
       under the cost model among those whose mean holds every device's
       whole selection (TopKA2A, TopkA, dense); or one name of
-      :data:`topka2a_jax.collectives.ALGORITHMS`.
+      :data:`topka2a_jax.collectives.ALGORITHMS`: ``"onebit"`` sends every
+      entry of the updates as its sign and the owners' means back in 8
+      bits (see :func:`topka2a_jax.topka2a`).
     **options: the other options of :func:`topka2a_jax.topka2a`
       (``min_size``, ``fusion``, ``network``, ``value_dtype``,
       ``selection``, ``warmup_steps``, ``skip_nonfinite``,

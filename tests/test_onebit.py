@@ -1,0 +1,179 @@
+"""The one-bit exchange against its float64 NumPy model, its packing, and its bytes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import reference
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from sharded import per_device
+
+import topka2a_jax
+from topka2a_jax._src.collectives import quantized
+from topka2a_jax._src.collectives.algorithms import ALGORITHMS
+from topka2a_jax.collectives import COLLECTIVES
+
+QUANTIZING = sorted(name for name, entry in ALGORITHMS.items() if entry.quantizes)
+BITS = {"onebit": 8, "onebit_4": 4, "onebit_1": 1}
+
+
+def exchange(mesh, name, buffers, **options):
+  fn = COLLECTIVES[name]
+  return per_device(lambda b: fn(b, "data", 1.0, **options), mesh, buffers)
+
+
+def float64_buffers(devices, length, seed):
+  return np.random.default_rng(seed).normal(size=(devices, length))
+
+
+@pytest.mark.parametrize("name", QUANTIZING)
+@pytest.mark.parametrize("length", [1, 5, 8, 33, 257, 1001])
+def test_one_step_matches_the_float64_model(mesh, name, length):
+  # In float64 the model and the exchange round alike: only the scales
+  # travel in float32, and the model rounds them so too.
+  buffers = float64_buffers(8, length, seed=length)
+  with jax.enable_x64():
+    mean, unsent = exchange(mesh, name, buffers)
+  want_mean, want_unsent = reference.ALGORITHMS[name](buffers, 1.0)
+  scale = np.abs(buffers).max()
+  np.testing.assert_allclose(mean, np.broadcast_to(want_mean, mean.shape), rtol=0,
+                             atol=1e-12 * scale)
+  np.testing.assert_allclose(unsent, want_unsent, rtol=0, atol=1e-12 * scale)
+
+
+@pytest.mark.parametrize("name", QUANTIZING)
+def test_ten_steps_of_error_feedback_match_the_model(mesh, name):
+  """Worker and owner residuals carried over 10 steps, several chunks a shard."""
+  rng = np.random.default_rng(1)
+  grads = [rng.normal(size=(8, 3000)) for _ in range(10)]
+  fn = COLLECTIVES[name]
+  step = lambda g, r: fn(g + r, "data", 1.0, chunk=128)
+  residual = want_residual = np.zeros((8, 3000))
+  for grad in grads:
+    with jax.enable_x64():
+      mean, residual = per_device(step, mesh, grad, residual)
+    want_mean, want_residual = reference.onebit(grad + want_residual, 1.0,
+                                                gather_bits=BITS[name], chunk=128)
+    np.testing.assert_allclose(mean[0], want_mean, rtol=0, atol=1e-11)
+    np.testing.assert_allclose(residual, want_residual, rtol=0, atol=1e-11)
+  assert np.abs(residual).max() > 0.01  # the test compared something owed
+
+
+@pytest.mark.parametrize("name", QUANTIZING)
+@pytest.mark.parametrize("length", [1, 7, 777])
+def test_nothing_is_lost_and_every_device_gets_the_same_mean(mesh, name, length):
+  buffers = np.random.default_rng(4).normal(size=(8, length)).astype(np.float32)
+  mean, unsent = exchange(mesh, name, buffers)
+  for device in range(1, 8):
+    np.testing.assert_array_equal(mean[device], mean[0])
+  np.testing.assert_allclose(8 * mean[0] + unsent.sum(0), buffers.sum(0), rtol=0,
+                             atol=8 * 4e-7 * np.abs(buffers).sum(0).max())
+
+
+def test_hand_computed_case():
+  # 2 devices, 4 entries: shards of 32 entries (padded), so owner 0 holds all
+  # four. Device 0 [1, -3, 2, 2] sends its signs times 2 (the mean magnitude)
+  # and keeps [-1, -1, 0, 0]; device 1 [4, 2, -2, 0] sends [2, 2, -2, 2]
+  # (zero counts as positive) and keeps [2, 0, 0, -2]. Owner 0 sums [4, 0, 0, 4].
+  mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+  buffers = np.array([[1, -3, 2, 2], [4, 2, -2, 0]], np.float32)
+  mean, unsent = exchange(mesh, "onebit", buffers)
+  # 8 bits back: [2, 0, 0, 2] is 127 steps of 2/127 and 0: exact.
+  np.testing.assert_array_equal(mean[0], [2, 0, 0, 2])
+  np.testing.assert_array_equal(unsent, [[-1, -1, 0, 0], [2, 0, 0, -2]])
+  mean, unsent = exchange(mesh, "onebit_1", buffers)
+  # 1 bit back: all four signs positive, times the mean magnitude 1; owner 0
+  # keeps the rounding of the sum, [4, 0, 0, 4] - 2 * [1, 1, 1, 1].
+  np.testing.assert_array_equal(mean[0], [1, 1, 1, 1])
+  np.testing.assert_array_equal(unsent, [[-1 + 2, -1 - 2, -2, 2], [2, 0, 0, -2]])
+
+
+@pytest.mark.parametrize("bits", quantized.BITS)
+@pytest.mark.parametrize("length", [32, 64, 96, 4128])
+def test_packing_round_trips(bits, length):
+  codes = np.random.default_rng(bits).integers(0, 2 ** bits, size=(3, length))
+  words = quantized.pack(jnp.asarray(codes, jnp.uint32), bits)
+  assert words.shape == (3, length * bits // 32) and words.dtype == jnp.uint32
+  np.testing.assert_array_equal(quantized.unpack(words, bits), codes)
+
+
+@pytest.mark.parametrize("length", [1, 3, 8, 31, 33, 100])
+def test_rows_that_are_no_multiple_of_32_are_padded_and_the_padding_sends_nothing(length):
+  assert quantized.padded_length(length) % 32 == 0
+  assert 0 <= quantized.padded_length(length) - length < 32
+  rows = np.zeros((1, quantized.padded_length(length)))
+  rows[0, :length] = np.arange(1, length + 1) * (-1.0) ** np.arange(length)
+  valid = np.arange(rows.shape[1])[None] < length
+  for bits in quantized.BITS:
+    words, scales = quantized.encode(jnp.asarray(rows, jnp.float32), bits, valid)
+    decoded = np.asarray(quantized.decode(words, scales, bits, valid))
+    assert not decoded[0, length:].any()  # padding decodes to zero
+    # No code flips a sign (a few-bit code may round a small entry to zero).
+    assert np.all(np.sign(decoded[0, :length]) * np.sign(rows[0, :length]) >= 0)
+    assert decoded[0, length - 1] != 0  # the largest entry survives any width
+    if bits == 1:  # the scale is the mean magnitude of the real entries only
+      assert float(scales[0, 0]) == pytest.approx((length + 1) / 2)
+
+
+def test_a_shard_of_one_entry_is_sent_exactly(mesh):
+  # 225 entries on 8 devices: shards of 32, the last holding one real entry,
+  # whose chunk's mean magnitude is its own: its sign and scale are the value
+  # itself, in both phases.
+  buffers = np.random.default_rng(2).normal(size=(8, 225)).astype(np.float32)
+  mean, unsent = exchange(mesh, "onebit_1", buffers)
+  assert mean.shape == (8, 225)
+  np.testing.assert_allclose(mean[0, 224], buffers[:, 224].mean(), rtol=1e-6)
+  np.testing.assert_allclose(unsent[:, 224], 0, atol=1e-6)
+
+
+def test_a_skipped_step_sends_nothing(mesh):
+  buffers = np.random.default_rng(3).normal(size=(8, 100)).astype(np.float32)
+  mean, unsent = exchange(mesh, "onebit", buffers, send=jnp.asarray(False))
+  np.testing.assert_array_equal(mean, 0.0)
+  np.testing.assert_array_equal(unsent, buffers)
+
+
+@pytest.mark.parametrize("name", QUANTIZING)
+def test_bytes_on_the_wire_are_the_cost_models(mesh, name):
+  length = 100_000
+  fn = COLLECTIVES[name]
+  run = jax.jit(jax.shard_map(lambda b: fn(b[0], "data", 1.0).mean, mesh=mesh,
+                              in_specs=P("data"), out_specs=P()))
+  buffers = jax.device_put(jnp.zeros((8, length)), NamedSharding(mesh, P("data")))
+  sent = topka2a_jax.comm_report(run.lower(buffers)).total_bytes
+  model = ALGORITHMS[name].cost(length, 8, 1.0).bytes
+  assert sent == pytest.approx(model, rel=0.01)
+  assert model / length == pytest.approx(7 / 8 * (1 + BITS[name] + 2 * 32 / 4096) / 8,
+                                         rel=0.01)
+
+
+def test_its_bytes_do_not_grow_with_the_devices():
+  per_device = [ALGORITHMS["onebit"].cost(10**7, devices, 1.0).bytes
+                for devices in (2, 8, 64, 512)]
+  # (P-1)/P of the bits of 1 + 8 per entry and two scales per 4096 entries:
+  # bounded whatever P, where TopkA's grows as P.
+  bound = (1 + 8 + 2 * 32 / 4096) / 8 * 10**7
+  assert max(per_device) < 1.001 * bound and per_device == sorted(per_device)
+
+
+def test_auto_never_picks_a_quantizing_exchange():
+  from topka2a_jax._src.planner.fusion import step_model
+  model = step_model([10**7], 8, 0.01, network="eth1", min_size=0)
+  assert not set(model.candidates("auto")) & set(QUANTIZING)
+
+
+def test_the_transform_trains_with_it_and_needs_no_density(mesh, train_steps):
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(64, 16)).astype(np.float32)
+  y = np.sin(x[:, :4])
+  params = {"w": rng.normal(size=(16, 4)).astype(np.float32) / 4}
+  loss = lambda p, b: jnp.mean((b[0] @ p["w"] - b[1]) ** 2)
+  tx = topka2a_jax.compress_updates(optax.adam(1e-2), algorithm="onebit", min_size=0)
+  history = train_steps(tx, mesh, loss, params, [(x, y)] * 30)
+  assert history[-1][2] < 0.6 * history[0][2]
+  state = history[-1][1]
+  assert np.abs(state.exchange.residuals["w"]).max() > 0  # error fed back
+  with pytest.raises(ValueError, match="density is required with algorithm='topka2a'"):
+    topka2a_jax.topka2a(algorithm="topka2a")
