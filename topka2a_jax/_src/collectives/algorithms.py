@@ -18,8 +18,8 @@ bytes per value and index:
 | topka2a_sparse | 2(P-1) | (P-1) · 2q(v+i) | d + s | P·q + q |
 | onebit (b bits back) | 2(P-1) | (P-1) · s'(1 + b + 64/C)/8 | d + s | 0 |
 
-(``s'``: the shard rounded up to 32 entries; ``C``: entries per scale,
-``quantized.CHUNK``.)
+(``s'``: the shard rounded up to whole chunks of ``C`` entries, at most
+``quantized.CHUNK``; each chunk sends one float32 scale per phase.)
 
 Values and indices travel in one message (``wire.py``), so TopkA and
 TopKA2A pay one latency term per phase. Indices are as narrow as the
@@ -245,7 +245,7 @@ def _signs_then(bits: int) -> Callable[[Counts], tuple[Phase, ...]]:
   every peer gets each owner's shard in ``bits`` bits per entry.
   """
   def traffic(c: Counts) -> tuple[Phase, ...]:
-    shard = quantized.padded_length(math.ceil(c.length / c.devices))
+    shard = math.ceil(c.length / c.devices)
     return (Phase(PAIRS, c.devices - 1, (c.devices - 1) * quantized.wire_bytes(shard, 1)),
             Phase(RING, c.devices - 1,
                   (c.devices - 1) * quantized.wire_bytes(shard, bits)))

@@ -1,8 +1,10 @@
 """Signs and few-bit integers on the wire: chunk scales and bit packing.
 
-Rows of values travel as one float32 scale per chunk of :data:`CHUNK`
-entries and one code of ``bits`` bits per entry, packed ``32 / bits`` to a
-uint32 word; scales and words go as one uint32 message (:func:`message`).
+Rows of values travel in chunks: one float32 scale per chunk and one code of
+``bits`` bits per entry, packed ``32 / bits`` to a uint32 word; scales and
+words go as one uint32 message (:func:`message`). The arrays are chunked,
+``(rows, chunks, chunk)``, so that a scale meets its entries by
+broadcasting, with no pass to spread it (:func:`layout` picks the chunks).
 
 * ``bits=1``: the sign. A code is 1 for ``x >= 0``; it decodes to
   ``+scale`` or ``-scale``, with ``scale`` the mean magnitude of the chunk's
@@ -11,27 +13,29 @@ uint32 word; scales and words go as one uint32 message (:func:`message`).
   ``L = 2**(bits-1) - 1``, rounded to nearest, ``scale = max |x| / L``.
 
 Entries that ``valid`` marks False (padding) count in no scale and decode
-to zero. Rows must hold a multiple of 32 entries (:func:`padded_length`).
+to zero; ``valid=None`` means every entry is real.
 
 Example:
-  >>> x = jnp.array([[0.5, -1.0, 2.0, -0.25] + [0.0] * 28])
-  >>> valid = np.arange(32)[None] < 4
+  >>> x = jnp.array([0.5, -1.0, 2.0, -0.25] + [0.0] * 28).reshape(1, 1, 32)
+  >>> valid = jnp.arange(32).reshape(1, 1, 32) < 4
   >>> words, scales = encode(x, 1, valid)
   >>> words.shape, float(scales[0, 0])  # 32 signs in one word; mean |x| of 4
-  ((1, 1), 0.9375)
-  >>> decode(words, scales, 1, valid)[0, :4]
+  ((1, 1, 1), 0.9375)
+  >>> decode(words, scales, 1, valid)[0, 0, :4]
   Array([ 0.9375, -0.9375,  0.9375, -0.9375], dtype=float32)
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 CHUNK = 4096
-"""Entries that share one scale: 4 bytes of scale per 4,096 codes (0.8% of a
-1-bit message)."""
+"""Entries that share one scale, at most: 4 bytes of scale per 4,096 codes
+(0.8% of a 1-bit message)."""
 
 BITS = (1, 2, 4, 8)
 """The code widths :func:`encode` takes."""
@@ -45,124 +49,131 @@ def padded_length(length: int) -> int:
   return -(-length // WORD) * WORD
 
 
-def chunks(length: int, chunk: int = CHUNK) -> int:
-  """Scales a row of ``length`` entries carries: ``ceil(length / chunk)``."""
-  return max(1, -(-length // chunk))
+class Layout(NamedTuple):
+  """How a row of ``length`` entries is cut into chunks.
 
-
-def message_words(length: int, bits: int, chunk: int = CHUNK) -> int:
-  """uint32 words of one row's message: its codes, then its scales."""
-  return padded_length(length) * bits // WORD + chunks(length, chunk)
-
-
-def _check(rows: jax.Array, bits: int) -> None:
-  if bits not in BITS:
-    raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
-  if rows.ndim != 2 or rows.shape[1] % WORD:
-    raise ValueError(f"expected rows of a multiple of {WORD} entries, got shape "
-                     f"{rows.shape}; pad them to padded_length(n)")
-
-
-def _by_chunk(rows: jax.Array, chunk: int) -> jax.Array:
-  """``(R, n)`` as ``(R, chunks, chunk)``, the last chunk zero-padded."""
-  count = chunks(rows.shape[1], chunk)
-  padded = jnp.pad(rows, ((0, 0), (0, count * chunk - rows.shape[1])))
-  return padded.reshape(rows.shape[0], count, chunk)
-
-
-def _spread(scales: jax.Array, length: int, chunk: int) -> jax.Array:
-  """One scale per chunk, ``(R, chunks)``, as one per entry, ``(R, length)``."""
-  return jnp.repeat(scales, chunk, axis=1, total_repeat_length=scales.shape[1] * chunk
-                    )[:, :length]
-
-
-def encode(rows: jax.Array, bits: int, valid: jax.Array,
-           chunk: int = CHUNK) -> tuple[jax.Array, jax.Array]:
-  """Codes packed into words, and one float32 scale per chunk.
-
-  The codes are computed in the rows' dtype (at least float32) against the
-  float32 scales that travel, so that :func:`decode` gives back exactly the
-  values the codes were rounded to.
-
-  Args:
-    rows: ``(R, n)`` floating, ``n`` a multiple of 32.
-    bits: code width, one of :data:`BITS`.
-    valid: ``(R, n)`` booleans (or broadcastable to them): False for padding.
-    chunk: entries per scale.
-
-  Returns:
-    ``(words, scales)``: ``(R, n * bits / 32)`` uint32, ``(R, chunks)`` float32.
+  Attributes:
+    chunks: chunks per row, ``ceil(length / CHUNK)``.
+    chunk: entries per chunk: the row split evenly into that many, rounded
+      up to 32, so at most :data:`CHUNK` and fewer than 32 entries of
+      padding per chunk.
   """
-  _check(rows, bits)
-  dtype = jnp.promote_types(rows.dtype, jnp.float32)
-  x = jnp.where(valid, rows.astype(dtype), jnp.zeros((), dtype))
-  magnitude = _by_chunk(jnp.abs(x), chunk)
-  if bits == 1:
-    counted = _by_chunk(jnp.broadcast_to(jnp.asarray(valid, dtype), x.shape), chunk)
-    scales = (magnitude.sum(-1) / jnp.maximum(counted.sum(-1), 1)).astype(jnp.float32)
-    codes = (x >= 0).astype(jnp.uint32)
-  else:
-    levels = 2 ** (bits - 1) - 1
-    scales = (magnitude.max(-1) / levels).astype(jnp.float32)
-    spread = _spread(scales, x.shape[1], chunk).astype(dtype)
-    ratio = jnp.where(spread > 0, x / jnp.where(spread > 0, spread, 1), 0)
-    codes = (jnp.clip(jnp.round(ratio), -levels, levels) + levels).astype(jnp.uint32)
-  return pack(codes, bits), scales
+
+  chunks: int
+  chunk: int
+
+  @property
+  def padded(self) -> int:
+    """Entries of a row with its padding: ``chunks * chunk``."""
+    return self.chunks * self.chunk
 
 
-def decode(words: jax.Array, scales: jax.Array, bits: int, valid: jax.Array,
-           chunk: int = CHUNK, dtype: jnp.dtype = jnp.float32) -> jax.Array:
-  """The values :func:`encode`'s ``(words, scales)`` stand for, ``(R, n)`` of ``dtype``."""
-  length = words.shape[1] * WORD // bits
-  codes = unpack(words, bits)
-  spread = _spread(scales, length, chunk).astype(dtype)
-  if bits == 1:
-    values = jnp.where(codes == 1, spread, -spread)
-  else:
-    levels = 2 ** (bits - 1) - 1
-    values = (codes.astype(jnp.int32) - levels).astype(dtype) * spread
-  return jnp.where(valid, values, jnp.zeros((), dtype))
+def layout(length: int, chunk: int = CHUNK) -> Layout:
+  """The chunks of a row of ``length`` entries.
 
-
-def pack(codes: jax.Array, bits: int) -> jax.Array:
-  """``(R, n)`` codes below ``2**bits`` as ``(R, n * bits / 32)`` uint32 words.
-
-  Code ``j`` of a word sits at bits ``[j * bits, (j + 1) * bits)``.
+  Example:
+    >>> layout(10_000), layout(100)
+    (Layout(chunks=3, chunk=3360), Layout(chunks=1, chunk=128))
   """
-  per_word = WORD // bits
-  grouped = codes.astype(jnp.uint32).reshape(codes.shape[0], -1, per_word)
-  shifts = (jnp.arange(per_word, dtype=jnp.uint32) * bits)
-  return jnp.sum(grouped << shifts, axis=-1, dtype=jnp.uint32)
-
-
-def unpack(words: jax.Array, bits: int) -> jax.Array:
-  """Inverse of :func:`pack`: ``(R, n)`` uint32 codes."""
-  per_word = WORD // bits
-  shifts = jnp.arange(per_word, dtype=jnp.uint32) * bits
-  mask = jnp.uint32(2 ** bits - 1)
-  codes = (words[..., None] >> shifts) & mask
-  return codes.reshape(words.shape[0], -1)
-
-
-def message(words: jax.Array, scales: jax.Array) -> jax.Array:
-  """Words and scales as one ``(R, words + chunks)`` uint32 message (one collective)."""
-  return jnp.concatenate([words, lax.bitcast_convert_type(scales, jnp.uint32)], axis=1)
-
-
-def split(received: jax.Array, length: int, bits: int,
-          chunk: int = CHUNK) -> tuple[jax.Array, jax.Array]:
-  """Inverse of :func:`message` for rows of ``length`` entries."""
-  code_words = length * bits // WORD
-  return (received[:, :code_words],
-          lax.bitcast_convert_type(received[:, code_words:], jnp.float32))
+  if chunk < WORD or chunk % WORD:
+    raise ValueError(f"chunk must be a positive multiple of {WORD}, got {chunk!r}")
+  length = max(int(length), 1)
+  count = -(-length // chunk)
+  return Layout(count, padded_length(-(-length // count)))
 
 
 def wire_bytes(length: int, bits: int, chunk: int = CHUNK) -> int:
-  """Bytes of one row's message of ``length`` entries (codes and scales)."""
-  return 4 * message_words(length, bits, chunk)
+  """Bytes of one row's message of ``length`` entries: its codes and its scales."""
+  cut = layout(length, chunk)
+  return 4 * cut.chunks * (cut.chunk * bits // WORD + 1)
 
 
 def bits_per_entry(bits: int, chunk: int = CHUNK) -> float:
   """Bits on the wire per entry of a long row: the codes and the scales' share."""
-  return bits + 32 / chunk
+  return bits + WORD / chunk
 
+
+def _check(chunked: jax.Array, bits: int) -> None:
+  if bits not in BITS:
+    raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
+  if chunked.ndim != 3 or chunked.shape[2] % WORD:
+    raise ValueError(f"expected (rows, chunks, chunk) with chunk a multiple of "
+                     f"{WORD}, got shape {chunked.shape}")
+
+
+def encode(chunked: jax.Array, bits: int, valid: jax.Array | None = None
+           ) -> tuple[jax.Array, jax.Array]:
+  """Codes packed into words, and one float32 scale per chunk.
+
+  The codes are computed in the values' dtype (at least float32) against the
+  float32 scales that travel, so that :func:`decode` gives back exactly the
+  values the codes were rounded to.
+
+  Args:
+    chunked: ``(R, C, K)`` floating, ``K`` a multiple of 32.
+    bits: code width, one of :data:`BITS`.
+    valid: booleans broadcastable to ``chunked``, False for padding; None
+      when every entry is real.
+
+  Returns:
+    ``(words, scales)``: ``(R, C, K * bits / 32)`` uint32, ``(R, C)`` float32.
+  """
+  _check(chunked, bits)
+  dtype = jnp.promote_types(chunked.dtype, jnp.float32)
+  x = chunked.astype(dtype)
+  if valid is not None:
+    x = jnp.where(valid, x, jnp.zeros((), dtype))
+  if bits == 1:
+    counted = (x.shape[2] if valid is None else
+               jnp.maximum(jnp.sum(jnp.broadcast_to(valid, x.shape), axis=2), 1))
+    scales = (jnp.sum(jnp.abs(x), axis=2) / counted).astype(jnp.float32)
+    return pack((x >= 0).astype(jnp.uint32), bits), scales
+  levels = 2 ** (bits - 1) - 1
+  scales = (jnp.max(jnp.abs(x), axis=2) / levels).astype(jnp.float32)
+  scale = scales.astype(dtype)[..., None]
+  ratio = x / jnp.where(scale > 0, scale, jnp.ones((), dtype))
+  codes = jnp.clip(jnp.round(ratio), -levels, levels) + levels
+  return pack(codes.astype(jnp.uint32), bits), scales
+
+
+def decode(words: jax.Array, scales: jax.Array, bits: int,
+           valid: jax.Array | None = None, dtype: jnp.dtype = jnp.float32
+           ) -> jax.Array:
+  """The values :func:`encode`'s ``(words, scales)`` stand for, ``(R, C, K)`` of ``dtype``."""
+  codes = unpack(words, bits).astype(dtype)  # arithmetic, not a select: faster on CPUs
+  scale = scales.astype(dtype)[..., None]
+  levels = 2 ** (bits - 1) - 1 if bits > 1 else 0.5  # a sign code is 0 or 1
+  values = (codes - levels) * (scale / levels if bits == 1 else scale)
+  return values if valid is None else jnp.where(valid, values, jnp.zeros((), dtype))
+
+
+def pack(codes: jax.Array, bits: int) -> jax.Array:
+  """Codes below ``2**bits``, ``(..., n)``, as ``(..., n * bits / 32)`` uint32 words.
+
+  Code ``j`` of a word sits at bits ``[j * bits, (j + 1) * bits)``.
+  """
+  per_word = WORD // bits
+  grouped = codes.astype(jnp.uint32).reshape(*codes.shape[:-1], -1, per_word)
+  shifts = jnp.arange(per_word, dtype=jnp.uint32) * bits
+  return jnp.sum(grouped << shifts, axis=-1, dtype=jnp.uint32)
+
+
+def unpack(words: jax.Array, bits: int) -> jax.Array:
+  """Inverse of :func:`pack`: ``(..., n)`` uint32 codes."""
+  per_word = WORD // bits
+  shifts = jnp.arange(per_word, dtype=jnp.uint32) * bits
+  codes = (words[..., None] >> shifts) & jnp.uint32(2 ** bits - 1)
+  return codes.reshape(*words.shape[:-1], -1)
+
+
+def message(words: jax.Array, scales: jax.Array) -> jax.Array:
+  """Words ``(R, C, W)`` and scales ``(R, C)`` as one ``(R, C * (W + 1))`` uint32 message."""
+  bits = lax.bitcast_convert_type(scales, jnp.uint32)[..., None]
+  return jnp.concatenate([words, bits], axis=2).reshape(words.shape[0], -1)
+
+
+def split(received: jax.Array, cut: Layout, bits: int) -> tuple[jax.Array, jax.Array]:
+  """Inverse of :func:`message`, for rows cut as ``cut``."""
+  grouped = received.reshape(received.shape[0], cut.chunks, -1)
+  return (grouped[..., :-1],
+          lax.bitcast_convert_type(grouped[..., -1], jnp.float32))
