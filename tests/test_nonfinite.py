@@ -42,6 +42,21 @@ def test_bad_step_changes_nothing_but_the_counter(mesh, algorithm, value,
                                rtol=1e-5, atol=1e-5)
 
 
+def test_a_bad_step_under_onebit_is_as_if_it_never_came(mesh, exchange_steps):
+  tx = optax.chain(topka2a_jax.topka2a(algorithm="onebit", min_size=0, fusion=1))
+  first, third = random_grads(71), random_grads(73)
+  history = exchange_steps(tx, mesh, [first, poisoned(random_grads(72), np.nan), third])
+  clean = exchange_steps(tx, mesh, [first, third])
+  (_, before), (skipped, during), (last, after) = history
+  assert all(not u.any() for u in skipped.values())
+  for k, r in residuals_of(before).items():
+    np.testing.assert_array_equal(residuals_of(during)[k], r)
+  assert int(after[0].nonfinite_steps) == 1
+  for k in third:  # bitwise the run without the bad step
+    np.testing.assert_array_equal(last[k], clean[1][0][k])
+    np.testing.assert_array_equal(residuals_of(after)[k], residuals_of(clean[1][1])[k])
+
+
 def test_opting_out_lets_the_nan_through(mesh, exchange_steps):
   tx = optax.chain(topka2a_jax.topka2a(1.0, min_size=0, fusion=1,
                                        skip_nonfinite=False))

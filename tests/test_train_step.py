@@ -311,3 +311,35 @@ def test_2d_inside_a_larger_jit_with_param_specs(auto_mesh, sharded_problem):
   want = top(placed, state, batch)
   got = jax.jit(inner)(placed, state, batch)
   chex.assert_trees_all_equal(got, want)
+
+
+EMPTY_LEAF_OPTIMIZERS = {
+    "topka2a": lambda: optax.chain(topka2a_jax.topka2a(0.1, min_size=0), optax.sgd(0.1)),
+    "compress_updates": lambda: topka2a_jax.compress_updates(optax.adam(1e-2), 0.1,
+                                                             min_size=0),
+    "onebit": lambda: topka2a_jax.compress_updates(optax.adam(1e-2), algorithm="onebit",
+                                                   min_size=0),
+    "powersgd": lambda: optax.chain(topka2a_jax.topka2a(algorithm="powersgd", rank=2),
+                                    optax.sgd(0.1)),
+    "sharded_optimizer": lambda: topka2a_jax.sharded_optimizer(optax.adam(1e-2), 0.1,
+                                                               min_size=0),
+}
+
+
+@pytest.mark.parametrize("name", list(EMPTY_LEAF_OPTIMIZERS))
+def test_a_parameter_with_no_elements_passes_through(mesh, train_steps, name):
+  """A leaf of 0 elements (a layer sized 0 by a config) gets an empty update."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(64, 16)).astype(np.float32)
+  y = np.sin(x[:, :4])
+  params = {"w": rng.normal(size=(16, 4)).astype(np.float32) / 4,
+            "none": np.zeros((0,), np.float32), "empty": np.zeros((3, 0), np.float32)}
+
+  def loss(p, batch):
+    return (jnp.mean((batch[0] @ p["w"] - batch[1]) ** 2) + jnp.sum(p["none"])
+            + jnp.sum(p["empty"]))
+
+  history = train_steps(EMPTY_LEAF_OPTIMIZERS[name](), mesh, loss, params, [(x, y)] * 5)
+  last_params, _, last_loss = history[-1]
+  assert last_params["none"].shape == (0,) and last_params["empty"].shape == (3, 0)
+  assert last_loss < history[0][2]

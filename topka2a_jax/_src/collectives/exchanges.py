@@ -356,7 +356,8 @@ def topka2a_sparse(
 
   Steps 1 to 3 are :func:`topka2a`'s. Then each owner selects the top
   ``ceil(k / P)`` of its summed shard and one tiled ``all_gather`` of those
-  (value, index) pairs gives every device the mean. What the owner did not
+  (value, index) pairs, divided by ``P`` before they travel (so a narrow
+  ``value_dtype`` holds them), gives every device the mean. What the owner did not
   send of its summed shard stays in the owner's residual, so across the axis
   nothing is lost.
 
@@ -383,17 +384,18 @@ def topka2a_sparse(
   layout, fmt, owned, unsent = to_owners(buffer, axis_name, density, value_dtype,
                                           select, send)
   values, indices = select(owned[None], layout.per_shard)
-  values = fmt.rounded(values)
-  unsent = add_to_own_row(
-      unsent, axis_name, owned.at[indices[0]].add(-values[0], unique_indices=True))
+  # Means, not sums, on the wire: a sum of P values that each fit a narrow
+  # value_dtype need not fit it.
+  values = fmt.rounded(values / layout.num_shards)
+  unsent = add_to_own_row(unsent, axis_name, owned.at[indices[0]].add(
+      -values[0] * layout.num_shards, unique_indices=True))
   gathered = lax.all_gather(fmt.encode(values, indices), axis_name, tiled=True,
                             to="invarying")
   from_values, from_indices = fmt.decode(gathered, buffer.dtype)
   positions = from_indices + layout.shard_length * jnp.arange(layout.num_shards)[:, None]
-  # Owners' positions never collide, so each entry is one owner's sum and
-  # may be divided before it is placed; positions in the padding hold zeros.
+  # Owners' positions never collide; positions in the padding hold zeros.
   mean = jnp.zeros((layout.length,), buffer.dtype).at[positions.ravel()].set(
-      from_values.ravel() / layout.num_shards, mode="drop", unique_indices=True)
+      from_values.ravel(), mode="drop", unique_indices=True)
   return ExchangeResult(mean, unsent.reshape(-1)[: layout.length])
 
 
@@ -504,6 +506,7 @@ def two_level(
     buffer: jax.Array, axis_name: tuple[Hashable, Hashable], density: float, *,
     value_dtype: jnp.dtype | None = None, selection: str = "exact",
     outer: Callable[..., ExchangeResult] = topka2a, send: jax.Array | None = None,
+    limit: float | jax.Array | None = None,
 ) -> ExchangeResult:
   """Dense inside a node, sparse between nodes: reduce-scatter, exchange, all-gather.
 
@@ -535,6 +538,9 @@ def two_level(
       :func:`topka2a_sparse`, :func:`allgather` or :func:`dense`.
     send: as in :func:`dense`, for the exchange between nodes: False makes
       the mean zero and leaves each device its slice of its node's sum.
+    limit: the largest magnitude the outer wire carries (a narrow
+      ``value_dtype``'s range), or None: each node's sum is clipped to it
+      before the outer exchange, and the excess stays in this device's slice.
 
   Returns:
     The :class:`ExchangeResult`: the mean over both axes (``n`` entries), and what
@@ -562,10 +568,12 @@ def two_level(
   width = -(-length // per_node)
   rows = jnp.pad(buffer, (0, per_node * width - length)).reshape(per_node, width)
   node_sum = lax.psum_scatter(rows, inner_axis, scatter_dimension=0, tiled=True)[0]
-  result = outer(node_sum, outer_axis, density, value_dtype=value_dtype,
+  sent = node_sum if limit is None else jnp.clip(node_sum, -limit, limit)
+  result = outer(sent, outer_axis, density, value_dtype=value_dtype,
                  selection=selection, send=send)
   mean = lax.all_gather(result.mean / per_node, inner_axis, tiled=True, to="invarying")
-  return ExchangeResult(mean[:length], result.unsent)
+  unsent = result.unsent if limit is None else result.unsent + (node_sum - sent)
+  return ExchangeResult(mean[:length], unsent)
 
 
 class Collective(Protocol):

@@ -145,9 +145,10 @@ def exchange_buckets(options: Options, grads: Sequence[jax.Array],
   slice ``j`` of every leaf), so what the outer exchange leaves unsent splits
   into the leaves' slices. A sparse bucket routed flat reduce-scatters what
   it leaves unsent inside the node, which puts each slice's node sum on the
-  device that keeps it; nothing is lost either way. Over one data axis,
-  sparse buckets send at most :func:`wire_limit` per entry; the excess waits
-  in the residual.
+  device that keeps it; nothing is lost either way. Sparse buckets send at
+  most :func:`wire_limit` per entry on every wire: each device's values are
+  clipped to it (a node's sums, on the two-level route), the exchanges send
+  means where they sum, and the excess waits in the residual.
 
   Args:
     options: the transform's options.
@@ -170,7 +171,9 @@ def exchange_buckets(options: Options, grads: Sequence[jax.Array],
   num_devices = bound_axis_size(options.axis_name)
   per_node = options.axis.per_node() or 1
   inner_axis = options.axis.inner
-  means: list[jax.Array] = list(grads)  # empty leaves pass through as they are
+  # Empty leaves: an empty mean, typed invariant along the axis like the others.
+  means: list[jax.Array] = [g if g.size else _zeros_like_mean(g, options.axis)
+                            for g in grads]
   new_residuals: list[Any] = [optax.MaskedNode()] * len(grads)
   for members, bucket in _buckets(options, grads, num_devices):
     dtype = jnp.result_type(*(residual_dtype(grads[i].dtype) for i in members))
@@ -181,34 +184,35 @@ def exchange_buckets(options: Options, grads: Sequence[jax.Array],
                          inner_axis, dtype) for i, keep in zip(members, keeps)]
     algorithm = ALGORITHMS[bucket.algorithm] if sparse else DENSE
     limit = wire_limit(options, [grads[i].dtype for i in members])
-    excess = [None] * len(rows)
-    if algorithm.sparse and per_node == 1 and limit is not None:
-      if send is not None:  # nothing is sent: nothing to clip, nothing to round
-        limit = jnp.where(send, limit, jnp.inf)
-      clipped = [jnp.clip(r, -limit, limit) for r in rows]
-      excess = [r - c for r, c in zip(rows, clipped)]
-      rows = clipped
+    if not algorithm.sparse:
+      limit = None
+    elif limit is not None and send is not None:  # nothing sent: nothing to clip
+      limit = jnp.where(send, limit, jnp.inf)
     options_kw = {"value_dtype": options.value_dtype, "selection": options.selection,
                   "send": send}
-    if bucket.route == TWO_LEVEL:
+    if bucket.route == TWO_LEVEL:  # clipped where the node's sum is formed
       result = exchanges.two_level(
           jnp.concatenate(rows, axis=1).ravel(), options.axis_name, options.density,
-          outer=exchanges.COLLECTIVES[algorithm.name], **options_kw)
+          outer=exchanges.COLLECTIVES[algorithm.name], limit=limit, **options_kw)
       mean_pieces = [piece.ravel()[:size] for piece, size in zip(
           _split_columns(result.mean.reshape(per_node, -1), widths), sizes)]
       unsent = buckets.unpack(result.unsent, widths)
     else:
+      flat = [r.ravel()[:size] for r, size in zip(rows, sizes)]
+      sent = flat if limit is None else [jnp.clip(f, -limit, limit) for f in flat]
       result = exchanges.COLLECTIVES[algorithm.name](
-          buckets.pack([r.ravel()[:size] for r, size in zip(rows, sizes)], dtype),
-          options.axis_name, options.density, **options_kw)
+          buckets.pack(sent, dtype), options.axis_name, options.density, **options_kw)
       mean_pieces = buckets.unpack(result.mean, sizes)
-      unsent = unsent_slices(buckets.unpack(result.unsent, sizes), widths,
-                             per_node, inner_axis, algorithm.sparse and any(keeps), send)
-    for i, keep, mean, left, over in zip(members, keeps, mean_pieces, unsent, excess):
+      unsent = buckets.unpack(result.unsent, sizes)
+      if limit is not None:  # what the clip held back joins what was not sent,
+        # before a pair of data axes sums it onto the devices keeping each slice
+        unsent = [left + whole - clipped
+                  for left, whole, clipped in zip(unsent, flat, sent)]
+      unsent = unsent_slices(unsent, widths, per_node, inner_axis,
+                             algorithm.sparse and any(keeps), send)
+    for i, keep, mean, left in zip(members, keeps, mean_pieces, unsent):
       means[i] = mean.reshape(grads[i].shape).astype(grads[i].dtype)
       if keep:
-        if over is not None:
-          left = left + over.ravel()[:left.size]
         new_residuals[i] = left.reshape(residuals[i].shape).astype(residuals[i].dtype)
   return means, new_residuals
 
@@ -224,7 +228,7 @@ def _exchange_low_rank(options: Options, grads: Sequence[jax.Array],
   """
   low = [i for i, carry in enumerate(residuals) if isinstance(carry, low_rank.Carry)]
   rest = sorted(set(range(len(grads))) - set(low))
-  means: list[Any] = list(grads)
+  means: list[Any] = [g if g.size else _zeros_like_mean(g, options.axis) for g in grads]
   new: list[Any] = list(residuals)
   dense_options = dataclasses.replace(options, algorithm=DENSE.name, rank=None)
   rest_means, _ = exchange_buckets(dense_options, [grads[i] for i in rest],
@@ -332,7 +336,7 @@ def _applied_or_held(options: Options, bad: jax.Array, grads: list, residuals: l
 def _skipped(options: Options, grads: list, residuals: list,
              count: jax.Array) -> tuple[list, list, jax.Array]:
   """Zero updates; residuals and count as they were."""
-  zeros = [_zeros_like_mean(g, options.axis) if g.size else g for g in grads]
+  zeros = [_zeros_like_mean(g, options.axis) for g in grads]
   return zeros, residuals, count
 
 
