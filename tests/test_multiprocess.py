@@ -94,6 +94,9 @@ for step in range(1, 10_000):
   if step == 3 and jax.process_index() == 1 and sys.argv[1] == "raise":
     print("raising at", time.time(), flush=True)
     raise RuntimeError("a worker's bug")
+  if step == 3 and jax.process_index() == 1 and sys.argv[1] == "exit":
+    print("exiting at", time.time(), flush=True)
+    sys.exit(7)
   jax.block_until_ready(total(x))
   time.sleep(0.05)
 """
@@ -104,11 +107,16 @@ def _pids(stdout):
 
 
 def _gone(pid):
+  """Whether ``pid`` has ended: no such process, or a zombie not yet reaped."""
   try:
     os.kill(pid, 0)
   except ProcessLookupError:
     return True
-  return False
+  try:
+    with open(f"/proc/{pid}/stat") as stat:
+      return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+  except FileNotFoundError:
+    return True
 
 
 @pytest.mark.slow
@@ -129,6 +137,22 @@ def test_a_worker_that_raises_ends_the_run_within_seconds_naming_its_rank(tmp_pa
 
 
 @pytest.mark.slow
+def test_a_worker_that_calls_sys_exit_ends_the_run_within_seconds_with_its_status(
+    tmp_path):
+  script = tmp_path / "worker.py"
+  script.write_text(FAILING_WORKER)
+  done = run([sys.executable, LAUNCHER, "-n", "2",
+              "--devices-per-process", "2", str(script), "exit"])
+  ended = time.time()
+  assert done.returncode == 7, done.stdout[-2000:] + done.stderr[-2000:]
+  assert "process 1 of 2 failed with status 7" in done.stderr
+  exited = float(next(line.split()[-1] for line in done.stdout.splitlines()
+                      if "exiting at" in line))
+  assert ended - exited < 10
+  assert all(map(_gone, _pids(done.stdout)))
+
+
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
   script = tmp_path / "worker.py"
   script.write_text("import os, time\nprint('pid', os.getpid(), flush=True)\n"
@@ -144,3 +168,27 @@ def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
   launcher.send_signal(signal.SIGTERM)
   assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
   assert all(map(_gone, _pids("\n".join(lines))))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
+def test_workers_die_with_a_launcher_killed_by_sigkill(tmp_path):
+  # The workers print their pid, then nothing: no broken pipe would end them.
+  script = tmp_path / "worker.py"
+  script.write_text("import os, time\nprint('pid', os.getpid(), flush=True)\n"
+                    "time.sleep(120)\n")
+  launcher = subprocess.Popen(
+      [sys.executable, LAUNCHER, "-n", "2", str(script)],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  lines = []
+  while len(_pids("\n".join(lines))) < 2:
+    line = launcher.stdout.readline()
+    assert line, launcher.stderr.read()[-2000:]
+    lines.append(line)
+  launcher.kill()
+  launcher.wait(timeout=30)
+  pids = _pids("\n".join(lines))
+  deadline = time.time() + 10
+  while not all(map(_gone, pids)) and time.time() < deadline:
+    time.sleep(0.1)
+  assert all(map(_gone, pids))

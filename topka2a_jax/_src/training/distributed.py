@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 import jax
 
@@ -94,6 +95,28 @@ def _exit_at_once(previous):
   return hook
 
 
+def _exit_at_once_on_failure(previous):
+  """A ``sys.exit``: a failing status (not 0 or None) ends the process at once.
+
+  ``sys.exit(n)`` raises SystemExit, which no excepthook sees; at exit JAX's
+  shutdown barrier would then wait for peers that wait for this process.
+  A status of 0 (or None) is a process that finished: it waits for the
+  others at the barrier, as it should. In threads other than the main one
+  ``sys.exit`` ends only the thread, as always.
+  """
+  def exit(status=None):
+    if status in (None, 0) or threading.current_thread() is not threading.main_thread():
+      previous(status)
+    if not isinstance(status, int):
+      print(status, file=sys.stderr)
+      status = FAILED_STATUS
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+  return exit
+
+
 def initialize(*, fail_fast: bool = True,
                heartbeat_timeout_seconds: int | None = None,
                shutdown_timeout_seconds: int | None = None) -> None:
@@ -111,9 +134,11 @@ def initialize(*, fail_fast: bool = True,
       ``python tools/launch.py`` stops the others within seconds and
       names the failed rank; under another launcher (SLURM, torchrun-style),
       the peers stop when JAX's coordination service misses this process's
-      heartbeats, after ``heartbeat_timeout_seconds``. A ``sys.exit(n)``
-      runs the shutdown barrier as usual: leave through an exception, or
-      ``os._exit(n)``, where the peers may be blocked.
+      heartbeats, after ``heartbeat_timeout_seconds``. So does
+      ``sys.exit(n)`` with a failing status (``n`` not 0 or None), with
+      status ``n``; ``sys.exit()`` and ``sys.exit(0)`` wait for the peers
+      at JAX's shutdown barrier, as a finished process should. (``raise
+      SystemExit(n)`` bypasses ``sys.exit``: it runs the barrier.)
     heartbeat_timeout_seconds: seconds after which the coordination service
       counts a silent process as dead and stops the job (JAX's default:
       100). Lower it to end a job whose process died (killed, out of memory)
@@ -143,3 +168,4 @@ def initialize(*, fail_fast: bool = True,
                                **timeouts)
   if fail_fast:
     sys.excepthook = _exit_at_once(sys.excepthook)
+    sys.exit = _exit_at_once_on_failure(sys.exit)

@@ -9,7 +9,8 @@ CPU devices, and gloo collectives over TCP. Output lines are forwarded with a
 ``[rank]`` prefix. When a process fails the others are stopped, and the
 launcher says which rank failed and exits with its status; it exits 0 when
 all succeed. SIGTERM, SIGINT or SIGHUP to the launcher stop every process
-before it exits (with 128 + the signal's number).
+before it exits (with 128 + the signal's number); on Linux the processes are
+killed with the launcher too when it is itself killed (SIGKILL).
 """
 
 from __future__ import annotations
@@ -78,6 +79,34 @@ def _stop(processes: Sequence[subprocess.Popen], grace: float) -> None:
       process.wait()
 
 
+def _dies_with(parent: int):
+  """A ``preexec_fn``: the child is killed when the launcher dies (Linux), or None.
+
+  ``PR_SET_PDEATHSIG`` with SIGKILL, so that a launcher killed by SIGKILL
+  (which it cannot catch) leaves no worker behind; SIGTERM would not do,
+  since JAX catches it. ``prctl`` is looked up here, before the fork, so the
+  child only calls it. None where it is missing.
+  """
+  if not sys.platform.startswith("linux"):
+    return None
+  try:
+    import ctypes
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+  except (OSError, AttributeError):
+    return None
+
+  def set_up() -> None:
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the launcher died before the call above
+      os._exit(128 + signal.SIGKILL)
+
+  return set_up
+
+
+PR_SET_PDEATHSIG = 1
+"""``prctl``'s option: the signal a process gets when its parent dies."""
+
+
 def launch(command: Sequence[str], num_processes: int, devices_per_process: int, *,
            prefixes: Sequence[Sequence[str]] | None = None,
            host: str = "127.0.0.1") -> int:
@@ -105,14 +134,17 @@ def launch(command: Sequence[str], num_processes: int, devices_per_process: int,
   processes, readers = [], []
   failed_rank = None
   previous = _stop_on_signals()
+  dies_with_launcher = _dies_with(os.getpid())
   try:
+    # Every process is started before any reader thread: no fork meets a thread.
     for rank in range(num_processes):
       prefix = list(prefixes[rank]) if prefixes else []
-      process = subprocess.Popen(
+      processes.append(subprocess.Popen(
           [*prefix, *command],
           env=process_env(rank, num_processes, devices_per_process, port, host),
-          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-      processes.append(process)
+          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+          preexec_fn=dies_with_launcher))  # noqa: PLW1509 (no thread runs yet)
+    for rank, process in enumerate(processes):
       reader = threading.Thread(target=_forward, args=(rank, process.stdout, lock),
                                 daemon=True)
       reader.start()
