@@ -1,6 +1,7 @@
 """Checkpoints: bitwise resume in a fresh process, restarts on other device counts."""
 
 import functools
+import os
 import shutil
 import subprocess
 import sys
@@ -230,6 +231,33 @@ def test_a_flipped_byte_in_any_file_is_refused_naming_it(tmp_path, mesh):
                               jax.tree.map(np.asarray, state))
 
 
+@pytest.mark.parametrize("manifest", [True, False])
+def test_links_and_special_files_in_a_checkpoint_are_refused_unread(tmp_path, mesh,
+                                                                    manifest):
+  """A copy whose file became a link to a host file, or that holds a FIFO."""
+  state = resumable.fresh(mesh)
+  saved = tmp_path / "ckpt"
+  topka2a_jax.save(saved, state, mesh)
+  if not manifest:  # an older version's checkpoint: still no link is followed
+    (saved / checkpoint.MANIFEST_FILE).unlink()
+  secret = tmp_path / "secret"
+  secret.write_text("host data")
+  linked = tmp_path / "linked"
+  shutil.copytree(saved, linked)
+  (linked / checkpoint.LAYOUT_FILE).unlink()
+  (linked / checkpoint.LAYOUT_FILE).symlink_to(secret)
+  special = tmp_path / "special"
+  shutil.copytree(saved, special)
+  os.mkfifo(special / "state" / "extra")
+  for copy, kind in ((linked, "is a symbolic link"), (special, "not a regular file")):
+    with pytest.raises(ValueError, match=f"checkpoint entry .* {kind}.*nothing was "
+                                         "loaded"):
+      topka2a_jax.restore(copy, state, mesh)
+    if manifest:
+      with pytest.raises(ValueError, match=kind):
+        topka2a_jax.checkpoint.verify(copy)
+
+
 def test_a_lost_manifest_still_leaves_every_array_checked(tmp_path, mesh):
   # Random floats, which compression leaves as they are: the data file holds
   # the array's bytes, as the issue's corrupted residual did.
@@ -324,3 +352,52 @@ def test_the_manager_never_lists_a_partial_step(tmp_path, mesh):
   with topka2a_jax.CheckpointManager(tmp_path, mesh) as manager:
     assert manager.latest_step() == 1
     manager.restore(state)
+
+
+def _manager_layout(directory, step):
+  """The layout description a CheckpointManager keeps beside a step's state."""
+  found = [p for p in (Path(directory) / str(step) / "layout").rglob("*")
+           if p.is_file() and p.read_bytes().lstrip().startswith(b"{")]
+  assert len(found) == 1, found
+  return found[0]
+
+
+def test_a_manager_step_without_fingerprints_is_refused_unless_it_is_older(tmp_path,
+                                                                         mesh):
+  import json
+  state = resumable.train(resumable.fresh(mesh), mesh, range(2))
+  with topka2a_jax.CheckpointManager(tmp_path, mesh, async_save=False) as manager:
+    manager.save(1, state)
+  path = _manager_layout(tmp_path, 1)
+  layout = json.loads(path.read_text())
+  assert layout["version"] == checkpoint.LAYOUT_VERSION and "fingerprints" in layout
+  del layout["fingerprints"]  # a flipped byte in the key does the same
+  path.write_text(json.dumps(layout))
+  with topka2a_jax.CheckpointManager(tmp_path, mesh) as manager:
+    with pytest.raises(ValueError, match="lacks the arrays' fingerprints"):
+      manager.restore(resumable.fresh(mesh))
+    del layout["version"]  # as an older version wrote it
+    path.write_text(json.dumps(layout))
+    with pytest.warns(UserWarning, match="older topka2a_jax, without the arrays'"):
+      restored = manager.restore(resumable.fresh(mesh))
+  chex.assert_trees_all_equal(jax.tree.map(np.asarray, restored["params"]),
+                              jax.tree.map(np.asarray, state["params"]))
+
+
+def test_a_mismatch_names_the_shape_each_side_needs(tmp_path, mesh):
+  """Saved on 8 devices with a (16, 64) leaf, restored on 4 into a (32, 64) one:
+  both residuals are (128, 64) as global arrays, which alone says nothing."""
+  small = sub_mesh(4)
+  tx = optax.chain(topka2a_jax.topka2a(0.05, min_size=0), optax.sgd(0.1))
+
+  def state_of(shape, on):
+    params = jax.device_put({"w": np.zeros(shape, np.float32)})
+    return {"params": params, "opt_state": topka2a_jax.init(tx, params, on)}
+
+  with topka2a_jax.CheckpointManager(tmp_path, mesh, async_save=False) as manager:
+    manager.save(1, state_of((16, 64), mesh))
+  with topka2a_jax.CheckpointManager(tmp_path, small) as manager, pytest.raises(
+      ValueError, match=r"saved as float32\[128, 64\] on 8 devices; the state to "
+      r"restore into holds float32\[128, 64\] on 4, which on 8 devices would have "
+      r"been saved as float32\[256, 64\]"):
+    manager.restore(state_of((32, 64), small))

@@ -33,7 +33,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import shutil
+import stat
 import warnings
 from collections.abc import Hashable
 from pathlib import Path
@@ -137,6 +139,10 @@ def _leaf_fingerprints(leaves: list[Any]) -> list[int]:
   return found
 
 
+LAYOUT_VERSION = 2
+"""The layout description's format: 2 since it always holds fingerprints."""
+
+
 def describe(state: Any, mesh: Mesh, axis_name: Hashable | DataAxis = "data"
              ) -> dict[str, Any]:
   """What :func:`restore` needs to read ``state`` onto another mesh, as JSON.
@@ -147,6 +153,7 @@ def describe(state: Any, mesh: Mesh, axis_name: Hashable | DataAxis = "data"
   """
   layout = _layout(state, mesh, DataAxis.parse(axis_name))
   layout["fingerprints"] = _leaf_fingerprints(jax.tree.leaves(state))
+  layout["version"] = LAYOUT_VERSION
   return layout
 
 
@@ -274,9 +281,28 @@ def _digest(path: Path) -> str:
 
 
 def _files(directory: Path) -> list[str]:
-  """Every file under ``directory`` but the manifest, as sorted relative paths."""
-  return sorted(str(path.relative_to(directory)) for path in directory.rglob("*")
-                if path.is_file() and path.name != MANIFEST_FILE)
+  """Every file under ``directory`` but the manifest, as sorted relative paths.
+
+  Raises:
+    ValueError: an entry is a symbolic link, or neither a regular file nor
+      a directory (a checkpoint holds only what :func:`save` wrote, and
+      nothing outside its directory is read).
+  """
+  found = []
+  for root, directories, names in os.walk(directory):
+    for name in [*directories, *names]:
+      path = Path(root) / name
+      mode = path.lstat().st_mode
+      kind = ("a symbolic link" if stat.S_ISLNK(mode) else None if
+              stat.S_ISDIR(mode) or stat.S_ISREG(mode) else "not a regular file")
+      if kind:
+        raise ValueError(f"checkpoint entry {path} is {kind}: a checkpoint holds "
+                         "only the regular files save wrote, and nothing outside "
+                         "its directory is read. Restore an intact copy; nothing "
+                         "was loaded.")
+      if stat.S_ISREG(mode) and path.name != MANIFEST_FILE:
+        found.append(str(path.relative_to(directory)))
+  return sorted(found)
 
 
 def _write_manifest(directory: Path) -> None:
@@ -300,8 +326,9 @@ def verify(directory: str | Path) -> None:
 
   Raises:
     ValueError: naming the first file that is missing, added, or whose
-      SHA-256 differs from the one saved (a corrupted or partial copy), or a
-      corrupted manifest.
+      SHA-256 differs from the one saved (a corrupted or partial copy), a
+      corrupted manifest, or an entry that is a symbolic link or not a
+      regular file (nothing outside the directory is read).
 
   Example:
     >>> import tempfile
@@ -316,6 +343,7 @@ def verify(directory: str | Path) -> None:
     ValueError: checkpoint file .../topka2a_layout.json is corrupted: its SHA-256 differs from the one saved. Restore an intact copy; nothing was loaded.
   """
   directory = Path(directory).absolute()
+  found = _files(directory)  # first: no link is followed, the manifest's included
   manifest = _read_json(directory / MANIFEST_FILE, "manifest")
   files = manifest.get("files") if isinstance(manifest, dict) else None
   listed = json.dumps(files, sort_keys=True)
@@ -324,7 +352,6 @@ def verify(directory: str | Path) -> None:
     raise ValueError(f"the checkpoint's manifest {directory / MANIFEST_FILE} is "
                      "corrupted: its digest does not match what it lists. Restore "
                      "an intact copy; nothing was loaded.")
-  found = _files(directory)
   for name in sorted(set(files) | set(found)):
     if name not in found:
       problem = "is missing"
@@ -553,6 +580,7 @@ def restore(directory: str | Path, like: Any, mesh: Mesh,
   if (directory / MANIFEST_FILE).is_file():
     verify(directory)
   else:
+    _files(directory)  # no link, no special file, even without a manifest
     warnings.warn(f"{directory} has no {MANIFEST_FILE} (saved by an older "
                   "topka2a_jax): its files cannot be checked", stacklevel=2)
   saved = _read_json(directory / LAYOUT_FILE, "layout description")
@@ -621,8 +649,22 @@ def _resized(leaf: jax.Array, described: dict[str, Any], old: Devices, new: Devi
 
 
 def _check_fingerprints(loaded: Any, saved: dict[str, Any], directory: Any) -> None:
-  """Raises unless every array read back has the fingerprint it was saved with."""
+  """Raises unless every array read back has the fingerprint it was saved with.
+
+  A layout of this version (:data:`LAYOUT_VERSION`) always holds them: one
+  without is refused. An older version's, written before fingerprints,
+  restores with a warning.
+  """
   if "fingerprints" not in saved:
+    if saved.get("version", 1) >= LAYOUT_VERSION:
+      raise ValueError(
+          f"the checkpoint in {directory} is corrupted: its layout description "
+          f"({LAYOUT_FILE}) lacks the arrays' fingerprints, which this version "
+          "always writes, so its arrays cannot be checked. Restore an intact "
+          "copy; nothing was returned.")
+    warnings.warn(f"the checkpoint in {directory} was written by an older "
+                  "topka2a_jax, without the arrays' fingerprints: its arrays "
+                  "cannot be checked", stacklevel=3)
     return
   found = _leaf_fingerprints(jax.tree.leaves(loaded))
   for got, want, described in zip(found, saved["fingerprints"], saved["leaves"]):
@@ -667,5 +709,7 @@ def _check_same_configuration(saved: dict[str, Any], wanted: dict[str, Any],
     if was["dtype"] != want["dtype"] or was["shape"] != shape:
       raise ValueError(
           f"leaf {want['path']} was saved as {was['dtype']}{was['shape']} on "
-          f"{saved['devices']} devices, which does not match "
-          f"{want['dtype']}{want['shape']} on {wanted['devices']}. {fix}")
+          f"{saved['devices']} devices; the state to restore into holds "
+          f"{want['dtype']}{want['shape']} on {wanted['devices']}, which on "
+          f"{saved['devices']} devices would have been saved as "
+          f"{want['dtype']}{shape}. {fix}")
