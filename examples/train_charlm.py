@@ -142,6 +142,7 @@ RUNS = {
     "topka2a 1%, 100 dense warm-up steps": {"density": 0.01, "warmup_steps": 100,
                                             **PAPER},
     "updates 1%": {"density": 0.01, "updates": True},
+    "updates, onebit": {"algorithm": "onebit", "updates": True},
 }
 QUICK_RUNS = ("dense (pmean)", "topka2a 1%", "updates 1%")
 

@@ -140,8 +140,12 @@ RUNS = {
     "topka2a 1%, a bucket per leaf, optimizer sharded": {"density": 0.01,
                                                          "sharded": True, **PAPER},
     "updates 1%": {"density": 0.01, "updates": True},
+    "updates, onebit": {"algorithm": "onebit", "updates": True},
+    "onebit (gradient)": {"algorithm": "onebit"},
 }
-"""Every run of ``--all``: name -> options of :func:`optimizer`."""
+"""Every run of ``--all``: name -> options of :func:`optimizer`. The
+``onebit`` runs send every entry's sign and the owners' means back in 8 bits
+(``topka2a(algorithm="onebit")``): the step of momentum SGD, or the gradient."""
 
 DEFAULT_RUNS = ("dense (pmean)", "defaults 1%", "updates 1%")
 """The runs without ``--all``: dense, the card's chain and the one-liner."""

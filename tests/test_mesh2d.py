@@ -93,6 +93,19 @@ def test_sparse_on_a_2d_mesh_loses_nothing(mesh2d, problem):
     assert np.abs(owed).sum() > 0
 
 
+def test_onebit_on_a_2d_mesh_loses_nothing(mesh2d, problem):
+  """Signs of each device's shard of the parameters; every entry is sent."""
+  tx = topka2a_jax.topka2a(algorithm="onebit", min_size=0)
+  updates, _, state = sharded_step(mesh2d, tx, 1, problem)
+  want = dense_gradient(*problem)
+  assert state.residuals["w"].sharding.spec == P("data", "model")
+  for k in ("w", "b"):
+    owed = np.asarray(state.residuals[k]).reshape(4, *want[k].shape).sum(0)
+    np.testing.assert_allclose(4 * updates[k] + owed, 4 * want[k], rtol=1e-4,
+                               atol=1e-4)
+    assert np.abs(owed).sum() > 0
+
+
 def test_adam_state_is_sharded_like_the_parameters(mesh2d, problem):
   tx = optax.chain(topka2a_jax.topka2a(0.1, min_size=0), optax.adam(1e-2))
   _, params, state = sharded_step(mesh2d, tx, 3, problem)

@@ -36,9 +36,11 @@ def synthetic_rows(link, processes, per_element=0.0, per_entry=0.0, per_matrix=0
         entries = {"dense": 0, "allgather": k, "topka2a": k,
                    "topka2a_sparse": k + k // processes}.get(algorithm, 0)
         seconds = exchange_cost(algorithm, size, processes, density).seconds(link)
-        # The quantizing exchanges read the buffer, then the owner its shard.
-        read = {"dense": 0, "allgather": size, "topka2a": size}.get(
-            algorithm, size + size // processes)
+        # The quantizing exchanges pass over the buffer four times (codes,
+        # residual, the owner's sum, the final decoding), the owner's shard twice.
+        read = {"dense": 0, "allgather": size, "topka2a": size,
+                "topka2a_sparse": size + size // processes}.get(
+            algorithm, 4 * size + 2 * (size // processes))
         seconds += per_element * read + per_entry * entries
         rows.append({"size": size, "algorithm": algorithm, "density": density,
                      "seconds": seconds})

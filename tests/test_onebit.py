@@ -184,3 +184,6 @@ def test_the_transform_trains_with_it_and_needs_no_density(mesh, train_steps):
   assert np.abs(state.exchange.residuals["w"]).max() > 0  # error fed back
   with pytest.raises(ValueError, match="density is required with algorithm='topka2a'"):
     topka2a_jax.topka2a(algorithm="topka2a")
+  with pytest.raises(ValueError, match="sends signs and few-bit codes.*Drop value_dtype"):
+    topka2a_jax.compress_updates(optax.adam(1e-2), algorithm="onebit",
+                                 value_dtype=jnp.bfloat16)

@@ -43,6 +43,26 @@ def test_warmup_is_dense_then_sparse_from_zero_residuals(mesh, algorithm, exchan
   assert [int(s[0].count) for _, s in history] == [1, 2, 3, 4]
 
 
+def test_warmup_is_dense_then_onebit_from_zero_residuals(mesh, exchange_steps):
+  tx = optax.chain(topka2a_jax.topka2a(algorithm="onebit", min_size=0, fusion=1,
+                                       warmup_steps=2))
+  steps = [random_grads(seed) for seed in (61, 62, 63, 64)]
+  history, traces = run_counting_traces(exchange_steps, tx, mesh, steps)
+  assert traces == 1
+  for grads, (updates, state) in zip(steps[:2], history[:2]):
+    for k, g in grads.items():
+      np.testing.assert_allclose(updates[k], np.broadcast_to(g.mean(0), g.shape),
+                                 rtol=1e-5, atol=1e-6)
+    assert all(not r.any() for r in residuals_of(state).values())
+  for k in steps[0]:  # then signs, from zero residuals: nothing lost
+    sent = sum(updates[k][0].astype(np.float64) for updates, _ in history[2:])
+    had = sum(grads[k].astype(np.float64).sum(0) for grads in steps[2:])
+    owed = residuals_of(history[-1][1])[k].sum(0).reshape(had.shape)
+    np.testing.assert_allclose(8 * sent + owed, had, rtol=0,
+                               atol=1e-5 * np.abs(had).max())
+    assert np.abs(owed).max() > 0
+
+
 def test_warmup_zero_is_sparse_from_the_first_step(mesh, exchange_steps):
   tx = optax.chain(topka2a_jax.topka2a(0.1, algorithm="topka2a", min_size=0, fusion=1))
   grads = random_grads(65)

@@ -199,6 +199,12 @@ class Options:
       _check_low_rank(normalised, axis)
     else:
       algorithms.check_plan_options(algorithm, fusion)
+      if (algorithm in algorithms.ALGORITHMS and algorithms.ALGORITHMS[algorithm].quantizes
+          and normalised.get("value_dtype") is not None):
+        raise ValueError(
+            f"value_dtype narrows top-k values on the wire; algorithm={algorithm!r} "
+            "sends signs and few-bit codes with float32 scales instead. Drop "
+            "value_dtype=.")
       if normalised.get("rank") is not None:
         raise ValueError(
             f"rank={normalised['rank']!r} sets the rank of algorithm='powersgd'; "

@@ -16,7 +16,7 @@ bytes per value and index:
 | allgather (TopkA) | P-1 | (P-1) · k(v+i) | d | k |
 | topka2a | 2(P-1) | (P-1) · (q(v+i) + s·v) | d | P·q |
 | topka2a_sparse | 2(P-1) | (P-1) · 2q(v+i) | d + s | P·q + q |
-| onebit (b bits back) | 2(P-1) | (P-1) · s'(1 + b + 64/C)/8 | d + s | 0 |
+| onebit (b bits back) | 2(P-1) | (P-1) · s'(1 + b + 64/C)/8 | 4d + 2s | 0 |
 
 (``s'``: the shard rounded up to whole chunks of ``C`` entries, at most
 ``quantized.CHUNK``; each chunk sends one float32 scale per phase.)
@@ -127,7 +127,7 @@ class Algorithm:
     global_indices: whether its indices address the whole buffer rather
       than one shard.
     traffic: ``Counts -> its phases``, in order (:class:`Phase`).
-    reads: ``(d, P) -> elements its selections read``.
+    reads: ``(d, P) -> elements its selections (or its codes) pass over``.
     selects: ``Counts -> entries it selects``.
     holds_back: whether owners hold back part of the summed selection (it
       waits in their residuals), so that the mean lacks some of what the
@@ -260,7 +260,10 @@ def _quantized(bits: int) -> Algorithm:
                f"means back in {bits} bit{'s' if bits > 1 else ''} by AllGather"),
       sparse=True, unsent_at="the sender, and the owner for its mean's rounding",
       compresses_values=False, global_indices=False, traffic=_signs_then(bits),
-      reads=lambda length, devices: length + -(-length // devices),
+      # Passes over the buffer: its codes, their decoding (the residual), the
+      # owner's sum of P shards and the final decoding; over the owner's
+      # shard, its codes and their decoding.
+      reads=lambda length, devices: 4 * length + 2 * -(-length // devices),
       selects=lambda c: 0, holds_back=True, quantizes=True)
 
 
