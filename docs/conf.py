@@ -1,8 +1,16 @@
 """Sphinx configuration of the topka2a-jax site: ``sphinx-build -W docs docs/_build``."""
 
 import os
+import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import figures  # docs/figures.py
+
+# Every evidence figure, from the committed JSON: one that cannot be drawn
+# fails the build.
+figures.draw_all()
 
 project = "topka2a-jax"
 author = "The topka2a-jax maintainers"

@@ -1,0 +1,110 @@
+"""The evidence pages' figures, drawn from the committed JSON in ``evidence/data/``.
+
+The documentation build runs this (``docs/conf.py``), so a figure can never
+disagree with the rows its page's tables come from, and a figure that cannot
+be drawn fails the build. Each figure is written to ``evidence/figures/``
+under the name of the JSON file it draws.
+
+* ``network_training*.json`` (``benchmarks/network_training.py``):
+  validation loss against training time and against steps, one line per run.
+* ``network_*.json`` (``benchmarks/network.py``): each exchange's time on the
+  link, as a share of dense's, against the fitted model's.
+
+Run by hand: ``python docs/figures.py`` (needs matplotlib, in the ``docs`` extra).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DATA = HERE / "evidence" / "data"
+FIGURES = HERE / "evidence" / "figures"
+
+
+def _pyplot():
+  import matplotlib
+
+  matplotlib.use("Agg")  # no display: files only
+  import matplotlib.pyplot as plt
+
+  return plt
+
+
+def training_curves(data: dict, out: Path) -> None:
+  """Validation loss against training seconds (left) and steps (right)."""
+  plt = _pyplot()
+  figure, (by_time, by_step) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+  for row in data["rows"]:
+    steps = [step for step, _ in row["evals"]]
+    losses = [loss for _, loss in row["evals"]]
+    elapsed, total, seconds = [], 0.0, row["seconds"]
+    for i, step in enumerate(steps):
+      total += sum(seconds[(steps[i - 1] if i else 0):step])
+      elapsed.append(total)
+    style = {"linewidth": 2.2 if row["run"] == "dense" else 1.4,
+             "color": "black" if row["run"] == "dense" else None}
+    by_time.plot(elapsed, losses, label=row["run"], **style)
+    by_step.plot(steps, losses, label=row["run"], **style)
+  for target in data.get("targets", []):
+    for axes in (by_time, by_step):
+      axes.axhline(target, color="grey", linewidth=0.6, linestyle=":")
+  by_time.set_xlabel("training time on the link (s)")
+  by_step.set_xlabel("step")
+  by_time.set_ylabel("validation loss (nats per byte)")
+  low = min(loss for row in data["rows"] for _, loss in row["evals"])
+  by_time.set_ylim(low - 0.1, max(3.2, low + 1.0))
+  by_step.legend(fontsize=8)
+  figure.suptitle(f"{data['processes']} processes at {data.get('rate') or 'no link'}, "
+                  f"batch {data['batch']} per process, seed {data['seed']}")
+  figure.tight_layout()
+  figure.savefig(out, dpi=110)
+  plt.close(figure)
+
+
+def exchange_times(data: dict, out: Path) -> None:
+  """Each exchange's time as a share of dense's: measured against the fitted model's."""
+  plt = _pyplot()
+  figure, axes = plt.subplots(figsize=(5.5, 5))
+  rows = [row for row in data["rows"] if "model_ratio" in row]
+  for algorithm in sorted({row["algorithm"] for row in rows}):
+    mine = [row for row in rows if row["algorithm"] == algorithm]
+    axes.scatter([row["model_ratio"] for row in mine], [row["ratio"] for row in mine],
+                 label=algorithm, s=18)
+  ends = [min(min(r["model_ratio"], r["ratio"]) for r in rows),
+          max(max(r["model_ratio"], r["ratio"]) for r in rows)]
+  axes.plot(ends, ends, color="grey", linewidth=0.8)
+  axes.set_xscale("log")
+  axes.set_yscale("log")
+  axes.set_xlabel("fitted model: time / dense's")
+  axes.set_ylabel("measured on the link: time / dense's")
+  axes.set_title(f"{data['processes']} processes at {data['rate']}", fontsize=9)
+  axes.legend(fontsize=7)
+  figure.tight_layout()
+  figure.savefig(out, dpi=110)
+  plt.close(figure)
+
+
+def draw_all() -> list[Path]:
+  """Every figure the committed JSON holds; returns the files written."""
+  FIGURES.mkdir(parents=True, exist_ok=True)
+  written = []
+  for path in sorted(DATA.glob("network_training*.json")):
+    out = FIGURES / f"{path.stem}.png"
+    training_curves(json.loads(path.read_text()), out)
+    written.append(out)
+  for path in sorted(DATA.glob("network_2*.json")):
+    data = json.loads(path.read_text())
+    if any("model_ratio" in row for row in data.get("rows", [])):
+      out = FIGURES / f"{path.stem}.png"
+      exchange_times(data, out)
+      written.append(out)
+  return written
+
+
+if __name__ == "__main__":
+  for written in draw_all():
+    print(written.relative_to(HERE))
+  sys.exit(0)
