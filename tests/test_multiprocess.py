@@ -153,8 +153,8 @@ def test_a_worker_that_calls_sys_exit_ends_the_run_within_seconds_with_its_statu
   assert all(map(_gone, _pids(done.stdout)))
 
 
-@pytest.mark.slow
-def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
+def _launch_sleepers(tmp_path):
+  """Two workers that print their pid, then sleep silently: (launcher, pids)."""
   script = tmp_path / "worker.py"
   script.write_text("import os, time\nprint('pid', os.getpid(), flush=True)\n"
                     "time.sleep(120)\n")
@@ -166,29 +166,24 @@ def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
     line = launcher.stdout.readline()
     assert line, launcher.stderr.read()[-2000:]
     lines.append(line)
+  return launcher, _pids("\n".join(lines))
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
+  launcher, pids = _launch_sleepers(tmp_path)
   launcher.send_signal(signal.SIGTERM)
   assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
-  assert all(map(_gone, _pids("\n".join(lines))))
+  assert all(map(_gone, pids))
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
 def test_workers_die_with_a_launcher_killed_by_sigkill(tmp_path):
-  # The workers print their pid, then nothing: no broken pipe would end them.
-  script = tmp_path / "worker.py"
-  script.write_text("import os, time\nprint('pid', os.getpid(), flush=True)\n"
-                    "time.sleep(120)\n")
-  launcher = subprocess.Popen(
-      [sys.executable, LAUNCHER, "-n", "2", str(script)],
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  lines = []
-  while len(_pids("\n".join(lines))) < 2:
-    line = launcher.stdout.readline()
-    assert line, launcher.stderr.read()[-2000:]
-    lines.append(line)
+  # Silent after their pid: no broken pipe would end them.
+  launcher, pids = _launch_sleepers(tmp_path)
   launcher.kill()
   launcher.wait(timeout=30)
-  pids = _pids("\n".join(lines))
   deadline = time.time() + 10
   while not all(map(_gone, pids)) and time.time() < deadline:
     time.sleep(0.1)
