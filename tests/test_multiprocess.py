@@ -121,36 +121,24 @@ def _gone(pid):
 
 
 @pytest.mark.slow
-def test_a_worker_that_raises_ends_the_run_within_seconds_naming_its_rank(tmp_path):
+@pytest.mark.parametrize("how, status, said", [
+    ("raise", 1, "RuntimeError: a worker's bug"), ("exit", 7, "exiting at")])
+def test_a_failing_worker_ends_the_run_within_seconds_naming_its_rank(
+    tmp_path, how, status, said):
+  """An uncaught exception (status 1) or sys.exit(7) on rank 1 at step 3."""
   script = tmp_path / "worker.py"
   script.write_text(FAILING_WORKER)
   done = run([sys.executable, LAUNCHER, "-n", "2",
-              "--devices-per-process", "2", str(script), "raise"])
+              "--devices-per-process", "2", str(script), how])
   ended = time.time()
-  assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
-  assert "process 1 of 2 failed with status 1" in done.stderr
-  assert "RuntimeError: a worker's bug" in done.stdout
-  raised = float(next(line.split()[-1] for line in done.stdout.splitlines()
-                      if "raising at" in line))
-  assert ended - raised < 10
+  assert done.returncode == status, done.stdout[-2000:] + done.stderr[-2000:]
+  assert f"process 1 of 2 failed with status {status}" in done.stderr
+  assert said in done.stdout
+  failed = float(next(line.split()[-1] for line in done.stdout.splitlines()
+                      if "raising at" in line or "exiting at" in line))
+  assert ended - failed < 10
   pids = _pids(done.stdout)
   assert len(pids) == 2 and all(map(_gone, pids))
-
-
-@pytest.mark.slow
-def test_a_worker_that_calls_sys_exit_ends_the_run_within_seconds_with_its_status(
-    tmp_path):
-  script = tmp_path / "worker.py"
-  script.write_text(FAILING_WORKER)
-  done = run([sys.executable, LAUNCHER, "-n", "2",
-              "--devices-per-process", "2", str(script), "exit"])
-  ended = time.time()
-  assert done.returncode == 7, done.stdout[-2000:] + done.stderr[-2000:]
-  assert "process 1 of 2 failed with status 7" in done.stderr
-  exited = float(next(line.split()[-1] for line in done.stdout.splitlines()
-                      if "exiting at" in line))
-  assert ended - exited < 10
-  assert all(map(_gone, _pids(done.stdout)))
 
 
 def _launch_sleepers(tmp_path):
