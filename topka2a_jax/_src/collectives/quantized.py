@@ -88,11 +88,6 @@ def wire_bytes(length: int, bits: int, chunk: int = CHUNK) -> int:
   return 4 * cut.chunks * (cut.chunk * bits // WORD + 1)
 
 
-def bits_per_entry(bits: int, chunk: int = CHUNK) -> float:
-  """Bits on the wire per entry of a long row: the codes and the scales' share."""
-  return bits + WORD / chunk
-
-
 def _check(chunked: jax.Array, bits: int) -> None:
   if bits not in BITS:
     raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
