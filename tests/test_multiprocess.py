@@ -176,3 +176,53 @@ def test_workers_die_with_a_launcher_killed_by_sigkill(tmp_path):
   while not all(map(_gone, pids)) and time.time() < deadline:
     time.sleep(0.1)
   assert all(map(_gone, pids))
+
+
+HANGING_WORKER = """
+import os, sys, time
+import topka2a_jax.distributed
+topka2a_jax.distributed.initialize(stall_timeout_seconds=float(sys.argv[1]))
+import jax, jax.numpy as jnp, optax
+import topka2a_jax
+mesh = jax.make_mesh((jax.device_count(),), ("data",))
+tx = optax.chain(topka2a_jax.topka2a(0.5, mesh=mesh), optax.sgd(0.1))
+step = topka2a_jax.train_step(lambda p, x: jnp.mean((x @ p["w"]) ** 2), tx, mesh)
+params = {"w": jnp.ones((4, 2))}
+state = topka2a_jax.init(tx, params, mesh)
+batch = jax.make_array_from_callback((jax.device_count(), 4),
+                                     jax.NamedSharding(mesh, jax.P("data")),
+                                     lambda index: jnp.ones((1, 4)))
+for number in range(1, 10_000):
+  if number == 4 and jax.process_index() == 1:
+    print("hanging at", time.time(), flush=True)
+    time.sleep(600)  # alive, heartbeating, and making no progress
+  params, state, loss = step(params, state, batch)
+  if number % 2 == 0:
+    float(loss)
+"""
+
+
+@pytest.mark.slow
+def test_a_worker_that_hangs_alive_ends_the_job_naming_it(tmp_path):
+  """Rank 1 sleeps before its 4th step: the job ends within the stall timeout."""
+  script = tmp_path / "worker.py"
+  script.write_text(HANGING_WORKER)
+  started = time.time()
+  done = run([sys.executable, LAUNCHER, "-n", "2", "--devices-per-process", "2",
+              str(script), "5"])
+  ended = time.time()
+  assert done.returncode == 124, done.stdout[-2000:] + done.stderr[-2000:]
+  assert "[0] topka2a_jax: step 4 waited" in done.stdout
+  assert "process 1 stopped making progress (process 1 dispatched 3 steps" in done.stdout
+  assert "process 0 of 2 failed with status 124 (a step waited past" in done.stderr
+  hung = float(next(line.split()[-1] for line in done.stdout.splitlines()
+                    if "hanging at" in line))
+  assert 5 < ended - hung < 5 + 15 and ended - started < 120
+
+
+def test_a_stall_timeout_must_be_positive():
+  import topka2a_jax.distributed
+
+  for bad in (0, -5):  # refused before anything joins the runtime
+    with pytest.raises(ValueError, match=f"stall_timeout_seconds={bad} must be a positive"):
+      topka2a_jax.distributed.initialize(stall_timeout_seconds=bad)

@@ -5,7 +5,10 @@ coordinator, process count and rank from the variables :func:`launch` sets
 (:data:`COORDINATOR`, :data:`NUM_PROCESSES`, :data:`PROCESS_ID`) or from a
 cluster's own (SLURM, Open MPI, Kubernetes, through
 ``jax.distributed.initialize``), and ends the process at once when it raises,
-so that the others stop instead of waiting on it. :func:`launch` starts N
+so that the others stop instead of waiting on it; a step that waits past
+the stall timeout on a process that hangs alive ends the job too
+(:data:`STALLED_STATUS`; a hand-written step hands its loss to
+:func:`watch`). :func:`launch` starts N
 processes of one script on this machine, stops them all when one fails, and
 names it (the command line: ``python tools/launch.py -n N SCRIPT``).
 
@@ -17,6 +20,7 @@ Example:
 from topka2a_jax._src.training import distributed as _distributed
 from topka2a_jax._src.training.distributed import initialize
 from topka2a_jax._src.training.launch import launch
+from topka2a_jax._src.training.watchdog import STALLED_STATUS, watch
 
 COORDINATOR = _distributed.COORDINATOR
 """The environment variable with process 0's ``host:port``, set by :func:`launch`."""
@@ -27,4 +31,5 @@ NUM_PROCESSES = _distributed.NUM_PROCESSES
 PROCESS_ID = _distributed.PROCESS_ID
 """The environment variable with this process's rank, set by :func:`launch`."""
 
-__all__ = ["COORDINATOR", "NUM_PROCESSES", "PROCESS_ID", "initialize", "launch"]
+__all__ = ["COORDINATOR", "NUM_PROCESSES", "PROCESS_ID", "STALLED_STATUS", "initialize",
+           "launch", "watch"]

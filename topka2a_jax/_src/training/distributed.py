@@ -26,6 +26,9 @@ import sys
 import threading
 
 import jax
+from jax._src import distributed as jax_distributed  # the coordination client
+
+from topka2a_jax._src.training import watchdog
 
 COORDINATOR = "TOPKA2A_COORDINATOR"
 NUM_PROCESSES = "TOPKA2A_NUM_PROCESSES"
@@ -119,7 +122,9 @@ def _exit_at_once_on_failure(previous):
 
 def initialize(*, fail_fast: bool = True,
                heartbeat_timeout_seconds: int | None = None,
-               shutdown_timeout_seconds: int | None = None) -> None:
+               shutdown_timeout_seconds: int | None = None,
+               stall_timeout_seconds: float | None = watchdog.DEFAULT_STALL_SECONDS,
+               ) -> None:
   """Joins the multi-process runtime; call it before any other JAX call.
 
   CPU collectives across processes use gloo (JAX's default CPU client has
@@ -145,15 +150,30 @@ def initialize(*, fail_fast: bool = True,
       sooner.
     shutdown_timeout_seconds: how long a finishing process waits at exit for
       the others to finish (JAX's default: 300).
+    stall_timeout_seconds: how long a dispatched training step may wait for
+      its collectives before this process ends with status
+      :data:`topka2a_jax.distributed.STALLED_STATUS` (124),
+      naming the processes that dispatched fewer steps. This catches what
+      the heartbeat cannot: a process that hangs alive (a deadlock, a stuck
+      loader), whose peers would wait in the collective for ever. Only the
+      time a step waits counts, not compiling, evaluating or saving between
+      steps; the steps are those of :func:`topka2a_jax.train_step`,
+      :func:`topka2a_jax.nnx_train_step` and any hand-written step given to
+      :func:`topka2a_jax.distributed.watch`. None turns the watch off.
+      Default: 600 s.
 
   Raises:
-    ValueError: the process count or rank in the environment is malformed.
+    ValueError: the process count or rank in the environment is malformed,
+      or ``stall_timeout_seconds`` is not positive.
 
   Example:
     >>> initialize(heartbeat_timeout_seconds=20)  # doctest: +SKIP
     >>> jax.process_count()  # doctest: +SKIP
     4
   """
+  if stall_timeout_seconds is not None and not stall_timeout_seconds > 0:
+    raise ValueError(f"stall_timeout_seconds={stall_timeout_seconds!r} must be a "
+                     f"positive number of seconds, or None to turn the watch off")
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   timeouts = {name: value for name, value in (
       ("heartbeat_timeout_seconds", heartbeat_timeout_seconds),
@@ -166,6 +186,9 @@ def initialize(*, fail_fast: bool = True,
     jax.distributed.initialize(coordinator_address=address,
                                num_processes=num_processes, process_id=process_id,
                                **timeouts)
+  if stall_timeout_seconds is not None:
+    watchdog.arm(stall_timeout_seconds, jax.process_index(),
+                 jax_distributed.global_state.client)
   if fail_fast:
     sys.excepthook = _exit_at_once(sys.excepthook)
     sys.exit = _exit_at_once_on_failure(sys.exit)

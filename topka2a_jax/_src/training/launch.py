@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 
 from topka2a_jax._src.training.distributed import COORDINATOR, NUM_PROCESSES, PROCESS_ID
+from topka2a_jax._src.training.watchdog import STALLED_STATUS
 
 GRACE_SECONDS = 5.0
 """How long a process stopped by a signal to the launcher gets to exit before
@@ -167,8 +168,10 @@ def launch(command: Sequence[str], num_processes: int, devices_per_process: int,
       signal.signal(number, handler)
   if failed_rank is not None:
     others = sum(1 for rank in range(len(processes)) if rank != failed_rank)
+    why = (" (a step waited past the stall timeout: its message names the "
+           "process that stopped)" if status == STALLED_STATUS else "")
     print(f"launch: process {failed_rank} of {len(processes)} failed "
-          f"with status {status}; stopped the other {others}", file=sys.stderr,
+          f"with status {status}{why}; stopped the other {others}", file=sys.stderr,
           flush=True)
   return status
 

@@ -44,6 +44,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from topka2a_jax._src.axis import DataAxis, is_varying
+from topka2a_jax._src.training import watchdog
 from topka2a_jax._src.training.step import DataParallelStep, check_step_options
 
 
@@ -150,6 +151,7 @@ class NnxTrainStep(DataParallelStep):
     """
     inputs, static = self._prepare(model, optimizer, batch)
     new_params, new_rest, new_opt_state, *out = self._jitted(*inputs, **static)
+    watchdog.watch(out[0])
     nnx.update(model, new_params, new_rest)
     nnx.update(optimizer.opt_state, nnx.state(new_opt_state))
     optimizer.step[...] += 1

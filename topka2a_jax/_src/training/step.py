@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from topka2a_jax._src import layout
 from topka2a_jax._src.axis import DataAxis
 from topka2a_jax._src.planner import compute
-from topka2a_jax._src.training import placement
+from topka2a_jax._src.training import placement, watchdog
 from topka2a_jax._src.transforms.clipping import warn_if_clipped_before_exchange
 from topka2a_jax._src.transforms.topka2a import BACKWARD_SECONDS, PARAM_SPECS, flatten
 
@@ -411,6 +411,7 @@ class TrainStep(DataParallelStep):
     """One step: ``(params, opt_state, loss)``, plus the metrics with ``has_aux``."""
     inputs, static = self._prepare(params, opt_state, batch, key)
     new_params, _, new_opt_state, *out = self._jitted(*inputs, **static)
+    watchdog.watch(out[0])
     return (new_params, new_opt_state, *out)
 
   def lower(self, params: Any, opt_state: Any, batch: Any,
