@@ -374,14 +374,58 @@ def test_a_manager_step_without_fingerprints_is_refused_unless_it_is_older(tmp_p
   del layout["fingerprints"]  # a flipped byte in the key does the same
   path.write_text(json.dumps(layout))
   with topka2a_jax.CheckpointManager(tmp_path, mesh) as manager:
-    with pytest.raises(ValueError, match="lacks the arrays' fingerprints"):
+    with pytest.raises(ValueError, match="topka2a_layout.json|layout.* is corrupted"):
+      manager.restore(resumable.fresh(mesh))  # the manifest sees the edit
+    (tmp_path / "1" / checkpoint.MANIFEST_FILE).unlink()  # and loses its manifest
+    with pytest.warns(UserWarning, match="no topka2a_manifest.json"), pytest.raises(
+        ValueError, match="lacks the arrays' fingerprints"):
       manager.restore(resumable.fresh(mesh))
     del layout["version"]  # as an older version wrote it
     path.write_text(json.dumps(layout))
-    with pytest.warns(UserWarning, match="older topka2a_jax, without the arrays'"):
+    with pytest.warns(UserWarning, match="no topka2a_manifest.json"), pytest.warns(
+        UserWarning, match="older topka2a_jax, without the arrays'"):
       restored = manager.restore(resumable.fresh(mesh))
   chex.assert_trees_all_equal(jax.tree.map(np.asarray, restored["params"]),
                               jax.tree.map(np.asarray, state["params"]))
+
+
+def test_a_manager_step_is_sealed_and_a_damaged_file_is_named(tmp_path, mesh):
+  """Saved in the background; then one file of the step flipped, or deleted."""
+  state = resumable.train(resumable.fresh(mesh), mesh, range(2))
+  root = tmp_path / "root"
+  with topka2a_jax.CheckpointManager(root, mesh) as manager:
+    for step in (1, 2):
+      manager.save(step, state)
+  step = root / "2"
+  topka2a_jax.checkpoint.verify(step)  # the manifest lists every file
+  files = sorted(p.relative_to(step) for p in step.rglob("*")
+                 if p.is_file() and p.name != checkpoint.MANIFEST_FILE)
+  data = max(files, key=lambda name: (step / name).stat().st_size)
+  damaged = [data, _manager_layout(root, 2).relative_to(step),
+             Path("state") / "_METADATA"]
+  for i, name in enumerate(damaged):
+    for how in ("flipped", "deleted"):
+      copy = tmp_path / f"copy{i}{how}"
+      shutil.copytree(root, copy)
+      if how == "flipped":
+        _flip_byte(copy / "2" / name)
+      else:
+        (copy / "2" / name).unlink()
+      problem = "is corrupted" if how == "flipped" else "is missing"
+      with topka2a_jax.CheckpointManager(copy, mesh) as manager, pytest.raises(
+          ValueError, match=f"checkpoint file .*{name.name} {problem}"):
+        manager.restore(resumable.fresh(mesh))
+  # A step without its manifest (an older version's): Orbax's error, named.
+  (step / checkpoint.MANIFEST_FILE).unlink()
+  (step / "state" / "_METADATA").unlink()
+  with topka2a_jax.CheckpointManager(root, mesh) as manager, pytest.warns(
+      UserWarning, match="cannot be checked"), pytest.raises(
+          ValueError, match=f"{step} cannot be read: .* missing or damaged"):
+    manager.restore(resumable.fresh(mesh), step=2)
+  with topka2a_jax.CheckpointManager(root, mesh) as manager:  # step 1 still loads
+    restored = manager.restore(resumable.fresh(mesh), step=1)
+  chex.assert_trees_all_equal(jax.tree.map(np.asarray, restored),
+                              jax.tree.map(np.asarray, state))
 
 
 def test_a_mismatch_names_the_shape_each_side_needs(tmp_path, mesh):

@@ -280,7 +280,7 @@ def _digest(path: Path) -> str:
   return sha.hexdigest()
 
 
-def _files(directory: Path) -> list[str]:
+def listed_files(directory: Path) -> list[str]:
   """Every file under ``directory`` but the manifest, as sorted relative paths.
 
   Raises:
@@ -305,8 +305,9 @@ def _files(directory: Path) -> list[str]:
   return sorted(found)
 
 
-def _write_manifest(directory: Path) -> None:
-  files = {name: _digest(directory / name) for name in _files(directory)}
+def write_manifest(directory: Path) -> None:
+  """Writes the SHA-256 of every file under ``directory`` (last, once all are written)."""
+  files = {name: _digest(directory / name) for name in listed_files(directory)}
   listed = json.dumps(files, sort_keys=True)
   (directory / MANIFEST_FILE).write_text(json.dumps(
       {"files": files, "self": hashlib.sha256(listed.encode()).hexdigest()}))
@@ -322,7 +323,10 @@ def _read_json(path: Path, what: str) -> Any:
 
 
 def verify(directory: str | Path) -> None:
-  """Checks every file of a checkpoint written by :func:`save` against its manifest.
+  """Checks every file of a checkpoint against its manifest.
+
+  ``directory`` is what :func:`save` wrote, or one step of a
+  :class:`topka2a_jax.CheckpointManager` (``root / str(step)``).
 
   Raises:
     ValueError: naming the first file that is missing, added, or whose
@@ -343,7 +347,7 @@ def verify(directory: str | Path) -> None:
     ValueError: checkpoint file .../topka2a_layout.json is corrupted: its SHA-256 differs from the one saved. Restore an intact copy; nothing was loaded.
   """
   directory = Path(directory).absolute()
-  found = _files(directory)  # first: no link is followed, the manifest's included
+  found = listed_files(directory)  # first: no link is followed, the manifest's included
   manifest = _read_json(directory / MANIFEST_FILE, "manifest")
   files = manifest.get("files") if isinstance(manifest, dict) else None
   listed = json.dumps(files, sort_keys=True)
@@ -409,7 +413,7 @@ def save(directory: str | Path, state: Any, mesh: Mesh,
       multihost_utils.sync_global_devices(f"topka2a_jax.save {directory} written")
     if jax.process_index() == 0:
       (directory / LAYOUT_FILE).write_text(json.dumps(layout, indent=1))
-      _write_manifest(directory)
+      write_manifest(directory)
   except BaseException:
     if jax.process_index() == 0:
       shutil.rmtree(directory, ignore_errors=True)
@@ -580,7 +584,7 @@ def restore(directory: str | Path, like: Any, mesh: Mesh,
   if (directory / MANIFEST_FILE).is_file():
     verify(directory)
   else:
-    _files(directory)  # no link, no special file, even without a manifest
+    listed_files(directory)  # no link, no special file, even without a manifest
     warnings.warn(f"{directory} has no {MANIFEST_FILE} (saved by an older "
                   "topka2a_jax): its files cannot be checked", stacklevel=2)
   saved = _read_json(directory / LAYOUT_FILE, "layout description")

@@ -7,7 +7,11 @@ save is never listed), saving in the background. :class:`CheckpointManager`
 puts that on ``orbax.checkpoint.CheckpointManager`` and keeps, beside every
 step's state, the layout description that :func:`topka2a_jax.restore` needs
 to read it onto another number of devices (each array's fingerprint
-included, checked at restore).
+included, checked at restore). Once a step's save has completed, the
+manager seals it with the same SHA-256 manifest as :func:`topka2a_jax.save`
+(at the next save, :meth:`~CheckpointManager.wait_until_finished` or
+closing), so that :func:`topka2a_jax.checkpoint.verify` checks it and a
+restore refuses a damaged step naming its file.
 
 When is plain Orbax enough? When every restart has the same mesh: then
 Orbax's own manager restores the residuals as the per-device arrays they
@@ -31,10 +35,12 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import warnings
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import jax
 from jax.sharding import Mesh
 
 from topka2a_jax._src.axis import DataAxis
@@ -72,6 +78,7 @@ class CheckpointManager:
 
     self._mesh, self._axis = mesh, DataAxis.parse(axis_name)
     self._axis.check_on(mesh)
+    self._unsealed: list[int] = []  # steps saved here whose manifest is unwritten
     self._manager = ocp.CheckpointManager(
         Path(directory).absolute(), item_names=(STATE, LAYOUT),
         options=ocp.CheckpointManagerOptions(
@@ -87,8 +94,26 @@ class CheckpointManager:
     import orbax.checkpoint as ocp
 
     layout = checkpoint.describe(state, self._mesh, self._axis)
-    return self._manager.save(step, args=ocp.args.Composite(**{
+    self.wait_until_finished()  # as Orbax would; the previous step is sealed
+    saved = self._manager.save(step, args=ocp.args.Composite(**{
         STATE: ocp.args.StandardSave(state), LAYOUT: ocp.args.JsonSave(layout)}))
+    if saved:
+      self._unsealed.append(step)
+      if not self._manager.is_saving_in_progress():  # a synchronous save
+        self._seal()
+    return saved
+
+  def step_directory(self, step: int) -> Path:
+    """The directory of ``step``, e.g. for :func:`topka2a_jax.checkpoint.verify`."""
+    return Path(self._manager.directory) / str(step)
+
+  def _seal(self) -> None:
+    """Writes the manifest of every step saved here that has completed since."""
+    complete = set(self._manager.all_steps())
+    for step in self._unsealed:
+      if step in complete and jax.process_index() == 0:
+        checkpoint.write_manifest(self.step_directory(step))
+    self._unsealed = []
 
   def restore(self, like: Any, step: int | None = None) -> Any:
     """Reads ``step`` (the latest complete one by default) laid out like ``like``.
@@ -99,8 +124,10 @@ class CheckpointManager:
 
     Raises:
       FileNotFoundError: no complete step, or not ``step``.
-      ValueError: another model or configuration, or an array that reads
-        back other bytes than were saved (naming it); nothing is returned.
+      ValueError: a file of the step is missing, added or corrupted (naming
+        it, :func:`topka2a_jax.checkpoint.verify`), or Orbax cannot read
+        it; another model or configuration; an array that reads back other
+        bytes than were saved (naming it). Nothing is returned.
     """
     import orbax.checkpoint as ocp
 
@@ -111,16 +138,25 @@ class CheckpointManager:
       raise FileNotFoundError(
           f"{self._manager.directory} holds no complete checkpoint of step {step} "
           f"(complete steps: {steps}); nothing was loaded")
-    saved = self._manager.restore(step, args=ocp.args.Composite(**{
+    directory = self.step_directory(step)
+    if (directory / checkpoint.MANIFEST_FILE).is_file():
+      checkpoint.verify(directory)
+    else:
+      checkpoint.listed_files(directory)  # no link, no special file
+      warnings.warn(
+          f"{directory} has no {checkpoint.MANIFEST_FILE}: its files cannot be "
+          "checked (an older topka2a_jax wrote it, or the process ended before "
+          "sealing it); its arrays' fingerprints still are", stacklevel=2)
+    read_step = _naming(directory, self._manager.restore)
+    saved = read_step(step, args=ocp.args.Composite(**{
         LAYOUT: ocp.args.JsonRestore()}))[LAYOUT]
 
     def read(targets: Any) -> Any:
-      return self._manager.restore(step, args=ocp.args.Composite(**{
+      return read_step(step, args=ocp.args.Composite(**{
           STATE: ocp.args.StandardRestore(targets)}))[STATE]
 
-    return checkpoint.restore_laid_out(
-        saved, read, like, self._mesh, self._axis,
-        f"step {step} of {self._manager.directory}")
+    return checkpoint.restore_laid_out(saved, read, like, self._mesh, self._axis,
+                                       f"step {step} of {self._manager.directory}")
 
   def latest_step(self) -> int | None:
     """The latest step whose save completed, or None."""
@@ -131,11 +167,13 @@ class CheckpointManager:
     return sorted(self._manager.all_steps())
 
   def wait_until_finished(self) -> None:
-    """Waits for a background save to finish."""
+    """Waits for a background save to finish, and seals it."""
     self._manager.wait_until_finished()
+    self._seal()
 
   def close(self) -> None:
-    """Waits for saves in flight and releases Orbax's resources."""
+    """Waits for saves in flight, seals them and releases Orbax's resources."""
+    self.wait_until_finished()
     self._manager.close()
 
   def __enter__(self) -> Self:
@@ -144,3 +182,19 @@ class CheckpointManager:
   def __exit__(self, *exc: object) -> None:
     self.close()
 
+
+
+def _naming(directory: Path, read: Callable[..., Any]) -> Callable[..., Any]:
+  """``read``, whose Orbax errors become a ValueError that names ``directory``."""
+  def named(*args: Any, **kwargs: Any) -> Any:
+    try:
+      return read(*args, **kwargs)
+    except Exception as error:
+      first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+      raise ValueError(
+          f"{directory} cannot be read: {type(error).__name__}: {first}. A file "
+          "of the step is missing or damaged (topka2a_jax.checkpoint.verify names "
+          "it when the step has its manifest); restore another step or an intact "
+          "copy. Nothing was loaded.") from error
+
+  return named
