@@ -154,6 +154,42 @@ def test_wrong_axis_name_inside_shard_map(mesh):
     run(params, state)
 
 
+@pytest.mark.parametrize("make", [
+    lambda: optax.chain(topka2a_jax.topka2a(0.1, axis_name="model", min_size=0),
+                        optax.sgd(0.1)),
+    lambda: topka2a_jax.compress_updates(optax.sgd(0.1), 0.1, axis_name="model",
+                                         min_size=0)])
+def test_a_transform_over_one_axis_in_a_step_over_another_names_both(make):
+  """A user's 4 x 2 mesh: the exchange built over "model", the step over "data"."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  tx = make()
+  step = topka2a_jax.train_step(lambda p, x: jnp.mean((x @ p["w"]) ** 2), tx, mesh)
+  params = {"w": jnp.ones((64, 4))}
+  state = topka2a_jax.init(tx, params, mesh, axis_name="model")
+  with pytest.raises(ValueError, match=r"inside jax.shard_map over 'data', not over "
+                     r"'model'.*transform with axis_name='data'.*the step with "
+                     r"axis_name='model'"):
+    step(params, state, jnp.ones((8, 64)))
+
+
+def test_vmap_and_pmap_are_named(mesh):
+  """Emulating the devices with vmap or pmap over a stacked gradient."""
+  tx = optax.chain(topka2a_jax.topka2a(0.1, min_size=0), optax.sgd(0.1))
+  params = {"w": jnp.ones((64, 4))}
+  state = topka2a_jax.init(tx, params, mesh)
+  stacked = {"w": jnp.ones((8, 64, 4))}
+
+  def update(grads):
+    return tx.update(grads, state, params)[0]
+
+  with pytest.raises(ValueError, match="'data' is bound by jax.vmap, not by "
+                                       "jax.shard_map"):
+    jax.vmap(update, axis_name="data")(stacked)
+  with pytest.raises(ValueError, match=r"came in whole.*or jax.pmap, which maps a "
+                                       r"leading axis: use jax.shard_map"):
+    jax.pmap(update, axis_name="data")(stacked)
+
+
 def test_non_floating_leaf_is_named_at_init_and_update(mesh):
   tx = topka2a_jax.topka2a(0.1, mesh=mesh)
   with pytest.raises(TypeError, match=r"parameter leaf \['step'\] has dtype int32"):

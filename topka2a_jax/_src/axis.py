@@ -117,18 +117,24 @@ def is_bound(axis_name: Hashable) -> bool:
   return True
 
 
+def _manual_axes() -> tuple[Hashable, ...]:
+  """The mesh axes an enclosing ``jax.shard_map`` is manual over (none outside)."""
+  return tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+
+
 def bound_axis_size(axis_name: Hashable) -> int:
   """Returns the size of ``axis_name``, or explains why it is not bound.
 
   Args:
-    axis_name: the mesh axis to exchange over.
+    axis_name: the mesh axis to exchange over (or a pair of them).
 
   Returns:
     The number of devices along the axis, a static Python int.
 
   Raises:
     ValueError: the axis is not bound, because the caller is not inside
-      ``jax.shard_map`` or the mesh has no axis of that name.
+      ``jax.shard_map``, or inside one over other axes; or it is bound by
+      ``jax.vmap``, which has no devices to exchange between.
 
   Example:
     >>> bound_axis_size("data")  # outside shard_map
@@ -136,8 +142,19 @@ def bound_axis_size(axis_name: Hashable) -> int:
     ValueError: axis name 'data' is not bound here: this call is outside ...
   """
   try:
-    return int(lax.axis_size(axis_name))
+    size = int(lax.axis_size(axis_name))
   except NameError as error:
+    manual = _manual_axes()
+    if manual:
+      mapped = manual[0] if len(manual) == 1 else manual
+      raise ValueError(
+          f"axis name {axis_name!r} is not bound here: this call is inside "
+          f"jax.shard_map over {mapped!r}, not over {axis_name!r}. The exchange "
+          "runs over the axis the step splits the batch over: build the "
+          f"transform with axis_name={mapped!r} (topka2a(...), "
+          "compress_updates(...), sharded_optimizer(...)), or the step with "
+          f"axis_name={axis_name!r} (train_step(...), nnx_train_step(...)). "
+          f"(JAX said: {error})") from None
     raise ValueError(
         f"axis name {axis_name!r} is not bound here: this call is outside "
         f"jax.shard_map over {axis_name!r}. The sparse exchange runs on "
@@ -149,6 +166,15 @@ def bound_axis_size(axis_name: Hashable) -> int:
         f"a mesh with an axis named {axis_name!r} (another name: "
         f"axis_name=...). (JAX said: {error})"
     ) from None
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  if not set(names) <= set(_manual_axes()):
+    raise ValueError(
+        f"axis name {axis_name!r} is bound by jax.vmap, not by jax.shard_map "
+        "over a mesh: the exchange keeps state per device and its collectives "
+        "cross devices, which a vmapped axis does not have. Build the step with "
+        "topka2a_jax.train_step(loss_fn, tx, mesh), or call this inside "
+        f"jax.shard_map over a mesh with an axis named {axis_name!r}.")
+  return size
 
 
 def tracks_varying_axes(axis_name: Hashable) -> bool:

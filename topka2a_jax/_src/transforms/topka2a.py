@@ -578,10 +578,19 @@ def matching_residuals(options: Options, treedef: Any, state: TopKA2AState,
     if options.keeps_residual(math.prod(shape), shape):
       expected = residual_block_shape(options, grad.shape)
       if getattr(residual, "shape", None) != expected:
+        shape = getattr(residual, "shape", None)
+        whole = (shape is not None and len(shape) == len(expected) and expected
+                 and shape[0] == expected[0] * options.axis.size()
+                 and shape[1:] == expected[1:])
         raise ValueError(
             f"residual for leaf {path} has shape "
             f"{getattr(residual, 'shape', type(residual).__name__)}, expected "
-            f"{expected} on each device. Its residuals are per device: pass "
+            f"{expected} on each device."
+            + (" It came in whole, every device's block at once: nothing split "
+               "it (a state closed over instead of passed through shard_map's "
+               "in_specs, or jax.pmap, which maps a leading axis: use "
+               "jax.shard_map)." if whole else "")
+            + " Its residuals are per device: pass "
             "the state through shard_map with in_specs/out_specs from "
             "topka2a_jax.state_specs(opt_state), or let "
             "topka2a_jax.train_step place it; and make it for this model, "
