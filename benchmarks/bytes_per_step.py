@@ -20,8 +20,6 @@ os.environ["XLA_FLAGS"] = (
 import argparse
 import json
 import math
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -32,9 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 import topka2a_jax
 from topka2a_jax.collectives import ALGORITHMS
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))  # model_shapes
-from model_shapes import resnet50
+from topka2a_jax.tools.model_shapes import resnet50
 
 CONFIGS = (  # (algorithm, value dtype on the wire): every one, then two narrowed
     *((name, None) for name in ALGORITHMS),

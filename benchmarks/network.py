@@ -2,7 +2,7 @@
 
 Makes a network namespace whose loopback is shaped with ``tc`` (a token
 bucket at a rate, default 1 Gbit/s, and optionally netem's added delay), starts P processes inside it
-with ``python tools/launch.py`` (one CPU device each, gloo collectives
+with ``topka2a-launch`` (one CPU device each, gloo collectives
 over TCP), and times one gradient exchange per algorithm, size and density:
 the median of repeated runs after a warm-up, each run started together on
 every process. All the traffic of the P processes crosses the one shaped
@@ -111,7 +111,7 @@ def run_workers(rate: str, delay_ms: float, processes: int, script: str,
   """
   try:
     with ShapedNamespace(rate, delay_ms) as namespace:
-      launch = namespace.command(sys.executable, str(ROOT / "tools" / "launch.py"), "-n",
+      launch = namespace.command(sys.executable, "-m", "topka2a_jax.tools.launch", "-n",
                                  str(processes), script, "--worker", *worker_args)
       status = subprocess.run(launch, cwd=ROOT, check=False).returncode
   except NetworkUnavailable as error:

@@ -7,7 +7,7 @@ same leaves:
 
 - ``flat``: one buffer of 25M floats;
 - ``gpt2``: GPT-2 small's leaf shapes with a 12,000-byte vocabulary and two
-  blocks (24.2M floats; ``tools/model_shapes.py``);
+  blocks (24.2M floats; ``topka2a_jax.tools.model_shapes``);
 - ``resnet50``: ResNet-50's leaf shapes (25.6M floats).
 
 Every leaf's gradient has its own scale (a 20x spread, as real models'
@@ -53,8 +53,7 @@ ROWS = ("dense", "defaults, state dropped", "defaults", "dense + adam", "compres
 
 def leaf_shapes(gradient: str) -> list[tuple[int, ...]]:
   """The leaves' shapes of one of :data:`GRADIENTS`."""
-  sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-  from model_shapes import gpt2_small, resnet50
+  from topka2a_jax.tools.model_shapes import gpt2_small, resnet50
 
   if gradient == "flat":
     return [(FIT_SIZES[-1],)]

@@ -7,7 +7,7 @@ allocated) and reads every leaf's bytes on one device from its sharding:
 Adam's moments and count, and the exchange's residuals, which both keep.
 
 Models: the examples' digits CNN and character transformer (their Flax
-parameters), and GPT-2 small's layer shapes (``tools/model_shapes.py``).
+parameters), and GPT-2 small's layer shapes (``topka2a_jax.tools.model_shapes``).
 
 Run:
   python benchmarks/optimizer_state.py [--devices 8] [--json out.json]
@@ -35,8 +35,7 @@ from jax.sharding import PartitionSpec as P
 import topka2a_jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))  # model_shapes
-from model_shapes import gpt2_small
+from topka2a_jax.tools.model_shapes import gpt2_small
 
 
 def example_params(module: str, model: str) -> list[jax.ShapeDtypeStruct]:

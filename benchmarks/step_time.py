@@ -19,17 +19,13 @@ os.environ["XLA_FLAGS"] = (
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import topka2a_jax
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))  # model_shapes
-from model_shapes import resnet50
+from topka2a_jax.tools.model_shapes import resnet50
 
 
 def step_seconds(mesh, grads, algorithm, selection, fusion, density, repeats):

@@ -1,12 +1,11 @@
 """Gradients for the tests, and reading residuals back per device."""
 
-from pathlib import Path
 
 import numpy as np
 import optax
 
-LAUNCHER = str(Path(__file__).resolve().parent.parent / "tools" / "launch.py")
-"""The local launcher's command line: ``[sys.executable, LAUNCHER, "-n", N, ...]``."""
+LAUNCHER = ("-m", "topka2a_jax.tools.launch")
+"""The local launcher's command line: ``[sys.executable, *LAUNCHER, "-n", N, ...]``."""
 
 SHAPES = {"a": (3, 50), "b": (130,), "c": (2, 2, 30)}
 

@@ -1,7 +1,7 @@
 """A few data-parallel steps on every device of every process.
 
 Run in one process (``XLA_FLAGS`` giving it 4 devices) or under the launcher
-(``python tools/launch.py -n 2 --devices-per-process 2``); process 0
+(``topka2a-launch -n 2 --devices-per-process 2``); process 0
 writes each step's mean gradient (hand-written shard_map step) or loss
 (``topka2a_jax.train_step``; ``two_level`` on a ``("node", "local")`` mesh of
 two nodes, each process one node when there are two) and parameters, so that

@@ -7,7 +7,7 @@ fresh process restores the checkpoint:
   python tests/resumable.py first CHECKPOINT        # 5 steps, then save
   python tests/resumable.py resume CHECKPOINT OUT.npz  # restore, 5 more
 
-Under ``python tools/launch.py`` every process runs it on its share of
+Under ``topka2a-launch`` every process runs it on its share of
 the 8 devices. ``--sharded N`` trains with :data:`SHARDED` instead, and
 resumes on the first N devices.
 """

@@ -25,7 +25,7 @@ SCRIPT = Path(resumable.__file__)
 def run_script(*args, processes=1):
   """Runs resumable.py in a fresh process, or in several (4 devices each)."""
   launcher = [] if processes == 1 else [
-      LAUNCHER, "-n", str(processes), "--devices-per-process",
+      *LAUNCHER, "-n", str(processes), "--devices-per-process",
       str(8 // processes)]
   done = subprocess.run([sys.executable, *launcher, str(SCRIPT), *map(str, args)],
                         capture_output=True, text=True, timeout=300, check=False)

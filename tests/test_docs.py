@@ -1,4 +1,4 @@
-"""Every docstring example in the package and in tools/model_shapes.py runs as shown.
+"""Every docstring example in the package, its command-line tools included, runs as shown.
 
 The examples are complete programs but for the imports every JAX user has
 (``jax``, ``jnp``, ``np``, ``optax``, ``P``, ``NamedSharding`` and
@@ -26,10 +26,7 @@ IMPORTS = {"jax": jax, "jnp": jnp, "np": np, "optax": optax, "P": P,
            "NamedSharding": NamedSharding, "topka2a_jax": topka2a_jax}
 
 
-TOOLS = ["model_shapes"]  # tools/ (on the tests' path); plan and launch show usage
-
-
-@pytest.mark.parametrize("name", ["topka2a_jax", *MODULES, *TOOLS])
+@pytest.mark.parametrize("name", ["topka2a_jax", *MODULES])
 def test_docstring_examples_run(name):
   module = importlib.import_module(name)
   finder = doctest.DocTestFinder(exclude_empty=True)

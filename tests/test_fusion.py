@@ -5,10 +5,10 @@ import math
 import jax
 import jax.numpy as jnp
 import pytest
-from model_shapes import MODELS
 
 from topka2a_jax._src.planner.cost import Network
 from topka2a_jax._src.planner.fusion import plan_fusion
+from topka2a_jax.tools.model_shapes import MODELS
 
 PARAMETER_COUNTS = {"resnet50": 25_557_032, "bert-base": 109_482_240,
                     "gpt2": 124_439_808}

@@ -32,7 +32,7 @@ def test_two_processes_match_one_with_all_their_devices(tmp_path, algorithm, rou
   one = run([sys.executable, str(SCRIPT), algorithm, str(tmp_path / "one.npz"), route],
             XLA_FLAGS=f"--xla_force_host_platform_device_count={2 * per_process}")
   assert one.returncode == 0, one.stderr[-3000:]
-  two = run([sys.executable, LAUNCHER, "-n", "2",
+  two = run([sys.executable, *LAUNCHER, "-n", "2",
              "--devices-per-process", str(per_process), str(SCRIPT), algorithm,
              str(tmp_path / "two.npz"), route])
   assert two.returncode == 0, two.stdout[-3000:]
@@ -50,13 +50,13 @@ def test_launcher_stops_everyone_when_one_process_fails(tmp_path):
       "if os.environ['TOPKA2A_PROCESS_ID'] == '1':\n"
       "    print('giving up', flush=True); sys.exit(3)\n"
       "time.sleep(60)\n")
-  done = run([sys.executable, LAUNCHER, "-n", "3", str(script)])
+  done = run([sys.executable, *LAUNCHER, "-n", "3", str(script)])
   assert done.returncode == 3
   assert "[1] giving up" in done.stdout
 
 
 def test_launcher_refuses_a_missing_script():
-  done = run([sys.executable, LAUNCHER, "-n", "2", "nowhere.py"])
+  done = run([sys.executable, *LAUNCHER, "-n", "2", "nowhere.py"])
   assert done.returncode == 2 and "no such script: nowhere.py" in done.stderr
 
 
@@ -128,7 +128,7 @@ def test_a_failing_worker_ends_the_run_within_seconds_naming_its_rank(
   """An uncaught exception (status 1) or sys.exit(7) on rank 1 at step 3."""
   script = tmp_path / "worker.py"
   script.write_text(FAILING_WORKER)
-  done = run([sys.executable, LAUNCHER, "-n", "2",
+  done = run([sys.executable, *LAUNCHER, "-n", "2",
               "--devices-per-process", "2", str(script), how])
   ended = time.time()
   assert done.returncode == status, done.stdout[-2000:] + done.stderr[-2000:]
@@ -147,7 +147,7 @@ def _launch_sleepers(tmp_path):
   script.write_text("import os, time\nprint('pid', os.getpid(), flush=True)\n"
                     "time.sleep(120)\n")
   launcher = subprocess.Popen(
-      [sys.executable, LAUNCHER, "-n", "2", str(script)],
+      [sys.executable, *LAUNCHER, "-n", "2", str(script)],
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   lines = []
   while len(_pids("\n".join(lines))) < 2:
@@ -208,7 +208,7 @@ def test_a_worker_that_hangs_alive_ends_the_job_naming_it(tmp_path):
   script = tmp_path / "worker.py"
   script.write_text(HANGING_WORKER)
   started = time.time()
-  done = run([sys.executable, LAUNCHER, "-n", "2", "--devices-per-process", "2",
+  done = run([sys.executable, *LAUNCHER, "-n", "2", "--devices-per-process", "2",
               str(script), "5"])
   ended = time.time()
   assert done.returncode == 124, done.stdout[-2000:] + done.stderr[-2000:]

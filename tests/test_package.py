@@ -14,6 +14,7 @@ PACKAGE = pathlib.Path(topka2a_jax.__file__).parent
 ROOT = PACKAGE.parent
 MAX_CHAIN = 8  # modules, the first and the last included
 PUBLIC_NAMESPACES = ("collectives", "cost", "checkpoint", "distributed")
+TOOLS = PACKAGE / "tools"  # the command-line tools: public, built on the face alone
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -82,12 +83,48 @@ def test_the_public_face_is_small_and_every_name_resolves():
       assert getattr(namespace, name) is not None, (namespace.__name__, name)
 
 
-def test_the_only_public_modules_are_the_four_namespaces():
+def test_the_only_public_modules_are_the_four_namespaces_and_the_tools():
   public = {path.stem for path in PACKAGE.glob("*.py")} - {"__init__"}
   assert public == set(PUBLIC_NAMESPACES)
+  packages = {path.name for path in PACKAGE.iterdir()
+              if path.is_dir() and (path / "__init__.py").exists()}
+  assert packages == {"_src", "tools"}
 
 
-USER_FACING = ["README.md", "examples/*.py", "benchmarks/*.py", "docs/index.md",
+def private_imports(path: pathlib.Path) -> list[str]:
+  """The package's private names a file imports: ``_src`` modules, ``_``-names."""
+  found = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("topka2a_jax"):
+      names = [alias.name for alias in node.names]
+      if "_src" in node.module.split(".") or any(n.startswith("_") for n in names):
+        found.append(f"from {node.module} import {', '.join(names)}")
+    elif isinstance(node, ast.Import):
+      found += [f"import {alias.name}" for alias in node.names
+                if alias.name.startswith("topka2a_jax") and "_src" in alias.name]
+  return found
+
+
+OUTSIDE_SRC = ["topka2a_jax/tools/*.py", "benchmarks/*.py", "examples/*.py", "docs/*.py"]
+
+
+@pytest.mark.parametrize("pattern", OUTSIDE_SRC)
+def test_nothing_outside_the_private_code_imports_a_private_name(pattern):
+  paths = sorted(ROOT.glob(pattern))
+  assert paths, pattern
+  for path in paths:
+    assert not private_imports(path), (path.relative_to(ROOT), private_imports(path))
+
+
+def test_the_private_import_check_sees_one(tmp_path):
+  leaky = tmp_path / "leaky.py"
+  leaky.write_text("from topka2a_jax._src.options import INNER_NETWORK\n"
+                   "from topka2a_jax.cost import _cost\nimport topka2a_jax._src.axis\n")
+  assert len(private_imports(leaky)) == 3
+
+
+USER_FACING = ["README.md", "examples/*.py", "benchmarks/*.py", "topka2a_jax/tools/*.py",
+               "docs/index.md",
                "docs/api.md", "docs/guides/*.md", "docs/evidence/*.md"]
 
 
@@ -97,5 +134,5 @@ def test_what_users_read_uses_only_the_public_face(pattern):
     text = path.read_text()
     assert "topka2a_jax._src" not in text, f"{path.relative_to(ROOT)} reaches into private code"
     for module in re.findall(r"topka2a_jax\.([a-z_0-9]+)", text):
-      assert module in topka2a_jax.__all__ or module in PUBLIC_NAMESPACES, (
+      assert module in (*topka2a_jax.__all__, *PUBLIC_NAMESPACES, "tools"), (
           f"{path.relative_to(ROOT)} names topka2a_jax.{module}, not public")

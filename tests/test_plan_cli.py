@@ -1,10 +1,15 @@
 """The command-line planner picks the algorithm the break-even densities say."""
 
 import math
+import os
+import subprocess
+import sys
+import venv
 
-import plan
 import pytest
-from model_shapes import resnet50
+
+from topka2a_jax.tools import plan
+from topka2a_jax.tools.model_shapes import resnet50
 
 
 def run(capsys, *args):
@@ -129,3 +134,40 @@ def test_rank_needs_a_model(capsys):
     plan.main(["--params", "1000000", "--devices", "4", "--density", "0.01",
                "--rank", "4"])
   assert "--rank prices PowerSGD on a model's layer shapes" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_both_commands(tmp_path):
+  """``pip install`` of the built wheel (not editable) into a fresh venv."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  built = subprocess.run(
+      [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(tmp_path / "dist"),
+       root], capture_output=True, text=True, check=False)
+  assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
+  [wheel] = (tmp_path / "dist").glob("topka2a_jax-*.whl")
+  # JAX and the rest come from this interpreter; the package only from the wheel.
+  venv.create(tmp_path / "venv", system_site_packages=True, with_pip=True)
+  bin_dir = tmp_path / "venv" / "bin"
+  installed = subprocess.run(
+      [str(bin_dir / "python"), "-m", "pip", "install", "--no-deps", str(wheel)],
+      capture_output=True, text=True, check=False)
+  assert installed.returncode == 0, installed.stderr[-2000:]
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  where = subprocess.run(
+      [str(bin_dir / "python"), "-c", "import topka2a_jax; print(topka2a_jax.__file__)"],
+      capture_output=True, text=True, cwd=tmp_path, env=env, check=True).stdout
+  assert where.startswith(str(tmp_path / "venv")), where  # not the working tree
+  planned = subprocess.run(
+      [str(bin_dir / "topka2a-plan"), "--model", "gpt2", "--devices", "8",
+       "--density", "0.01", "--network", "eth10"],
+      capture_output=True, text=True, cwd=tmp_path, env=env, check=False)
+  assert planned.returncode == 0, planned.stderr[-2000:]
+  assert planned.stdout.startswith("fusion plan: 148 leaves, 124,439,808 elements, P=8")
+  assert "predicted step end" in planned.stdout
+  script = tmp_path / "hello.py"
+  script.write_text("import os; print('rank', os.environ['TOPKA2A_PROCESS_ID'])")
+  launched = subprocess.run(
+      [str(bin_dir / "topka2a-launch"), "-n", "2", str(script)],
+      capture_output=True, text=True, cwd=tmp_path, env=env, check=False)
+  assert launched.returncode == 0, launched.stderr[-2000:]
+  assert {"[0] rank 0", "[1] rank 1"} <= set(launched.stdout.splitlines())

@@ -250,7 +250,7 @@ SCRIPT = Path(__file__).with_name("resumable.py")
 def _run(*args, processes=1):
   """tests/resumable.py with the sharded optimizer, in fresh processes."""
   launcher = [] if processes == 1 else [
-      LAUNCHER, "-n", str(processes), "--devices-per-process",
+      *LAUNCHER, "-n", str(processes), "--devices-per-process",
       str(DEVICES // processes)]
   done = subprocess.run([sys.executable, *launcher, str(SCRIPT), "--sharded",
                          *map(str, args)], capture_output=True, text=True,

@@ -19,7 +19,10 @@ Example:
   40
 """
 
+from topka2a_jax._src import options as _options
+from topka2a_jax._src.planner import compute as _compute
 from topka2a_jax._src.planner import cost as _cost
+from topka2a_jax._src.planner.compute import Device
 from topka2a_jax._src.planner.cost import (
   Cluster,
   ClusterCost,
@@ -42,6 +45,15 @@ NETWORKS = _cost.NETWORKS
 with its source); ``network="auto"`` picks one for the backend
 (:func:`detected_network`)."""
 
+DEVICES = _compute.DEVICES
+"""Devices' sustained rates by name (``"h100"``, ``"a100"``, ``"tpu-v5e"``,
+``"cpu"``; each a :class:`Device`), which price the backward pass that
+buckets overlap."""
+
+INNER_NETWORK = _options.INNER_NETWORK
+"""The link inside a node when ``network=`` names only the one between nodes:
+``"nvlink"``."""
+
 FLAT = _cost.FLAT
 """The route of an exchange over a cluster's devices as one axis."""
 
@@ -50,11 +62,14 @@ TWO_LEVEL = _cost.TWO_LEVEL
 node, the exchange between nodes."""
 
 __all__ = [
+  "DEVICES",
   "FLAT",
+  "INNER_NETWORK",
   "NETWORKS",
   "TWO_LEVEL",
   "Cluster",
   "ClusterCost",
+  "Device",
   "LowRankStep",
   "Network",
   "StepModel",

@@ -10,7 +10,7 @@ the stall timeout on a process that hangs alive ends the job too
 (:data:`STALLED_STATUS`; a hand-written step hands its loss to
 :func:`watch`). :func:`launch` starts N
 processes of one script on this machine, stops them all when one fails, and
-names it (the command line: ``python tools/launch.py -n N SCRIPT``).
+names it (the command line: ``topka2a-launch -n N SCRIPT``).
 
 Example:
   >>> import topka2a_jax.distributed
@@ -20,7 +20,8 @@ Example:
 from topka2a_jax._src.training import distributed as _distributed
 from topka2a_jax._src.training.distributed import initialize
 from topka2a_jax._src.training.launch import launch
-from topka2a_jax._src.training.watchdog import STALLED_STATUS, watch
+from topka2a_jax._src.training import watchdog as _watchdog
+from topka2a_jax._src.training.watchdog import watch
 
 COORDINATOR = _distributed.COORDINATOR
 """The environment variable with process 0's ``host:port``, set by :func:`launch`."""
@@ -30,6 +31,10 @@ NUM_PROCESSES = _distributed.NUM_PROCESSES
 
 PROCESS_ID = _distributed.PROCESS_ID
 """The environment variable with this process's rank, set by :func:`launch`."""
+
+STALLED_STATUS = _watchdog.STALLED_STATUS
+"""The exit status (124) of a process whose training step waited past
+``initialize(stall_timeout_seconds=...)`` for a peer that stopped."""
 
 __all__ = ["COORDINATOR", "NUM_PROCESSES", "PROCESS_ID", "STALLED_STATUS", "initialize",
            "launch", "watch"]

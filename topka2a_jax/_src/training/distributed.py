@@ -4,13 +4,13 @@ JAX's multi-controller runtime (``jax.distributed``) runs one process per
 host (or per group of devices); the mesh then spans every process's devices
 and the collectives cross processes: NCCL on GPUs, gloo over TCP on CPUs.
 :func:`initialize` is the one call a training script makes first. It reads
-the coordinator, process count and rank that ``python tools/launch.py``
+the coordinator, process count and rank that ``topka2a-launch``
 sets, or else ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
 ``JAX_PROCESS_ID`` (set them on each host of a cluster), or else leaves them
 to JAX's own detection (SLURM, Open MPI, Kubernetes and cloud TPU
 environments).
 
-Example (in a script that ``python tools/launch.py`` or a cluster
+Example (in a script that ``topka2a-launch`` or a cluster
 starts once per process; it cannot run in an interactive session that has
 already used JAX):
 
@@ -43,7 +43,7 @@ VARIABLES = (
 
 
 def launched() -> bool:
-  """Whether this process was started by ``python tools/launch.py``."""
+  """Whether this process was started by ``topka2a-launch``."""
   return COORDINATOR in os.environ
 
 
@@ -136,7 +136,7 @@ def initialize(*, fail_fast: bool = True,
     fail_fast: an uncaught exception ends this process at once, with status
       :data:`FAILED_STATUS` after its traceback, instead of waiting in JAX's
       shutdown barrier for peers that wait for it. Then
-      ``python tools/launch.py`` stops the others within seconds and
+      ``topka2a-launch`` stops the others within seconds and
       names the failed rank; under another launcher (SLURM, torchrun-style),
       the peers stop when JAX's coordination service misses this process's
       heartbeats, after ``heartbeat_timeout_seconds``. So does

@@ -1,7 +1,7 @@
 """Starts N local JAX processes on one script, as a multi-host job would.
 
 :func:`launch` runs one command in N processes (the command line is
-``python tools/launch.py -n 4 [--devices-per-process 2] SCRIPT [ARGS...]``).
+``topka2a-launch -n 4 [--devices-per-process 2] SCRIPT [ARGS...]``).
 Every process runs the command with a loopback coordinator, its rank and
 the process count in the environment (read by
 :func:`topka2a_jax.distributed.initialize`), ``devices-per-process`` emulated

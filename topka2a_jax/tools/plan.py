@@ -1,12 +1,12 @@
 """Command-line planner: predicted buckets and speedups before anything runs.
 
-Usage:
-  python tools/plan.py --model resnet50 --devices 32 --density 0.01 \\
-      --network eth10
-  python tools/plan.py --params 25000000 --devices 8 --density 0.05
-  python tools/plan.py --model resnet50 --devices 4 --density 0.01 \\
-      --network eth1 --rank 4
-  python tools/plan.py --model gpt2-small --devices 64 --density 0.01 \\
+Usage (``topka2a-plan`` is installed with the package; ``python -m
+topka2a_jax.tools.plan`` runs the same)::
+
+  topka2a-plan --model resnet50 --devices 32 --density 0.01 --network eth10
+  topka2a-plan --params 25000000 --devices 8 --density 0.05
+  topka2a-plan --model resnet50 --devices 4 --density 0.01 --network eth1 --rank 4
+  topka2a-plan --model gpt2 --devices 64 --density 0.01 \\
       --devices-per-node 8 --network eth10 --inner-network nvlink
 
 Prints the fusion plan (one row per bucket), the predicted step against
@@ -17,8 +17,15 @@ form nodes (``topka2a(axis_name=("node", "local"))``): ``--network`` is the
 link between nodes, ``--inner-network`` the one inside a node, and every
 sparse bucket takes the cheaper of the flat and the two-level route.
 ``--model`` takes the layer shapes of a
-known model (``model_shapes.MODELS``, in the order its layers run; the backward pass
-produces their gradients in reverse).
+known model (:data:`topka2a_jax.tools.model_shapes.MODELS`, in the order its
+layers run; the backward pass produces their gradients in reverse).
+
+Example:
+  >>> main(["--params", "25000000", "--devices", "8", "--density", "0.01",
+  ...       "--network", "eth10"])  # doctest: +ELLIPSIS
+  fusion plan: 1 leaves, 25,000,000 elements, P=8, density=0.01, network=eth10, ...
+  predicted step end: 6.594 ms; all dense: 140.700 ms (speedup 21.34x); ...
+  0
 """
 
 from __future__ import annotations
@@ -27,21 +34,11 @@ import argparse
 import math
 import sys
 
-from model_shapes import FORWARD_FLOPS, MODELS, Shapes
-
 from topka2a_jax import plan_fusion
-from topka2a_jax._src.collectives.algorithms import (
-  ALGORITHMS,
-  ALLGATHER,
-  AUTO,
-  DENSE,
-  POWERSGD,
-  TOPKA2A,
-  TOPKA2A_SPARSE,
-)
-from topka2a_jax._src.options import DEFAULT_ALGORITHM, INNER_NETWORK
-from topka2a_jax._src.planner.compute import DEVICES
+from topka2a_jax.collectives import ALGORITHMS
 from topka2a_jax.cost import (
+  DEVICES,
+  INNER_NETWORK,
   NETWORKS,
   Cluster,
   Network,
@@ -49,11 +46,18 @@ from topka2a_jax.cost import (
   get_network,
   low_rank_step,
 )
+from topka2a_jax.tools.model_shapes import FORWARD_FLOPS, MODELS, Shapes
+
+AUTO = "auto"
+"""``--algorithm``'s default, as ``topka2a``'s: each bucket its cheapest."""
+
+DENSE, ALLGATHER, TOPKA2A, TOPKA2A_SPARSE = (
+    ALGORITHMS[name] for name in ("dense", "allgather", "topka2a", "topka2a_sparse"))
 
 
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
-      prog="python tools/plan.py", description=__doc__.splitlines()[0])
+      prog="topka2a-plan", description=__doc__.splitlines()[0])
   model = parser.add_mutually_exclusive_group(required=True)
   model.add_argument("--model", choices=sorted(MODELS))
   model.add_argument("--params", type=int, help="one flat gradient of N elements")
@@ -73,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument(
       "--algorithm", default=AUTO, choices=[AUTO, *ALGORITHMS],
       help=f"the exchange of every large bucket; default {AUTO}: each bucket its "
-           f"cheapest (topka2a(...) itself defaults to {DEFAULT_ALGORITHM}). "
+           f"cheapest, as in topka2a(...). "
            + "; ".join(f"{a.name}: {a.summary}" for a in ALGORITHMS.values()))
   parser.add_argument("--rank", type=int,
                       help="also price PowerSGD at this rank (algorithm='powersgd'); "
@@ -91,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-  """Runs the planner; returns the exit status."""
+  """Runs the planner on ``argv`` (the command line's by default); returns 0."""
   args = _parser().parse_args(argv)
   if args.devices < 1:
     _parser().error("--devices must be at least 1")
@@ -152,7 +156,7 @@ def _print_low_rank(shapes: Shapes, devices: int, rank: int, network: Network | 
   """PowerSGD's exchange of the model at ``rank``, beside the top-k plan."""
   step = low_rank_step([shape for _, shape in shapes], devices, rank)
   link = get_network(network)
-  print(f"\n{POWERSGD.title} at rank {rank} (algorithm='powersgd'): "
+  print(f"\nPowerSGD at rank {rank} (algorithm='powersgd'): "
         f"{len(step.low_rank)} of {len(shapes)} leaves low rank, "
         f"{step.dense_elements:,} elements dense")
   print(f"  {step.cost.bytes / 1e6:.3f} MB and {step.cost.messages} messages per device "

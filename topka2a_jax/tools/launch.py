@@ -1,8 +1,9 @@
 """Starts N local JAX processes on one script, as a multi-host job would.
 
-Usage::
+Usage (``topka2a-launch`` is installed with the package; ``python -m
+topka2a_jax.tools.launch`` runs the same)::
 
-  python tools/launch.py -n 4 [--devices-per-process 2] SCRIPT [ARGS...]
+  topka2a-launch -n 4 [--devices-per-process 2] SCRIPT [ARGS...]
 
 Every process runs ``SCRIPT ARGS`` with a loopback coordinator, its rank and
 the process count in the environment (read by
@@ -15,7 +16,7 @@ before it exits (with 128 + the signal's number).
 
 Example::
 
-  $ python tools/launch.py -n 2 --devices-per-process 2 train.py --steps 5
+  $ topka2a-launch -n 2 --devices-per-process 2 train.py --steps 5
   [0] 4 devices in 2 processes
   [1] 4 devices in 2 processes
 """
@@ -31,8 +32,18 @@ from topka2a_jax.distributed import launch
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  """Starts the processes of ``argv`` (the command line's by default); their status.
+
+  Example:
+    >>> import tempfile
+    >>> with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
+    ...   _ = script.write("print('hello')")
+    >>> main(["-n", "1", script.name])
+    [0] hello
+    0
+  """
   parser = argparse.ArgumentParser(
-      prog="python tools/launch.py",
+      prog="topka2a-launch",
       description="Start N local JAX processes (gloo collectives over loopback) "
                   "on one script; the script calls topka2a_jax.distributed.initialize().")
   parser.add_argument("-n", "--num-processes", type=int, required=True)

@@ -1,6 +1,6 @@
 """Layer shapes of known models, in the order their layers run.
 
-The backward pass produces their gradients in reverse. ``tools/plan.py``
+The backward pass produces their gradients in reverse. ``topka2a-plan``
 plans them (``--model``); the benchmarks time exchanges of their gradients.
 
 Example:
