@@ -18,9 +18,9 @@ Example:
 """
 
 from topka2a_jax._src.training import distributed as _distributed
+from topka2a_jax._src.training import watchdog as _watchdog
 from topka2a_jax._src.training.distributed import initialize
 from topka2a_jax._src.training.launch import launch
-from topka2a_jax._src.training import watchdog as _watchdog
 from topka2a_jax._src.training.watchdog import watch
 
 COORDINATOR = _distributed.COORDINATOR
