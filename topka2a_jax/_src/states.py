@@ -29,14 +29,14 @@ class TopKA2AState(NamedTuple):
       float64 leaves); ``optax.MaskedNode()`` for leaves that go dense, and
       for all leaves when ``error_feedback=False``. Over a pair of data axes,
       only this device's slice of its shard, 1-D. As global arrays: one
-      block per data index along dimension 0 (``_src/layout.py``).
+      block per data index along dimension 0 (:func:`topka2a_jax.state_specs`).
     count: steps applied so far (int32, replicated); skipped steps do not
       count. ``warmup_steps`` compares against it.
     nonfinite_steps: steps skipped because some device's gradient held a NaN
       or an infinity (int32, replicated).
     factors: ``algorithm="powersgd"`` only (else None): mirrors the gradient
       pytree, each low-rank leaf's ``Q`` (``(n, rank)`` float32, replicated,
-      warm-starting the next step; ``_src/collectives/low_rank.py``), and
+      warm-starting the next step; :func:`topka2a_jax.collectives.powersgd`), and
       ``optax.MaskedNode()`` for the leaves that go dense.
   """
 

@@ -21,8 +21,8 @@ send, which error feedback keeps for the next step.
   one of the above between nodes on one slice per device, and an all-gather
   inside the node.
 
-The sparse ones take ``selection`` (``"exact"`` top-k, or ``"threshold"``,
-see ``_src/collectives/threshold.py``) and ``value_dtype`` (values on the wire,
+The sparse ones take ``selection`` (``"exact"`` top-k, or ``"threshold"``, a
+magnitude threshold found in a few passes) and ``value_dtype`` (values on the wire,
 e.g. bfloat16; accumulation stays in the buffer's dtype and the rounding
 stays in the residual), and send indices in the narrowest unsigned type that
 fits.
@@ -104,7 +104,7 @@ def auto_magnitudes(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
   * TPU: ``approx_max_k``, the one backend its documentation says it is
     optimised for (unmeasured here: the repo has no TPU runs).
-  * Other backends: the threshold search (``_src/collectives/threshold.py``). On
+  * Other backends: the threshold search (``selection="threshold"``). On
     a CPU, ``benchmarks/selection.py`` measures it 2 to 22 times faster than
     the exact sort on rows of 1M to 100M entries (5 to 22 from 25M up),
     and ``approx_max_k`` no faster than the sort. On GPUs it is the choice
@@ -426,8 +426,8 @@ def onebit(
   structure, with error feedback on both phases:
 
   1. Pad the buffer to ``P`` equal shards, each cut into chunks of ``chunk``
-     entries (a shorter shard is one chunk, rounded up to 32 entries;
-     ``_src/collectives/quantized.py``). Each chunk goes as its signs,
+     entries (a shorter shard is one chunk, rounded up to 32 entries).
+     Each chunk goes as its signs,
      packed 32 to a word, and one scale, its mean magnitude.
   2. One ``all_to_all`` sends shard ``i``'s signs and scales to device ``i``.
   3. Each owner decodes and adds the ``P`` pieces: the exact sum of what the

@@ -133,7 +133,7 @@ def exchange_cost(
 ) -> Cost:
   """Cost of one exchange of a ``length``-element buffer, as implemented.
 
-  Uses the same rounding as the collectives (``_src/collectives/selection.py``),
+  Uses the same rounding as the collectives (:func:`selected_entries`),
   so the bytes equal what the compiled program sends.
 
   Args:

@@ -347,7 +347,7 @@ def step_model(
 
   ``backward_seconds=None`` assumes no overlap: every bucket is ready when
   the step's exchanges begin (:data:`NO_BACKWARD`). Pass the backward
-  pass's duration (``_src/planner/compute.py`` estimates it) for plans that
+  pass's duration (:meth:`topka2a_jax.TrainStep.backward_seconds` estimates it) for plans that
   overlap it. With a ``cluster``, ``network`` and ``num_devices`` are its
   outer link and its devices.
 

@@ -474,7 +474,7 @@ def resize_residual(residual: jax.Array, old_devices: int,
 
   Args:
     residual: the global array, device ``i``'s block at rows
-      ``[i * d0, (i+1) * d0)`` (``_src/layout.py``).
+      ``[i * d0, (i+1) * d0)``, as :func:`topka2a_jax.state_specs` lays it out.
     old_devices: devices the residual was made on.
     new_devices: devices it is for.
 

@@ -227,7 +227,7 @@ def shardings(mesh: Mesh, axis: DataAxis, params: Any,
 
   Parameters are split by ``specs`` (one per leaf, over the other axes) and
   replicated over ``axis``; residuals are per device
-  (``_src/layout.py``); state shaped like the parameters is split
+  (:func:`topka2a_jax.state_specs`); state shaped like the parameters is split
   like them; the rest is replicated.
   """
   spec_tree = flatten(params)[2].unflatten(specs)

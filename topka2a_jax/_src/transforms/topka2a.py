@@ -147,7 +147,7 @@ def topka2a(
       whose volume grows with the number of devices; dense ``lax.pmean``,
       which ignores ``density``. Or ``"powersgd"``: every matrix leaf as a
       rank-``rank`` product in two all-reduces, vectors and small matrices
-      dense (``_src/collectives/low_rank.py``): ``topka2a(algorithm="powersgd",
+      dense (:func:`topka2a_jax.collectives.powersgd`): ``topka2a(algorithm="powersgd",
       rank=4)``. It ignores ``density``, and ``"auto"`` never picks it. Or
       ``"onebit"``: every entry's sign (one scale per chunk) to its shard's
       owner by AlltoAll, the owners' means back in 8 bits by AllGather,
@@ -161,7 +161,7 @@ def topka2a(
     fusion: leaves are fused, last first, into flat buckets of at least this
       many elements (a larger leaf gets a bucket of its own); ``"auto"``
       finds the threshold at trace time by binary search on the cost model's
-      predicted step time (``_src/planner/fusion.py``).
+      predicted step time (:func:`topka2a_jax.plan_fusion`).
     network: the link the cost model plans for: ``"auto"`` (the default:
       ``eth10`` between processes, ``nvlink`` among one process's
       accelerators; :func:`topka2a_jax.cost.detected_network`), a preset name
@@ -172,7 +172,7 @@ def topka2a(
     backward_seconds: the backward pass's duration, which bucket exchanges
       overlap. By default :func:`topka2a_jax.train_step` estimates it from
       XLA's cost analysis of the compiled gradient against the device's rate
-      (``_src/planner/compute.py``); in a hand-written step, no overlap is
+      (:data:`topka2a_jax.cost.DEVICES`); in a hand-written step, no overlap is
       assumed.
     value_dtype: dtype of the sparse values on the wire, e.g.
       ``jnp.bfloat16``; accumulation stays in float32 and the rounding stays
@@ -183,8 +183,7 @@ def topka2a(
       sort), ``"threshold"`` (a magnitude threshold found in a few passes,
       many times faster on large buckets; where it may keep less than 99%
       of exact top-k's magnitude mass, or miss a nonzero entry over a
-      background of zeros, it sorts exactly instead;
-      ``_src/collectives/threshold.py``) or ``"approx"`` (``lax.approx_max_k``).
+      background of zeros, it sorts exactly instead) or ``"approx"`` (``lax.approx_max_k``).
     warmup_steps: exchange densely (``lax.pmean``) for this many applied
       steps, then sparsely. The switch happens at run time inside the one
       compiled step; the residuals are zero when sparsification begins.
