@@ -187,3 +187,20 @@ def test_the_transform_trains_with_it_and_needs_no_density(mesh, train_steps):
   with pytest.raises(ValueError, match="sends signs and few-bit codes.*Drop value_dtype"):
     topka2a_jax.compress_updates(optax.adam(1e-2), algorithm="onebit",
                                  value_dtype=jnp.bfloat16)
+
+
+def test_compress_updates_sends_signs_unless_given_a_density(mesh):
+  """The default exchange of Adam's step, read off the compiled step's bytes."""
+  params = {"w": jnp.zeros((4096, 8))}
+  batch = jnp.ones((8, 4096))
+
+  def sent(tx):
+    step = topka2a_jax.train_step(lambda p, x: jnp.mean((x @ p["w"]) ** 2), tx, mesh)
+    return topka2a_jax.comm_report(step.lower(params, tx.init(params), batch)).total_bytes
+
+  signs = sent(topka2a_jax.compress_updates(optax.adam(1e-3), mesh=mesh))
+  assert signs == pytest.approx(ALGORITHMS["onebit"].cost(4096 * 8, 8, 1.0).bytes,
+                                rel=0.01)
+  top_k = sent(topka2a_jax.compress_updates(optax.adam(1e-3), 0.01, mesh=mesh))
+  # 1% of the entries as values and indices (TopkA on 8 devices: 0.43x the signs)
+  assert top_k < 0.5 * signs

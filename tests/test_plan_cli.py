@@ -2,6 +2,7 @@
 
 import math
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -140,9 +141,12 @@ def test_rank_needs_a_model(capsys):
 def test_the_wheel_installs_both_commands(tmp_path):
   """``pip install`` of the built wheel (not editable) into a fresh venv."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  source = tmp_path / "source"  # built from a copy: no build/ left in the tree
+  shutil.copytree(root, source, ignore=shutil.ignore_patterns(
+      ".git", "build", "dist", "*.egg-info", ".venv", "_build", "__pycache__"))
   built = subprocess.run(
       [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(tmp_path / "dist"),
-       root], capture_output=True, text=True, check=False)
+       str(source)], capture_output=True, text=True, check=False)
   assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
   [wheel] = (tmp_path / "dist").glob("topka2a_jax-*.whl")
   # JAX and the rest come from this interpreter; the package only from the wheel.

@@ -238,6 +238,27 @@ def is_varying(x: jax.Array, axis_name: Hashable) -> bool:
   return set(DataAxis.parse(axis_name).names) <= varying_axes(x)
 
 
+def vary_like(value: jax.Array, like: jax.Array, drop: tuple[Hashable, ...] = ()
+              ) -> jax.Array:
+  """``value`` typed as varying along the mesh axes ``like`` varies along, but ``drop``.
+
+  For values made from constants inside ``shard_map`` (the zeros of a
+  skipped step, the empty mean of an empty leaf), which must carry the type
+  of what they stand in for.
+
+  Example:
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> def typed():
+    ...   x = as_varying(jnp.zeros(()), "data")  # a per-device value
+    ...   kept, dropped = vary_like(jnp.zeros(()), x), vary_like(jnp.zeros(()), x, ("data",))
+    ...   return jnp.array([is_varying(kept, "data"), is_varying(dropped, "data")])
+    >>> jax.shard_map(typed, mesh=mesh, in_specs=(), out_specs=P())()
+    Array([ True, False], dtype=bool)
+  """
+  axes = tuple(varying_axes(like) - set(drop))
+  return lax.pcast(value, axes, to="varying") if axes else value
+
+
 def as_varying(x: jax.Array, axis_name: Hashable) -> jax.Array:
   """``x`` typed as differing along the data axis (or both of a pair): per-device state.
 

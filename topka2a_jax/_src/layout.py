@@ -40,6 +40,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from topka2a_jax._src.axis import DataAxis
+from topka2a_jax._src.sizes import ceil_div
 
 
 def spec_axes(spec: P) -> tuple[Hashable, ...]:
@@ -97,7 +98,7 @@ def local_shape(shape: Sequence[int], spec: P,
 
 def residual_slice(size: int, per_node: int) -> int:
   """Entries of one device's slice of an ``size``-entry shard: ``ceil(size / L)``."""
-  return -(-size // per_node)
+  return ceil_div(size, per_node)
 
 
 def residual_shape(shape: Sequence[int], num_devices: int, *,

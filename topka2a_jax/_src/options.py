@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 from topka2a_jax._src.axis import DataAxis
 from topka2a_jax._src.collectives import algorithms, low_rank
 from topka2a_jax._src.collectives.selection import check_selection
+from topka2a_jax._src.planner import cost
 from topka2a_jax._src.planner.cost import AUTO_NETWORK, Cluster, Network, get_network
 
 DEFAULT_AXIS = DataAxis("data")
@@ -42,14 +43,8 @@ INNER_NETWORK = "nvlink"
 """The link inside a node that a pair of data axes assumes, unless ``network``
 is a pair ``(outer, inner)``."""
 
-DEFAULT_MIN_SIZE = 1024
-"""Leaves with fewer elements go dense.
-
-Biases and normalisation scales are this small in most models. They are a
-tiny share of the bytes (a thousand such leaves of 1,000 floats are 4 MB a
-step), their shard-wise selection would send nearly every entry anyway, and
-keeping them exact is what users of gradient compression do to keep accuracy.
-"""
+DEFAULT_MIN_SIZE = cost.DEFAULT_MIN_SIZE
+"""Leaves with fewer elements go dense (:data:`cost.DEFAULT_MIN_SIZE`)."""
 
 
 def _density(density: Any) -> float:
@@ -157,6 +152,7 @@ class Options:
     mesh: the mesh ``init`` lays the state out for, or None.
     whole_selection: whether ``"auto"`` takes only exchanges whose mean holds
       every device's whole selection (:func:`topka2a_jax.compress_updates`).
+    rank: the rank of ``algorithm="powersgd"``'s factors, else None.
   """
 
   density: float

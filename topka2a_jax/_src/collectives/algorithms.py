@@ -46,6 +46,7 @@ from typing import NamedTuple
 from topka2a_jax._src.collectives import quantized
 from topka2a_jax._src.collectives.selection import ShardLayout, sparse_count
 from topka2a_jax._src.collectives.wire import index_dtype
+from topka2a_jax._src.sizes import ceil_div
 
 AUTO = "auto"
 """``algorithm=AUTO``: each bucket takes the cheapest entry under the cost model."""
@@ -263,7 +264,7 @@ def _quantized(bits: int) -> Algorithm:
       # Passes over the buffer: its codes, their decoding (the residual), the
       # owner's sum of P shards and the final decoding; over the owner's
       # shard, its codes and their decoding.
-      reads=lambda length, devices: 4 * length + 2 * -(-length // devices),
+      reads=lambda length, devices: 4 * length + 2 * ceil_div(length, devices),
       selects=lambda c: 0, holds_back=True, quantizes=True)
 
 
@@ -293,7 +294,7 @@ TOPKA2A_SPARSE = Algorithm(
     sparse=True,
     unsent_at="the sender, and the owner for its summed shard",
     compresses_values=True, global_indices=False, traffic=_to_owners_then_pairs,
-    reads=lambda length, devices: length + -(-length // devices),
+    reads=lambda length, devices: length + ceil_div(length, devices),
     selects=lambda c: (c.devices + 1) * c.per_shard, holds_back=True)
 
 ONEBIT = _quantized(8)

@@ -75,6 +75,7 @@ from topka2a_jax._src.collectives.selection import (
 )
 from topka2a_jax._src.collectives.threshold import threshold_magnitudes
 from topka2a_jax._src.collectives.wire import WireFormat
+from topka2a_jax._src.sizes import ceil_div
 
 
 class ExchangeResult(NamedTuple):
@@ -468,7 +469,7 @@ def onebit(
   _check_buffer(buffer)
   num_devices = bound_axis_size(axis_name)
   length, dtype = buffer.shape[0], jnp.promote_types(buffer.dtype, jnp.float32)
-  cut = quantized.layout(-(-length // num_devices), chunk)
+  cut = quantized.layout(ceil_div(length, num_devices), chunk)
   shape, total = (num_devices, cut.chunks, cut.chunk), num_devices * cut.padded
   valid = None if total == length else jnp.arange(total).reshape(shape) < length
   shards = jnp.pad(buffer.astype(dtype), (0, total - length)).reshape(shape)
@@ -565,7 +566,7 @@ def two_level(
   outer_axis, inner_axis = axis_name
   per_node = bound_axis_size(inner_axis)
   length = buffer.shape[0]
-  width = -(-length // per_node)
+  width = ceil_div(length, per_node)
   rows = jnp.pad(buffer, (0, per_node * width - length)).reshape(per_node, width)
   node_sum = lax.psum_scatter(rows, inner_axis, scatter_dimension=0, tiled=True)[0]
   sent = node_sum if limit is None else jnp.clip(node_sum, -limit, limit)

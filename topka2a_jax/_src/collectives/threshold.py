@@ -72,6 +72,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from topka2a_jax._src.collectives.selection import top_magnitudes
+from topka2a_jax._src.sizes import ceil_div, round_up
 
 GROUPS_PER_ENTRY = 24
 """Groups per selected entry: fewer, larger groups lose more mass to entries
@@ -160,7 +161,7 @@ def _first_set(words: jax.Array, m: int) -> jax.Array:
               jnp.where(nonzero > 0, nonzero_through - 1, num_words), word_ids)
 
   # One bit per slot, set where a word's ones begin (starts are distinct).
-  mark_words = -(-m // 32)
+  mark_words = ceil_div(m, 32)
   marks = jax.vmap(
       lambda at, bit: jnp.zeros(mark_words, jnp.uint32).at[at].add(
           bit, mode="drop"))(
@@ -291,14 +292,14 @@ def threshold_magnitudes(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array]
   target = min(GROUPS_PER_ENTRY, length // (2 * k)) * k
   if length < _MIN_LENGTH or target < 2 * k or rows.dtype.itemsize != 4:
     return top_magnitudes(rows, k)
-  per_group = _group_size(length, min(_MAX_PER_GROUP, -(-length // target)))
+  per_group = _group_size(length, min(_MAX_PER_GROUP, ceil_div(length, target)))
   groups = length // per_group
   if groups * per_group < length and (
       length - per_group * (groups - groups % 32) <= groups - groups % 32):
     groups -= groups % 32  # whole words of flags: packing needs no padding
   group_max = _group_keys(rows, groups, per_group)
 
-  slots = -(-min(CANDIDATES_PER_ENTRY * k, groups) // 32) * 32
+  slots = round_up(min(CANDIDATES_PER_ENTRY * k, groups), 32)
   bound, reached, words = _candidates(group_max, k, slots)
   # Group ids, valid up to `reached`: the first slots' worth in position
   # order. Where ties at the bound let more keys through than there are

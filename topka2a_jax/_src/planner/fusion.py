@@ -39,6 +39,7 @@ from topka2a_jax._src.collectives import algorithms
 from topka2a_jax._src.collectives.algorithms import ALGORITHMS, AUTO, DENSE
 from topka2a_jax._src.planner.buckets import Bucket, plan_buckets
 from topka2a_jax._src.planner.cost import (
+  DEFAULT_MIN_SIZE,
   FLAT,
   TWO_LEVEL,
   Cluster,
@@ -46,6 +47,7 @@ from topka2a_jax._src.planner.cost import (
   cluster_cost,
   get_network,
 )
+from topka2a_jax._src.sizes import ceil_div
 
 DEFAULT_SELECTION_SECONDS_PER_ELEMENT = 1e-10
 """Selection cost: 10 G elements/s, a few passes over accelerator memory.
@@ -298,7 +300,7 @@ class StepModel:
       comm = cluster_cost(algorithm, size, self.cluster, self.density, route,
                           self.value_bytes, self.residual_slices).seconds
       if route == TWO_LEVEL:
-        length, devices = -(-size // self.cluster.per_node), self.cluster.nodes
+        length, devices = ceil_div(size, self.cluster.per_node), self.cluster.nodes
     return (comm
             + self.selection_seconds_per_element * entry.elements_read(
                 length, devices)
@@ -333,7 +335,7 @@ def step_model(
     density: float,
     *,
     network: str | Network = "eth10",
-    min_size: int = 1024,
+    min_size: int = DEFAULT_MIN_SIZE,
     backward_seconds: float | None = None,
     selection_seconds_per_element: float = DEFAULT_SELECTION_SECONDS_PER_ELEMENT,
     value_bytes: int = 4,

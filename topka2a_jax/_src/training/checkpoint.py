@@ -597,7 +597,7 @@ def restore(directory: str | Path, like: Any, mesh: Mesh,
 
 
 def restore_laid_out(saved: dict[str, Any], read: Any, like: Any, mesh: Mesh,
-                      axis: DataAxis, where: Any) -> Any:
+                     axis: DataAxis, where: Any) -> Any:
   """Reads a state described by ``saved`` through ``read(targets)``, laid out like ``like``.
 
   Checks the configuration before reading, every array's fingerprint after,

@@ -48,7 +48,7 @@ from topka2a_jax._src.training import watchdog
 from topka2a_jax._src.training.step import DataParallelStep, check_step_options
 
 
-def _agreed(leaf: jax.Array, axis_name: Hashable) -> jax.Array:
+def _agreed_leaf(leaf: jax.Array, axis_name: Hashable) -> jax.Array:
   """Model state after the step, the same on every device of the axis.
 
   Floating state that differs per device (batch statistics) is averaged;
@@ -118,7 +118,7 @@ class NnxTrainStep(DataParallelStep):
     return self._value_and_grad(graphdef, wrt, _device_keys(keys, self._axis.name)), None
 
   def _agreed(self, carry):
-    return jax.tree.map(lambda leaf: _agreed(leaf, self._axis.name), carry)
+    return jax.tree.map(lambda leaf: _agreed_leaf(leaf, self._axis.name), carry)
 
   def _estimate(self, model, params, rest, keys, micro):
     graphdef, wrt = model

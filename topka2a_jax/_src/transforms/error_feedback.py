@@ -47,6 +47,7 @@ from topka2a_jax._src.axis import (
   DataAxis,
   bound_axis_size,
   grouped_by_varying_axes,
+  vary_like,
   varying_axes,
 )
 from topka2a_jax._src.collectives import exchanges, low_rank
@@ -135,8 +136,8 @@ def _split_columns(rows: jax.Array, widths: Sequence[int]) -> list[jax.Array]:
 
 
 def exchange_buckets(options: Options, grads: Sequence[jax.Array],
-             residuals: Sequence[Any], sparse: bool,
-             send: jax.Array | None = None) -> tuple[list, list]:
+                     residuals: Sequence[Any], sparse: bool,
+                     send: jax.Array | None = None) -> tuple[list, list]:
   """Means of ``grads + residuals`` over the axis, and the new residuals.
 
   Over a pair of data axes with ``L`` devices per node, every residual is
@@ -289,9 +290,7 @@ def unsent_slices(unsent: Sequence[jax.Array], widths: Sequence[int],
 
 def _zeros_like_mean(grad: jax.Array, axis: DataAxis) -> jax.Array:
   """Zeros typed like the mean of ``grad``: invariant along the axis only."""
-  zeros = jnp.zeros(grad.shape, grad.dtype)
-  others = tuple(varying_axes(grad) - set(axis.names))
-  return jax.lax.pcast(zeros, others, to="varying") if others else zeros
+  return vary_like(jnp.zeros(grad.shape, grad.dtype), grad, drop=axis.names)
 
 
 def dense_while_warming_up(options: Options, count: jax.Array, run: Any,

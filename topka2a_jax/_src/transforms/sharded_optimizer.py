@@ -54,12 +54,13 @@ from topka2a_jax._src.axis import (
   bound_axis_size,
   grouped_by_varying_axes,
   is_bound,
-  varying_axes,
+  vary_like,
 )
 from topka2a_jax._src.collectives import exchanges
 from topka2a_jax._src.collectives.algorithms import AUTO, DENSE, TOPKA2A
 from topka2a_jax._src.options import Options
 from topka2a_jax._src.planner.fusion import step_model
+from topka2a_jax._src.sizes import ceil_div
 from topka2a_jax._src.states import ShardedOptimizerState, TopKA2AState
 from topka2a_jax._src.transforms import error_feedback
 from topka2a_jax._src.transforms.nonfinite import (
@@ -209,7 +210,7 @@ def sharded_optimizer(
 
 def shard_length(size: int, num_devices: int) -> int:
   """Entries of a ``size``-entry leaf each of ``num_devices`` owns: ``ceil(size / P)``."""
-  return -(-size // num_devices)
+  return ceil_div(size, num_devices)
 
 
 def _present_shape(entries: int, ndim: int) -> tuple[int, ...]:
@@ -389,10 +390,8 @@ def _step(opts: Options, inner: optax.GradientTransformation, treedef: Any,
     return treedef.flatten_up_to(out), new, count + 1, inner_state
 
   def skipped(grads, residuals, count, inner_state):
-    zeros = [_present(jnp.zeros(shard_length(g.size, num_devices), g.dtype), g.ndim)
-             for g in grads]
-    zeros = [lax.pcast(z, tuple(varying_axes(g)), to="varying") if varying_axes(g) else z
-             for z, g in zip(zeros, grads)]
+    zeros = [vary_like(_present(jnp.zeros(shard_length(g.size, num_devices), g.dtype),
+                                g.ndim), g) for g in grads]
     return zeros, residuals, count, inner_state
 
   args = (grads, residuals, count, jax.tree.map(lambda x: x[0], inner_state))

@@ -519,7 +519,7 @@ def given_specs(treedef: Any, specs: Any) -> list[P | None]:
 
 
 def shard_specs(grads: Sequence[jax.Array], given: Sequence[P | None],
-                 others: dict[Hashable, int]) -> list[P]:
+                others: dict[Hashable, int]) -> list[P]:
   """How each gradient leaf splits over ``others``: its type, the given spec, or whole."""
   mesh = jax.sharding.get_abstract_mesh()
   specs = []
@@ -533,7 +533,7 @@ def shard_specs(grads: Sequence[jax.Array], given: Sequence[P | None],
 def _step_on_shards(options: Options, others: dict[Hashable, int],
                     grads: list, residuals: list, state: TopKA2AState,
                     bad: jax.Array | None, given: Sequence[P | None]):
-  """:func:`exchange.step` in a nested shard_map over the other mesh axes.
+  """``error_feedback.step`` in a nested shard_map over the other mesh axes.
 
   Each device then selects from, and keeps residuals for, its own shard of
   every leaf (a residual is shaped like its leaf, so one spec splits both);
@@ -556,8 +556,8 @@ def _step_on_shards(options: Options, others: dict[Hashable, int],
 
 
 def matching_residuals(options: Options, treedef: Any, state: TopKA2AState,
-                        grads: Sequence[jax.Array], paths: Sequence[str],
-                        param_specs: Any) -> list[Any]:
+                       grads: Sequence[jax.Array], paths: Sequence[str],
+                       param_specs: Any) -> list[Any]:
   """The state's residuals, one per gradient leaf, checked against the grads."""
   if not isinstance(state, TopKA2AState):
     raise TypeError(
@@ -616,7 +616,7 @@ def _local_shapes(grads: Sequence[jax.Array], given: Sequence[P | None],
 
 
 def check_per_device(grads: Sequence[jax.Array], paths: Sequence[str],
-                      axis_name: Hashable) -> None:
+                     axis_name: Hashable) -> None:
   """Rejects gradients that JAX already summed across the axis."""
   if not grads or not tracks_varying_axes(axis_name):
     return
