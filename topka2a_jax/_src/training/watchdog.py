@@ -30,7 +30,6 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -60,14 +59,10 @@ class StallWatch:
     store: JAX's coordination client (``key_value_set``,
       ``key_value_dir_get``), to name the process that fell behind; None
       names none.
-    stop: what ends the process, given the status (``os._exit``).
-    poll: seconds between looks.
   """
 
-  def __init__(self, timeout: float, rank: int, store: Any = None, *,
-               stop: Callable[[int], None] = os._exit, poll: float = POLL_SECONDS):
+  def __init__(self, timeout: float, rank: int, store: Any = None):
     self._timeout, self._rank, self._store = timeout, rank, store
-    self._stop, self._poll = stop, poll
     self._lock = threading.Lock()
     self._in_flight: collections.deque = collections.deque()  # (step, since, loss)
     self._dispatched = 0
@@ -84,7 +79,7 @@ class StallWatch:
 
   def _run(self) -> None:
     while True:
-      time.sleep(self._poll)
+      time.sleep(POLL_SECONDS)
       with self._lock:
         while self._in_flight and _done(self._in_flight[0][2]):
           self._in_flight.popleft()
@@ -96,8 +91,7 @@ class StallWatch:
         print(stall_message(oldest[0], time.monotonic() - oldest[1], self._peers()),
               file=sys.stderr, flush=True)
         sys.stdout.flush()
-        self._stop(STALLED_STATUS)
-        return
+        os._exit(STALLED_STATUS)
 
   def _publish(self, dispatched: int) -> None:
     if self._store is None:
