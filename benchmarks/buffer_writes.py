@@ -51,7 +51,7 @@ def measure(elements: int, repeats: int) -> dict[str, float]:
 
   passes = {"read": lambda: read(g), "written in place": in_place,
             "written fresh": lambda: doubled(g)}
-  return {name: topka2a_jax.time_call(run, repeats) for name, run in passes.items()}
+  return {name: topka2a_jax.cost.time_call(run, repeats) for name, run in passes.items()}
 
 
 def main() -> int:

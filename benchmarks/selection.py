@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from topka2a_jax import time_call
 from topka2a_jax.collectives import SELECTIONS, auto_choice, get_selection
+from topka2a_jax.cost import time_call
 
 
 def measure(sizes, densities, shards: int, repeats: int, out=print) -> list[dict]:

@@ -38,7 +38,7 @@ def step_seconds(mesh, grads, algorithm, selection, fusion, density, repeats):
       lambda g, s: tx.update([x[0] for x in g], s), mesh=mesh,
       in_specs=(P("data"), specs), out_specs=(P(), specs)))
   # time_call waits for each step: one step in flight at a time.
-  return topka2a_jax.time_call(lambda: run(grads, state), repeats=repeats)
+  return topka2a_jax.cost.time_call(lambda: run(grads, state), repeats=repeats)
 
 
 def main():

@@ -55,10 +55,13 @@ def test_bad_options(kwargs, error, match):
     topka2a_jax.topka2a(0.1, **kwargs)
 
 
-def test_a_misspelt_option_of_compress_updates_is_named():
-  with pytest.raises(TypeError, match=r"unknown option\(s\) min_sise; the options are "
-                     r".*min_size"):
-    topka2a_jax.compress_updates(optax.adam(1e-3), 0.01, min_sise=0)
+@pytest.mark.parametrize("builder", [topka2a_jax.topka2a, topka2a_jax.compress_updates,
+                                     topka2a_jax.sharded_optimizer])
+def test_a_misspelt_option_is_named(builder):
+  # Every option is in the signature, so Python itself names the misspelling.
+  args = (0.01,) if builder is topka2a_jax.topka2a else (optax.adam(1e-3), 0.01)
+  with pytest.raises(TypeError, match=r"unexpected keyword argument 'min_sise'"):
+    builder(*args, min_sise=0)
 
 
 def test_the_signature_defaults_are_the_options_defaults():

@@ -35,7 +35,7 @@ from topka2a_jax import cost as cost
 from topka2a_jax import distributed as distributed
 from topka2a_jax._src.planner.fusion import FusionPlan, plan_fusion
 from topka2a_jax._src.planner.report import CommReport, comm_report
-from topka2a_jax._src.planner.tuning import time_call, tune_fusion
+from topka2a_jax._src.planner.tuning import tune_fusion
 from topka2a_jax._src.states import (
   CompressedUpdatesState,
   ShardedOptimizerState,
@@ -76,7 +76,6 @@ __all__ = [
   "sharded_optimizer",
   "skip_nonfinite",
   "state_specs",
-  "time_call",
   "topka2a",
   "train_step",
   "tune_fusion",
@@ -90,8 +89,9 @@ _MOVED = {
     "breakeven_density": "topka2a_jax.cost.breakeven_density",
     "exchange_cost": "topka2a_jax.cost.exchange_cost",
     "low_rank": "topka2a_jax.collectives.powersgd and .initial_factor",
+    "time_call": "topka2a_jax.cost.time_call",
 }
-"""Names the top level exported in 0.1.0 that moved, and where each is now."""
+"""Names the top level exported in an earlier release that moved, and where each is now."""
 
 
 def __getattr__(name: str):

@@ -10,6 +10,7 @@ link?" before anything runs.
   route), :func:`low_rank_step` (PowerSGD), :func:`breakeven_density`.
 * :func:`elements_read`, :func:`selected_entries`: the selection's work.
 * :class:`StepModel`: a whole step's predicted time, the planner's objective.
+* :func:`time_call`: a measured time to set beside a prediction.
 
 Example:
   >>> eth10 = topka2a_jax.cost.NETWORKS["eth10"]
@@ -38,6 +39,7 @@ from topka2a_jax._src.planner.cost import (
   selected_entries,
 )
 from topka2a_jax._src.planner.fusion import StepModel
+from topka2a_jax._src.planner.tuning import time_call
 
 NETWORKS = _cost.NETWORKS
 """The links the planner knows, by the name ``network=`` takes: ``"nvlink"``,
@@ -81,4 +83,5 @@ __all__ = [
   "get_network",
   "low_rank_step",
   "selected_entries",
+  "time_call",
 ]

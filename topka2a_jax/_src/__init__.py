@@ -13,14 +13,15 @@ Read it top-down, in four parts and a few shared records:
   ``update_compression.py``, ``frozen_variance.py``,
   ``sharded_optimizer.py``, ``nonfinite.py``, ``clipping.py``.
 * ``planner/``: which exchange each bucket takes. ``cost.py`` (α-β costs),
-  ``fusion.py`` (the bucket plan), ``buckets.py`` (leaves fused into flat
-  buffers), ``compute.py`` (the backward pass's duration), ``tuning.py``
+  ``fusion.py`` (the bucket plan), ``buckets.py`` (which leaves share a flat
+  buffer), ``compute.py`` (the backward pass's duration), ``tuning.py``
   (the plan tuned on timed steps), ``report.py`` (what a compiled program
   sends).
 * ``collectives/``: the exchanges of one flat buffer. ``exchanges.py``
-  (dense, TopkA, TopKA2A, TopKA2A-sparse, two-level), ``low_rank.py``
+  (dense, TopkA, TopKA2A, TopKA2A-sparse, one-bit, two-level), ``low_rank.py``
   (PowerSGD), ``selection.py`` and ``threshold.py`` (which entries to send),
-  ``wire.py`` (values and indices in one message), ``algorithms.py`` (every
+  ``wire.py`` (values and indices in one message), ``quantized.py`` (the
+  one-bit exchanges' codes), ``algorithms.py`` (every
   exchange's name, phases and cost terms).
 * Shared records: ``options.py`` (the transforms' options, validated once),
   ``states.py`` (their states), ``axis.py`` (the data axis, parsed once),

@@ -57,7 +57,14 @@ def _density(density: Any) -> float:
   return float(density)
 
 
-def _count(name: str, value: Any, minimum: int) -> int:
+def checked_count(name: str, value: Any, minimum: int) -> int:
+  """``value`` as an int of at least ``minimum``: TypeError if not an int, else ValueError.
+
+  Example:
+    >>> checked_count("micro_batches", 0, 1)
+    Traceback (most recent call last):
+    ValueError: micro_batches must be at least 1, got 0
+  """
   if not isinstance(value, numbers.Integral) or isinstance(value, bool):
     raise TypeError(f"{name} must be an int, got {value!r}")
   if value < minimum:
@@ -117,7 +124,7 @@ def _mesh(mesh: Any, axis: DataAxis) -> Mesh | None:
 def _check_low_rank(options: dict[str, Any], axis: DataAxis) -> None:
   """Validates ``rank`` for ``algorithm="powersgd"`` (its default if None) and what it excludes."""
   rank = options.get("rank")
-  options["rank"] = (low_rank.DEFAULT_RANK if rank is None else _count("rank", rank, 1))
+  options["rank"] = (low_rank.DEFAULT_RANK if rank is None else checked_count("rank", rank, 1))
   if axis.is_pair:
     raise ValueError(
         f"algorithm='powersgd' runs over one data axis, got axis_name={axis.name!r}. "
@@ -189,7 +196,7 @@ class Options:
         normalised.pop("axis_name", defaults["axis_name"]))
     fusion = normalised.get("fusion", defaults["fusion"])
     if fusion != "auto":
-      normalised["fusion"] = _count("fusion", fusion, 1)
+      normalised["fusion"] = checked_count("fusion", fusion, 1)
     algorithm = normalised.get("algorithm", defaults["algorithm"])
     if algorithm == algorithms.POWERSGD.name:
       _check_low_rank(normalised, axis)
@@ -211,7 +218,7 @@ class Options:
         _flag(name, normalised[name])
     for name, minimum in (("min_size", 0), ("warmup_steps", 0)):
       if name in normalised:
-        normalised[name] = _count(name, normalised[name], minimum)
+        normalised[name] = checked_count(name, normalised[name], minimum)
     normalised["network"] = _network(normalised.get("network", defaults["network"]),
                                      axis)
     normalised["backward_seconds"] = _backward_seconds(

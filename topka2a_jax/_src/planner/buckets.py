@@ -1,4 +1,4 @@
-"""Tensor fusion: packing gradient leaves into a few flat buffers.
+"""Tensor fusion: which gradient leaves share a flat buffer.
 
 Every exchange pays a per-message latency, so leaves are fused into buckets
 and each bucket goes through one collective. Leaves are taken in reverse
@@ -20,9 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import NamedTuple
-
-import jax
-import jax.numpy as jnp
 
 
 class Bucket(NamedTuple):
@@ -71,32 +68,3 @@ def plan_buckets(
       open_buckets[algorithm] = bucket
   return tuple(closed) + tuple(open_buckets.values())
 
-
-def pack(leaves: Sequence[jax.Array], dtype: jnp.dtype) -> jax.Array:
-  """Concatenates the leaves, flattened and cast to ``dtype``, into one buffer.
-
-  Args:
-    leaves: the bucket's arrays, in packing order.
-    dtype: the buffer's dtype.
-
-  Returns:
-    A 1-D array of the leaves' total size.
-  """
-  return jnp.concatenate([jnp.ravel(leaf).astype(dtype) for leaf in leaves])
-
-
-def unpack(buffer: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:
-  """Splits a flat buffer back into consecutive 1-D pieces of ``sizes``.
-
-  Args:
-    buffer: what :func:`pack` made (or a buffer of the same length).
-    sizes: element count of every piece, in packing order.
-
-  Returns:
-    The pieces, flat; reshape them to the leaves' shapes.
-  """
-  pieces, start = [], 0
-  for size in sizes:
-    pieces.append(buffer[start : start + size])
-    start += size
-  return pieces

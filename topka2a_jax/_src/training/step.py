@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from topka2a_jax._src import layout
 from topka2a_jax._src.axis import DataAxis
+from topka2a_jax._src.options import checked_count
 from topka2a_jax._src.planner import compute
 from topka2a_jax._src.training import placement, watchdog
 from topka2a_jax._src.transforms.clipping import warn_if_clipped_before_exchange
@@ -86,9 +87,7 @@ def check_step_options(mesh: Mesh, axis_name: Hashable, micro_batches: int) -> D
     Traceback (most recent call last):
     ValueError: mesh has no axis 'batch'; its axes are ('data',). Pass the data-parallel axis with axis_name=...
   """
-  if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or (
-      micro_batches < 1):
-    raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
+  checked_count("micro_batches", micro_batches, 1)
   axis = DataAxis.parse(axis_name)
   axis.check_on(mesh)
   return axis

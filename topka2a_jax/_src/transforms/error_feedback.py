@@ -5,8 +5,9 @@ where the parameters are sharded over other mesh axes) and residuals:
 
 * :func:`plan` fuses the leaves into buckets (``planner/buckets.py``), planned by
   the cost model (``planner/fusion.py``);
-* :func:`exchange_buckets` adds every leaf's residual (error feedback), runs
-  each bucket's collective (``collectives/exchanges.py``) and returns the
+* :func:`exchange_buckets` adds every leaf's residual (error feedback),
+  packs each bucket into one flat buffer (:func:`pack_bucket`), runs its
+  collective (``collectives/exchanges.py``) and returns the
   means and what stays behind;
 * :func:`step` wraps that in the two run-time switches of the one compiled
   step: a step with a non-finite gradient anywhere is skipped everywhere
@@ -57,6 +58,36 @@ from topka2a_jax._src.planner import buckets
 from topka2a_jax._src.planner.cost import TWO_LEVEL
 from topka2a_jax._src.planner.fusion import step_model
 from topka2a_jax._src.transforms.nonfinite import applied_or_skipped, step_is_bad
+
+
+def pack_bucket(leaves: Sequence[jax.Array], dtype: jnp.dtype) -> jax.Array:
+  """Concatenates the leaves, flattened and cast to ``dtype``, into one buffer.
+
+  Args:
+    leaves: the bucket's arrays, in packing order.
+    dtype: the buffer's dtype.
+
+  Returns:
+    A 1-D array of the leaves' total size.
+  """
+  return jnp.concatenate([jnp.ravel(leaf).astype(dtype) for leaf in leaves])
+
+
+def unpack_bucket(buffer: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:
+  """Splits a flat buffer back into consecutive 1-D pieces of ``sizes``.
+
+  Args:
+    buffer: what :func:`pack_bucket` made (or a buffer of the same length).
+    sizes: element count of every piece, in packing order.
+
+  Returns:
+    The pieces, flat; reshape them to the leaves' shapes.
+  """
+  pieces, start = [], 0
+  for size in sizes:
+    pieces.append(buffer[start : start + size])
+    start += size
+  return pieces
 
 
 def residual_dtype(dtype: jnp.dtype) -> jnp.dtype:
@@ -197,14 +228,14 @@ def exchange_buckets(options: Options, grads: Sequence[jax.Array],
           outer=exchanges.COLLECTIVES[algorithm.name], limit=limit, **options_kw)
       mean_pieces = [piece.ravel()[:size] for piece, size in zip(
           _split_columns(result.mean.reshape(per_node, -1), widths), sizes)]
-      unsent = buckets.unpack(result.unsent, widths)
+      unsent = unpack_bucket(result.unsent, widths)
     else:
       flat = [r.ravel()[:size] for r, size in zip(rows, sizes)]
       sent = flat if limit is None else [jnp.clip(f, -limit, limit) for f in flat]
       result = exchanges.COLLECTIVES[algorithm.name](
-          buckets.pack(sent, dtype), options.axis_name, options.density, **options_kw)
-      mean_pieces = buckets.unpack(result.mean, sizes)
-      unsent = buckets.unpack(result.unsent, sizes)
+          pack_bucket(sent, dtype), options.axis_name, options.density, **options_kw)
+      mean_pieces = unpack_bucket(result.mean, sizes)
+      unsent = unpack_bucket(result.unsent, sizes)
       if limit is not None:  # what the clip held back joins what was not sent,
         # before a pair of data axes sums it onto the devices keeping each slice
         unsent = [left + whole - clipped
@@ -285,7 +316,7 @@ def unsent_slices(unsent: Sequence[jax.Array], widths: Sequence[int],
             for zero, row in zip(zeros, rows)]
   summed = jax.lax.psum_scatter(jnp.concatenate(rows, axis=1), inner_axis,
                                 scatter_dimension=0, tiled=True)
-  return buckets.unpack(summed[0], widths)
+  return unpack_bucket(summed[0], widths)
 
 
 def _zeros_like_mean(grad: jax.Array, axis: DataAxis) -> jax.Array:

@@ -58,7 +58,8 @@ from topka2a_jax._src.axis import (
 )
 from topka2a_jax._src.collectives import exchanges
 from topka2a_jax._src.collectives.algorithms import AUTO, DENSE, TOPKA2A
-from topka2a_jax._src.options import Options
+from topka2a_jax._src.options import DEFAULT_MIN_SIZE, DEFAULT_SELECTION, Options
+from topka2a_jax._src.planner.cost import AUTO_NETWORK
 from topka2a_jax._src.planner.fusion import step_model
 from topka2a_jax._src.sizes import ceil_div
 from topka2a_jax._src.states import ShardedOptimizerState, TopKA2AState
@@ -137,7 +138,13 @@ def sharded_optimizer(
     axis_name: Hashable = "data",
     mesh: Mesh | None = None,
     algorithm: str = AUTO,
-    **options: Any,
+    error_feedback: bool = True,
+    min_size: int = DEFAULT_MIN_SIZE,
+    network: Any = AUTO_NETWORK,
+    value_dtype: Any = None,
+    selection: str = DEFAULT_SELECTION,
+    warmup_steps: int = 0,
+    skip_nonfinite: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """``optax.chain(topka2a(density), inner)`` with ``inner``'s state sharded.
 
@@ -156,10 +163,16 @@ def sharded_optimizer(
     algorithm: ``"auto"`` (each leaf the cheaper of the two under the cost
       model), ``"topka2a"`` or ``"dense"`` (a reduce-scatter). The other
       exchanges do not leave owners a summed shard.
-    **options: the other options of :func:`topka2a_jax.topka2a`
-      (``min_size``, ``network``, ``value_dtype``, ``selection``,
-      ``warmup_steps``, ``skip_nonfinite``, ``error_feedback``). A skipped
-      step leaves ``inner``'s state as it was.
+    error_feedback: keep what was not sent, as :func:`topka2a_jax.topka2a`.
+    min_size: leaves with fewer elements on a device go dense.
+    network: the link the planner prices, as :func:`topka2a_jax.topka2a`.
+    value_dtype: the top-k values' dtype on the wire.
+    selection: how the top-k is chosen, as :func:`topka2a_jax.topka2a`.
+    warmup_steps: applied steps exchanged densely first.
+    skip_nonfinite: a non-finite gradient on any device skips the step
+      everywhere, leaving ``inner``'s state as it was.
+
+  Every sparse leaf is its own bucket (so it takes no ``fusion``).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state
@@ -190,12 +203,12 @@ def sharded_optimizer(
         f"sharded_optimizer shards over one data axis; axis_name={axis.name!r} is a "
         "pair. Use optax.chain(topka2a_jax.topka2a(..., axis_name=...), inner) "
         "for the two-level exchange.")
-  if "fusion" in options:
-    raise ValueError("sharded_optimizer makes every sparse leaf its own bucket; "
-                     "it takes no fusion= option.")
   check_element_wise(inner)
-  opts = Options.create(density, axis_name=axis, mesh=mesh,
-                        algorithm=algorithm, fusion=1, **options)
+  opts = Options.create(
+      density, axis_name=axis, mesh=mesh, algorithm=algorithm, fusion=1,
+      error_feedback=error_feedback, min_size=min_size, network=network,
+      value_dtype=value_dtype, selection=selection, warmup_steps=warmup_steps,
+      skip_nonfinite=skip_nonfinite)
 
   def init_fn(params: optax.Params) -> ShardedOptimizerState:
     return ShardedOptimizerState(init_state(opts, params),
