@@ -143,6 +143,7 @@ RUNS = {
                                             **PAPER},
     "updates 1%": {"density": 0.01, "updates": True},
     "updates, onebit": {"algorithm": "onebit", "updates": True},
+    "updates, onebit_4": {"algorithm": "onebit_4", "updates": True},
 }
 QUICK_RUNS = ("dense (pmean)", "topka2a 1%", "updates 1%")
 

@@ -126,6 +126,33 @@ def test_a_restart_on_another_device_count_delivers_what_was_owed(
                                atol=1e-5 * scale, err_msg=f"{name} {key}")
 
 
+@pytest.mark.parametrize("old, new", [(8, 4), (4, 8), (8, 3)])
+def test_signs_after_a_restart_deliver_what_was_owed_and_no_more(tmp_path, old, new):
+  """onebit drains slowly (signs of what is owed): the parameters' moves plus what
+  is still owed equal what was owed at the save, and most of it has arrived."""
+  tx = optax.chain(topka2a_jax.topka2a(algorithm="onebit", min_size=64), optax.sgd(0.1))
+  mesh = sub_mesh(old)
+  state = resumable.train(resumable.fresh(mesh, tx), mesh, range(3), tx)
+  at_save = np.asarray(state["params"]["w"], np.float64).ravel()
+  owed_at_save = owed(state, old)[0] / old  # "w"'s mean residual; "b" goes dense
+  topka2a_jax.save(tmp_path / "ckpt", state, mesh)
+  mesh = sub_mesh(new)
+  restored = topka2a_jax.restore(tmp_path / "ckpt", resumable.fresh(mesh, tx), mesh)
+  step = topka2a_jax.train_step(zero_loss, tx, mesh)
+  params, opt_state = restored["params"], restored["opt_state"]
+  for i in range(20):
+    params, opt_state, _ = step(params, opt_state, resumable.batch(i))
+  delivered = (at_save - np.asarray(params["w"], np.float64).ravel()) / 0.1
+  still_owed = owed({"opt_state": opt_state}, new)[0] / new
+  scale = np.abs(owed_at_save).max()
+  assert scale > 1e-3, "nothing was owed at the save: the test would be void"
+  # Twenty steps of float32 arithmetic on values of about ``scale``.
+  np.testing.assert_allclose(delivered + still_owed, owed_at_save, rtol=0,
+                             atol=20 * 8 * np.finfo(np.float32).eps * scale)
+  # And it drains: less than half is still owed after 20 steps (in norm).
+  assert np.linalg.norm(still_owed) < 0.5 * np.linalg.norm(owed_at_save)
+
+
 @pytest.mark.parametrize("old, new", [(8, 4), (4, 8), (8, 3), (2, 1)])
 def test_restart_on_another_device_count_keeps_what_is_owed(tmp_path, old, new):
   before_mesh, after_mesh = sub_mesh(old), sub_mesh(new)

@@ -166,8 +166,19 @@ def test_annotated_model_on_a_2d_mesh_inside_nnx_jit(mesh):
       ("all-reduce", ("data", "model")), ("all-reduce", ("model",))]
 
 
-def test_powersgd_through_nnx_optimizer_is_the_functional_run(mesh):
-  """nnx.Optimizer's state holds PowerSGD's Q; three steps equal train_step's, bitwise."""
+EXCHANGE_STATES = {
+    # nnx.Optimizer's state holds PowerSGD's Q:
+    "powersgd": lambda mesh: optax.chain(topka2a_jax.topka2a(
+        algorithm="powersgd", rank=2, mesh=mesh, min_size=0), optax.sgd(0.1)),
+    # ... or every device's Adam state, whose signs the exchange sends:
+    "onebit of adam": lambda mesh: topka2a_jax.compress_updates(
+        optax.adam(1e-2), algorithm="onebit", mesh=mesh, min_size=0),
+}
+
+
+@pytest.mark.parametrize("name", list(EXCHANGE_STATES))
+def test_exchange_state_through_nnx_optimizer_is_the_functional_run(mesh, name):
+  """nnx.Optimizer holds the exchange's state; three steps equal train_step's, bitwise."""
   def make():
     return nnx.Sequential(nnx.Linear(64, 48, rngs=nnx.Rngs(0)), nnx.relu,
                           nnx.Linear(48, 8, rngs=nnx.Rngs(1)))
@@ -177,8 +188,7 @@ def test_powersgd_through_nnx_optimizer_is_the_functional_run(mesh):
     return jnp.mean((model(x) - y) ** 2)
 
   def tx():
-    return optax.chain(topka2a_jax.topka2a(algorithm="powersgd", rank=2, mesh=mesh,
-                                           min_size=0), optax.sgd(0.1))
+    return EXCHANGE_STATES[name](mesh)
 
   model = make()
   optimizer = nnx.Optimizer(model, tx(), wrt=nnx.Param)

@@ -11,8 +11,9 @@ exchange after the optimizer instead:
 1. every device runs ``inner`` (Adam, momentum, ...) on its own gradient,
    with its own copy of ``inner``'s state;
 2. the updates go through an exchange of :func:`topka2a_jax.topka2a` with
-   error feedback: by default every entry's sign and one scale per chunk
-   (``"onebit"``), or, given a density, the top-k; what a device does not
+   error feedback: by default every entry's sign and one scale per chunk,
+   the owners' means back in 4 bits (``"onebit_4"``), or, given a density,
+   the top-k; what a device does not
    send of its update waits in its residual;
 3. the mean of what was sent is the step every device applies, identical
    everywhere, so the parameters stay replicated.
@@ -37,7 +38,7 @@ normalised by the optimizer.
 
 Example:
   >>> mesh = jax.make_mesh((8,), ("data",))
-  >>> tx = compress_updates(optax.adam(1e-3), mesh=mesh)  # signs, 8-bit means back
+  >>> tx = compress_updates(optax.adam(1e-3), mesh=mesh)  # signs, 4-bit means back
   >>> opt_state = tx.init({"w": jnp.zeros((64, 32))})
   >>> opt_state.inner[0].mu["w"].shape  # one (64, 32) moment per device
   (8, 64, 32)
@@ -69,8 +70,9 @@ from topka2a_jax._src.axis import (
   is_bound,
   vary_like,
 )
-from topka2a_jax._src.collectives.algorithms import AUTO, ONEBIT
-from topka2a_jax._src.options import Options
+from topka2a_jax._src.collectives.algorithms import AUTO, ONEBIT_4
+from topka2a_jax._src.options import DEFAULT_MIN_SIZE, DEFAULT_SELECTION, Options
+from topka2a_jax._src.planner.cost import AUTO_NETWORK
 from topka2a_jax._src.states import CompressedUpdatesState
 from topka2a_jax._src.transforms.nonfinite import (
   NONFINITE,
@@ -86,13 +88,17 @@ from topka2a_jax._src.transforms.topka2a import (
   update_state,
 )
 
-DEFAULT_ALGORITHM = ONEBIT.name
+DEFAULT_ALGORITHM = ONEBIT_4.name
 """What ``compress_updates(inner)`` sends without a density: every entry's
-sign. Measured on ``benchmarks/network_training.py`` against the top-k of
-Adam's step, two seeds (the guide "Adam" has the rows): at 8 windows per
-process it ends 5.0% / 6.7% above dense's loss where the top-k ends 19.3% /
-21.1% above, and at 2 windows +1.0% / -1.1% where the top-k ends 4.5% /
-3.5% above, reaching 2.4 in 0.39x to 0.75x of dense's time."""
+sign, the owners' means back in 4 bits. Measured on
+``benchmarks/network_training.py`` against the top-k of Adam's step and the
+same signs with 8 bits back (``"onebit"``), two seeds each (the guide "Adam"
+has the rows): at 8 windows per process it ends 5.3% / 6.4% above dense's
+loss (8 bits back: 5.0% / 6.7%; the top-k: 19.3% / 21.1%) and reaches 2.4 in
+0.63x / 0.63x of dense's time (8 bits: 0.75x / 0.68x); at 2 windows +1.1% /
+-2.1% (8 bits: +1.0% / -1.1%; the top-k: +4.5% / +3.5%), in 0.41x / 0.34x
+(8 bits: 0.45x / 0.39x). The loss is the same within the seeds' spread, and
+4 bits reached 2.4 sooner in all four runs."""
 
 
 def compress_updates(
@@ -102,7 +108,16 @@ def compress_updates(
     axis_name: Hashable = "data",
     mesh: Mesh | None = None,
     algorithm: str | None = None,
-    **options: Any,
+    error_feedback: bool = True,
+    min_size: int = DEFAULT_MIN_SIZE,
+    fusion: int | str = "auto",
+    network: Any = AUTO_NETWORK,
+    backward_seconds: float | None = None,
+    value_dtype: Any = None,
+    selection: str = DEFAULT_SELECTION,
+    warmup_steps: int = 0,
+    skip_nonfinite: bool = True,
+    rank: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """``inner`` run on every device's own gradient, its updates averaged sparsely.
 
@@ -126,19 +141,28 @@ def compress_updates(
     axis_name: the data-parallel mesh axis, or a pair ``(outer, inner)``.
     mesh: the mesh ``init`` lays the state out for (else read from the
       parameters' shardings), as for :func:`topka2a_jax.topka2a`.
-    algorithm: by default ``"onebit"`` without a density (every entry's
-      sign to its shard's owner, the owners' means back in 8 bits; 1-bit
+    algorithm: by default ``"onebit_4"`` without a density (every entry's
+      sign to its shard's owner, the owners' means back in 4 bits; 1-bit
       Adam's exchange) and ``"auto"`` with one (each bucket's top-k by the
       cheapest exchange under the cost model among those whose mean holds
       every device's whole selection: TopKA2A, TopkA, dense). Or any name
-      of :data:`topka2a_jax.collectives.ALGORITHMS` (``"onebit_4"``: the
-      means back in 4 bits), or ``"powersgd"`` (see
+      of :data:`topka2a_jax.collectives.ALGORITHMS` (``"onebit"``: the
+      means back in 8 bits), or ``"powersgd"`` (see
       :func:`topka2a_jax.topka2a`).
-    **options: the other options of :func:`topka2a_jax.topka2a`
-      (``min_size``, ``fusion``, ``network``, ``value_dtype``,
-      ``selection``, ``warmup_steps``, ``skip_nonfinite``,
-      ``error_feedback``, ``backward_seconds``). A skipped step leaves
-      ``inner``'s state as it was on every device.
+    error_feedback: keep what was not sent of the updates, as
+      :func:`topka2a_jax.topka2a`.
+    min_size: leaves with fewer elements on a device go dense.
+    fusion: bucket size, as :func:`topka2a_jax.topka2a`.
+    network: the link the planner prices, as :func:`topka2a_jax.topka2a`.
+    backward_seconds: the backward pass the buckets overlap, as
+      :func:`topka2a_jax.topka2a`.
+    value_dtype: the top-k values' dtype on the wire (not with the
+      quantizing exchanges, which send signs and codes).
+    selection: how the top-k is chosen, as :func:`topka2a_jax.topka2a`.
+    warmup_steps: applied steps exchanged densely first.
+    skip_nonfinite: a non-finite gradient on any device skips the step
+      everywhere, leaving ``inner``'s state as it was on every device.
+    rank: the factors' rank of ``algorithm="powersgd"``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state
@@ -159,8 +183,12 @@ def compress_updates(
   """
   if algorithm is None:
     algorithm = DEFAULT_ALGORITHM if density is None else AUTO
-  opts = Options.create(density, axis_name=axis_name, mesh=mesh, algorithm=algorithm,
-                        whole_selection=True, **options)
+  opts = Options.create(
+      density, axis_name=axis_name, mesh=mesh, algorithm=algorithm,
+      error_feedback=error_feedback, min_size=min_size, fusion=fusion, network=network,
+      backward_seconds=backward_seconds, value_dtype=value_dtype, selection=selection,
+      warmup_steps=warmup_steps, skip_nonfinite=skip_nonfinite, rank=rank,
+      whole_selection=True)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params: optax.Params) -> CompressedUpdatesState:
