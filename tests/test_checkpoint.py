@@ -17,7 +17,7 @@ import resumable
 from cases import LAUNCHER
 
 import topka2a_jax
-from topka2a_jax._src.training import checkpoint
+from topka2a_jax._src.training import checkpoint, integrity
 
 SCRIPT = Path(resumable.__file__)
 
@@ -243,7 +243,7 @@ def test_a_flipped_byte_in_any_file_is_refused_naming_it(tmp_path, mesh):
   saved = tmp_path / "ckpt"
   topka2a_jax.save(saved, state, mesh)
   files = sorted(p.relative_to(saved) for p in saved.rglob("*") if p.is_file())
-  assert len(files) > 5 and Path(checkpoint.MANIFEST_FILE) in files
+  assert len(files) > 5 and Path(integrity.MANIFEST_FILE) in files
   for i, name in enumerate(files):
     copy = tmp_path / f"copy{i}"
     shutil.copytree(saved, copy)
@@ -266,7 +266,7 @@ def test_links_and_special_files_in_a_checkpoint_are_refused_unread(tmp_path, me
   saved = tmp_path / "ckpt"
   topka2a_jax.save(saved, state, mesh)
   if not manifest:  # an older version's checkpoint: still no link is followed
-    (saved / checkpoint.MANIFEST_FILE).unlink()
+    (saved / integrity.MANIFEST_FILE).unlink()
   secret = tmp_path / "secret"
   secret.write_text("host data")
   linked = tmp_path / "linked"
@@ -292,7 +292,7 @@ def test_a_lost_manifest_still_leaves_every_array_checked(tmp_path, mesh):
   state = {"w": jax.device_put(weights)}
   saved = tmp_path / "ckpt"
   topka2a_jax.save(saved, state, mesh)
-  (saved / checkpoint.MANIFEST_FILE).unlink()
+  (saved / integrity.MANIFEST_FILE).unlink()
   data = max((p for p in saved.rglob("*") if p.is_file() and "d" == p.parent.name),
              key=lambda p: p.stat().st_size)  # the OCDBT data file of w
   _flip_byte(data)
@@ -305,7 +305,7 @@ def test_fingerprint_changes_with_any_byte():
   rng = np.random.default_rng(0)
   for dtype in (np.float32, np.float16, np.int32, np.uint8, np.bool_):
     array = rng.normal(size=(37, 5)).astype(dtype)
-    base = int(checkpoint.fingerprint(jnp.asarray(array)))
+    base = int(integrity.fingerprint(jnp.asarray(array)))
     raw = array.view(np.uint8).reshape(-1)
     for at in rng.choice(raw.size, 16, replace=False):
       changed = raw.copy()
@@ -313,7 +313,7 @@ def test_fingerprint_changes_with_any_byte():
       flipped = changed.view(array.dtype).reshape(array.shape)
       if dtype == np.bool_:
         continue  # not every byte is a valid bool
-      assert int(checkpoint.fingerprint(jnp.asarray(flipped))) != base
+      assert int(integrity.fingerprint(jnp.asarray(flipped))) != base
 
 
 def test_a_save_that_fails_leaves_nothing_and_can_be_retried(tmp_path, mesh, monkeypatch):
@@ -341,7 +341,7 @@ def test_a_corrupted_layout_file_is_named(tmp_path, mesh):
   state = resumable.fresh(mesh)
   saved = tmp_path / "ckpt"
   topka2a_jax.save(saved, state, mesh)
-  (saved / checkpoint.MANIFEST_FILE).unlink()  # a copy that lost it, then
+  (saved / integrity.MANIFEST_FILE).unlink()  # a copy that lost it, then
   _flip_byte(saved / checkpoint.LAYOUT_FILE, at=0)  # a bad first byte
   with pytest.warns(UserWarning), pytest.raises(
       ValueError, match="layout description .*topka2a_layout.json is corrupted"):
@@ -403,7 +403,7 @@ def test_a_manager_step_without_fingerprints_is_refused_unless_it_is_older(tmp_p
   with topka2a_jax.CheckpointManager(tmp_path, mesh) as manager:
     with pytest.raises(ValueError, match="topka2a_layout.json|layout.* is corrupted"):
       manager.restore(resumable.fresh(mesh))  # the manifest sees the edit
-    (tmp_path / "1" / checkpoint.MANIFEST_FILE).unlink()  # and loses its manifest
+    (tmp_path / "1" / integrity.MANIFEST_FILE).unlink()  # and loses its manifest
     with pytest.warns(UserWarning, match="no topka2a_manifest.json"), pytest.raises(
         ValueError, match="lacks the arrays' fingerprints"):
       manager.restore(resumable.fresh(mesh))
@@ -426,7 +426,7 @@ def test_a_manager_step_is_sealed_and_a_damaged_file_is_named(tmp_path, mesh):
   step = root / "2"
   topka2a_jax.checkpoint.verify(step)  # the manifest lists every file
   files = sorted(p.relative_to(step) for p in step.rglob("*")
-                 if p.is_file() and p.name != checkpoint.MANIFEST_FILE)
+                 if p.is_file() and p.name != integrity.MANIFEST_FILE)
   data = max(files, key=lambda name: (step / name).stat().st_size)
   damaged = [data, _manager_layout(root, 2).relative_to(step),
              Path("state") / "_METADATA"]
@@ -443,7 +443,7 @@ def test_a_manager_step_is_sealed_and_a_damaged_file_is_named(tmp_path, mesh):
           ValueError, match=f"checkpoint file .*{name.name} {problem}"):
         manager.restore(resumable.fresh(mesh))
   # A step without its manifest (an older version's): Orbax's error, named.
-  (step / checkpoint.MANIFEST_FILE).unlink()
+  (step / integrity.MANIFEST_FILE).unlink()
   (step / "state" / "_METADATA").unlink()
   with topka2a_jax.CheckpointManager(root, mesh) as manager, pytest.warns(
       UserWarning, match="cannot be checked"), pytest.raises(

@@ -6,7 +6,10 @@ Read it top-down, in four parts and a few shared records:
   ``DataParallelStep``, the one core behind both training steps),
   ``nnx_step.py`` (Flax NNX), ``placement.py`` (the optimizer state laid out
   on a mesh), ``checkpoint.py`` and ``checkpoint_manager.py`` (Orbax, any
-  device count), ``distributed.py`` and ``launch.py`` (several processes).
+  device count), ``resize.py`` (what per-device state becomes on another
+  device count), ``integrity.py`` (fingerprints, manifest),
+  ``distributed.py``, ``launch.py`` and ``watchdog.py`` (several processes,
+  a stalled one ended).
 * ``transforms/``: the optax transforms. ``topka2a.py`` (the transform),
   ``error_feedback.py`` (one device's step: residuals, buckets, one
   collective per bucket, the warm-up and non-finite switches),

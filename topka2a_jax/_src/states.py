@@ -74,3 +74,29 @@ class ShardedOptimizerState(NamedTuple):
 
   exchange: TopKA2AState
   inner: optax.OptState
+
+
+RESIDUAL, SHARD, REPLICA = "residual", "shard", "replica"
+"""The kinds of per-device state: a residual (what one device has not sent),
+one device's shard of :func:`topka2a_jax.sharded_optimizer`'s optimizer
+state, or one device's copy of :func:`topka2a_jax.compress_updates`'
+optimizer state."""
+
+PER_DEVICE: dict[type, dict[str, str]] = {
+    TopKA2AState: {"residuals": RESIDUAL},
+    ShardedOptimizerState: {"inner": SHARD},
+    CompressedUpdatesState: {"inner": REPLICA},
+}
+"""For each state, its per-device fields and their kind. Every other field
+is replicated, or is itself one of these states (``exchange``)."""
+
+
+def per_device_kind(state: NamedTuple, field: str) -> str | None:
+  """The kind of per-device state ``field`` of ``state`` holds, or None.
+
+  Example:
+    >>> state = CompressedUpdatesState(TopKA2AState({}, 0, 0), ())
+    >>> per_device_kind(state, "inner"), per_device_kind(state.exchange, "count")
+    ('replica', None)
+  """
+  return PER_DEVICE.get(type(state), {}).get(field)

@@ -10,7 +10,7 @@ to read it onto another number of devices (each array's fingerprint
 included, checked at restore). Once a step's save has completed, the
 manager seals it with the same SHA-256 manifest as :func:`topka2a_jax.save`
 (at the next save, :meth:`~CheckpointManager.wait_until_finished` or
-closing), so that :func:`topka2a_jax.checkpoint.verify` checks it and a
+closing), so that :func:`topka2a_jax.integrity.verify` checks it and a
 restore refuses a damaged step naming its file.
 
 When is plain Orbax enough? When every restart has the same mesh: then
@@ -44,7 +44,7 @@ import jax
 from jax.sharding import Mesh
 
 from topka2a_jax._src.axis import DataAxis
-from topka2a_jax._src.training import checkpoint
+from topka2a_jax._src.training import checkpoint, integrity
 
 if TYPE_CHECKING:  # typing.Self from Python 3.11
   from typing_extensions import Self
@@ -104,7 +104,7 @@ class CheckpointManager:
     return saved
 
   def step_directory(self, step: int) -> Path:
-    """The directory of ``step``, e.g. for :func:`topka2a_jax.checkpoint.verify`."""
+    """The directory of ``step``, e.g. for :func:`topka2a_jax.integrity.verify`."""
     return Path(self._manager.directory) / str(step)
 
   def _seal(self) -> None:
@@ -112,7 +112,7 @@ class CheckpointManager:
     complete = set(self._manager.all_steps())
     for step in self._unsealed:
       if step in complete and jax.process_index() == 0:
-        checkpoint.write_manifest(self.step_directory(step))
+        integrity.write_manifest(self.step_directory(step))
     self._unsealed = []
 
   def restore(self, like: Any, step: int | None = None) -> Any:
@@ -125,7 +125,7 @@ class CheckpointManager:
     Raises:
       FileNotFoundError: no complete step, or not ``step``.
       ValueError: a file of the step is missing, added or corrupted (naming
-        it, :func:`topka2a_jax.checkpoint.verify`), or Orbax cannot read
+        it, :func:`topka2a_jax.integrity.verify`), or Orbax cannot read
         it; another model or configuration; an array that reads back other
         bytes than were saved (naming it). Nothing is returned.
     """
@@ -139,12 +139,12 @@ class CheckpointManager:
           f"{self._manager.directory} holds no complete checkpoint of step {step} "
           f"(complete steps: {steps}); nothing was loaded")
     directory = self.step_directory(step)
-    if (directory / checkpoint.MANIFEST_FILE).is_file():
-      checkpoint.verify(directory)
+    if (directory / integrity.MANIFEST_FILE).is_file():
+      integrity.verify(directory)
     else:
-      checkpoint.listed_files(directory)  # no link, no special file
+      integrity.listed_files(directory)  # no link, no special file
       warnings.warn(
-          f"{directory} has no {checkpoint.MANIFEST_FILE}: its files cannot be "
+          f"{directory} has no {integrity.MANIFEST_FILE}: its files cannot be "
           "checked (an older topka2a_jax wrote it, or the process ended before "
           "sealing it); its arrays' fingerprints still are", stacklevel=2)
     read_step = _naming(directory, self._manager.restore)
@@ -193,7 +193,7 @@ def _naming(directory: Path, read: Callable[..., Any]) -> Callable[..., Any]:
       first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
       raise ValueError(
           f"{directory} cannot be read: {type(error).__name__}: {first}. A file "
-          "of the step is missing or damaged (topka2a_jax.checkpoint.verify names "
+          "of the step is missing or damaged (topka2a_jax.integrity.verify names "
           "it when the step has its manifest); restore another step or an intact "
           "copy. Nothing was loaded.") from error
 

@@ -33,9 +33,12 @@ from topka2a_jax._src.axis import DataAxis
 from topka2a_jax._src.collectives.algorithms import DENSE
 from topka2a_jax._src.layout import inner_specs, laid_out_for, replica_specs
 from topka2a_jax._src.states import (
-  CompressedUpdatesState,
-  ShardedOptimizerState,
+  PER_DEVICE,
+  REPLICA,
+  RESIDUAL,
+  SHARD,
   TopKA2AState,
+  per_device_kind,
 )
 from topka2a_jax._src.transforms.clipping import warn_if_clipped_before_exchange
 
@@ -198,32 +201,37 @@ def state_specs(opt_state: optax.OptState, axis_name: Hashable = "data",
             and jax.tree.structure(node) == params_structure
             and params_structure.num_leaves > 0)
 
-  def spec_for(node: Any) -> Any:
-    if _is_topka2a_state(node):
-      return TopKA2AState(_residual_specs(node.residuals, axis, param_specs),
-                          count=P(), nonfinite_steps=P(),
-                          factors=_factor_specs(node.factors, param_specs))
-    if isinstance(node, ShardedOptimizerState):
+  param_leaves = (None if param_specs is None
+                  else jax.tree.leaves(param_specs, is_leaf=_is_spec))
+
+  def is_state(node: Any) -> bool:
+    return type(node) in PER_DEVICE
+
+  def field_specs(node: Any, field: str, value: Any) -> Any:
+    kind = per_device_kind(node, field)
+    if kind == RESIDUAL:
+      return _residual_specs(value, axis, param_specs)
+    if kind == SHARD:
       if params_structure is None:
-        return ShardedOptimizerState(spec_for(node.exchange),
-                                     jax.tree.map(lambda _: P(axis.name), node.inner))
-      return ShardedOptimizerState(spec_for(node.exchange), inner_specs(
-          node.inner, params_structure,
-          jax.tree.leaves(param_specs, is_leaf=_is_spec), axis.name))
-    if isinstance(node, CompressedUpdatesState):
-      return CompressedUpdatesState(spec_for(node.exchange), replica_specs(
-          node.inner, axis, params_structure,
-          None if param_specs is None else
-          jax.tree.leaves(param_specs, is_leaf=_is_spec)))
+        return jax.tree.map(lambda _: P(axis.name), value)
+      return inner_specs(value, params_structure, param_leaves, axis.name)
+    if kind == REPLICA:
+      return replica_specs(value, axis, params_structure, param_leaves)
+    if field == "factors":  # PowerSGD's Q: replicated, laid out like the parameters
+      return _factor_specs(value, param_specs)
+    return spec_for(value) if is_state(value) else jax.tree.map(lambda _: P(), value)
+
+  def spec_for(node: Any) -> Any:
+    if is_state(node):
+      return node._replace(**{field: field_specs(node, field, value)
+                              for field, value in zip(node._fields, node)})
     if shaped_like_params(node):
       return param_specs
     return P()
 
-  kinds = (ShardedOptimizerState, CompressedUpdatesState)
   return jax.tree.map(
       spec_for, opt_state,
-      is_leaf=lambda node: (_is_topka2a_state(node) or shaped_like_params(node)
-                            or isinstance(node, kinds)))
+      is_leaf=lambda node: is_state(node) or shaped_like_params(node))
 
 
 def _check_param_specs(param_specs: Any, axis: DataAxis) -> None:
