@@ -11,7 +11,8 @@ Read it top-down, in four parts and a few shared records:
   ``distributed.py``, ``launch.py`` and ``watchdog.py`` (several processes,
   a stalled one ended).
 * ``transforms/``: the optax transforms. ``topka2a.py`` (the transform),
-  ``error_feedback.py`` (one device's step: residuals, buckets, one
+  ``exchange_state.py`` (its state made and updated, shared by every
+  transform), ``leaves.py`` (pytrees taken apart), ``error_feedback.py`` (one device's step: residuals, buckets, one
   collective per bucket, the warm-up and non-finite switches),
   ``update_compression.py``, ``frozen_variance.py``,
   ``sharded_optimizer.py``, ``nonfinite.py``, ``clipping.py``.

@@ -42,7 +42,8 @@ from topka2a_jax._src.options import checked_count
 from topka2a_jax._src.planner import compute
 from topka2a_jax._src.training import placement, watchdog
 from topka2a_jax._src.transforms.clipping import warn_if_clipped_before_exchange
-from topka2a_jax._src.transforms.topka2a import BACKWARD_SECONDS, PARAM_SPECS, flatten
+from topka2a_jax._src.transforms.exchange_state import BACKWARD_SECONDS, PARAM_SPECS
+from topka2a_jax._src.transforms.leaves import leaves_of
 
 LossFn = Callable[..., Any]
 
@@ -198,7 +199,8 @@ def resolve_param_specs(params: Any, mesh: Mesh, axis: DataAxis,
   Raises:
     ValueError: a parameter split over the data axis.
   """
-  paths, leaves, treedef, _ = flatten(params)
+  tree = leaves_of(params)
+  paths, leaves, treedef = tree.paths, tree.values, tree.structure
   given_leaves = ([None] * len(leaves) if given is None
                   else treedef.flatten_up_to(given))
   others = {n: s for n, s in mesh.shape.items() if n not in axis.names}
@@ -229,7 +231,7 @@ def shardings(mesh: Mesh, axis: DataAxis, params: Any,
   (:func:`topka2a_jax.state_specs`); state shaped like the parameters is split
   like them; the rest is replicated.
   """
-  spec_tree = flatten(params)[2].unflatten(specs)
+  spec_tree = leaves_of(params).structure.unflatten(specs)
   named = lambda spec: NamedSharding(mesh, spec)
   is_spec = lambda node: isinstance(node, P)
   return (jax.tree.map(named, spec_tree, is_leaf=is_spec),
@@ -298,7 +300,7 @@ class DataParallelStep:
     return out + (reduce_metrics(aux, axis),) if self._has_aux else out
 
   def _run(self, params, carry, opt_state, keys, batch, *, model, tx, specs, backward):
-    spec_tree = flatten(params)[2].unflatten(specs)
+    spec_tree = leaves_of(params).structure.unflatten(specs)
     state = placement.state_specs(opt_state, self._axis)
     out_specs = (P(), P(), state, P()) + ((P(),) if self._has_aux else ())
     body = jax.shard_map(

@@ -64,21 +64,23 @@ from topka2a_jax._src.planner.fusion import step_model
 from topka2a_jax._src.sizes import ceil_div
 from topka2a_jax._src.states import ShardedOptimizerState, TopKA2AState
 from topka2a_jax._src.transforms import error_feedback
-from topka2a_jax._src.transforms.nonfinite import (
-  NONFINITE,
-  applied_or_skipped,
-  step_is_bad,
-)
-from topka2a_jax._src.transforms.topka2a import (
+from topka2a_jax._src.transforms.exchange_state import (
   PARAM_SPECS,
-  check_per_device,
-  flatten,
-  given_specs,
   holds_exchange,
   init_state,
   layout_mesh,
   matching_residuals,
+)
+from topka2a_jax._src.transforms.leaves import (
+  check_per_device,
+  given_specs,
+  leaves_of,
   shard_specs,
+)
+from topka2a_jax._src.transforms.nonfinite import (
+  NONFINITE,
+  applied_or_skipped,
+  step_is_bad,
 )
 
 ALGORITHMS = (AUTO, TOPKA2A.name, DENSE.name)
@@ -270,7 +272,8 @@ def _local_inner_init(opts: Options, inner: optax.GradientTransformation,
 def _init_inner(opts: Options, inner: optax.GradientTransformation,
                 params: optax.Params) -> Any:
   """``inner``'s state: per device inside shard_map, else global arrays on the mesh."""
-  _, leaves, treedef, _ = flatten(params)
+  tree = leaves_of(params)
+  leaves, treedef = tree.values, tree.structure
   if is_bound(opts.axis_name):
     return _local_inner_init(opts, inner, leaves, treedef)
   mesh = layout_mesh(opts, leaves)  # init_state has refused a missing one
@@ -420,14 +423,15 @@ def _update(opts: Options, inner: optax.GradientTransformation, updates: Any,
             state: ShardedOptimizerState, params: Any, extra_args: dict[str, Any]):
   """The per-device update, nested over the other mesh axes where they are automatic."""
   bound_axis_size(opts.axis_name)
-  paths, grads, treedef, full = flatten(updates)
+  tree = leaves_of(updates)
+  paths, grads, treedef, full = tree.paths, tree.values, tree.structure, tree.full
   if not isinstance(state, ShardedOptimizerState):
     raise TypeError(f"expected the ShardedOptimizerState made by this transform's "
                     f"init, got {type(state).__name__}")
   given = extra_args.get(PARAM_SPECS)
   residuals = matching_residuals(opts, treedef, state.exchange, grads, paths, given)
   check_per_device(grads, paths, opts.axis_name)
-  param_leaves = None if params is None else flatten(params)[1]
+  param_leaves = None if params is None else leaves_of(params).values
   bad = step_is_bad(extra_args.get(NONFINITE), grads, opts.axis_name, opts.skip_nonfinite)
   step = functools.partial(_step, opts, inner, treedef)
   args = (grads, residuals, param_leaves, state.exchange.count,

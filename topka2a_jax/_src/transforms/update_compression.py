@@ -74,18 +74,17 @@ from topka2a_jax._src.collectives.algorithms import AUTO, ONEBIT_4
 from topka2a_jax._src.options import DEFAULT_MIN_SIZE, DEFAULT_SELECTION, Options
 from topka2a_jax._src.planner.cost import AUTO_NETWORK
 from topka2a_jax._src.states import CompressedUpdatesState
-from topka2a_jax._src.transforms.nonfinite import (
-  NONFINITE,
-  applied_or_skipped,
-  step_is_bad,
-)
-from topka2a_jax._src.transforms.topka2a import (
-  check_per_device,
-  flatten,
+from topka2a_jax._src.transforms.exchange_state import (
   holds_exchange,
   init_state,
   layout_mesh,
   update_state,
+)
+from topka2a_jax._src.transforms.leaves import check_per_device, leaves_of
+from topka2a_jax._src.transforms.nonfinite import (
+  NONFINITE,
+  applied_or_skipped,
+  step_is_bad,
 )
 
 DEFAULT_ALGORITHM = ONEBIT_4.name
@@ -211,7 +210,8 @@ def _per_device(state: Any, axis_name: Hashable) -> Any:
 def _init_inner(opts: Options, inner: optax.GradientTransformation,
                 params: optax.Params) -> Any:
   """``inner``'s state: per device inside shard_map, else global arrays on the mesh."""
-  _, leaves, treedef, _ = flatten(params)
+  tree = leaves_of(params)
+  leaves, treedef = tree.values, tree.structure
   if is_bound(opts.axis_name):
     return _checked(_per_device(inner.init(params), opts.axis_name))
   mesh = layout_mesh(opts, leaves)  # init_state has refused a missing one
@@ -253,7 +253,8 @@ def _update(opts: Options, inner: optax.GradientTransformationExtraArgs,
   if not isinstance(state, CompressedUpdatesState):
     raise TypeError(f"expected the CompressedUpdatesState made by this transform's "
                     f"init, got {type(state).__name__}")
-  paths, grads, _, _ = flatten(updates)
+  tree = leaves_of(updates)
+  paths, grads = tree.paths, tree.values
   check_per_device(grads, paths, opts.axis_name)
   bad = step_is_bad(extra_args.get(NONFINITE), grads, opts.axis_name, opts.skip_nonfinite)
   own = jax.tree.map(lambda x: x[0], state.inner)

@@ -1,0 +1,392 @@
+"""The exchange's state, made and updated: the core every transform shares.
+
+:func:`init_state` makes a :class:`topka2a_jax.TopKA2AState` (per-device
+residuals, inside ``shard_map`` or as global arrays on the mesh);
+:func:`update_state` checks it against the gradients and runs one step of
+error feedback (:func:`error_feedback.step`), in a nested ``shard_map``
+where the parameters are split over other mesh axes.
+:func:`topka2a_jax.topka2a` is these two; :func:`topka2a_jax.compress_updates`
+and :func:`topka2a_jax.sharded_optimizer` build on them.
+
+Example:
+  >>> options = Options.create(0.1, min_size=0, mesh=jax.make_mesh((8,), ("data",)))
+  >>> init_state(options, {"w": jnp.zeros((4, 3))}).residuals["w"].shape  # 8 blocks
+  (32, 3)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from topka2a_jax._src import layout
+from topka2a_jax._src.axis import bound_axis_size, is_bound
+from topka2a_jax._src.collectives import low_rank
+from topka2a_jax._src.options import Options
+from topka2a_jax._src.states import TopKA2AState
+from topka2a_jax._src.transforms import error_feedback
+from topka2a_jax._src.transforms.leaves import (
+  check_floating,
+  check_per_device,
+  given_specs,
+  leaves_of,
+  local_shapes,
+  shard_specs,
+)
+from topka2a_jax._src.transforms.nonfinite import NONFINITE
+
+PARAM_SPECS = "topka2a_param_specs"
+"""Extra argument of the update: the parameters' ``PartitionSpec`` pytree.
+
+:func:`topka2a_jax.train_step` passes it where the partitioner lays the
+parameters out over other mesh axes and their types do not say how."""
+
+
+BACKWARD_SECONDS = "topka2a_backward_seconds"
+"""Extra argument of the update: the backward pass's estimated duration.
+
+:func:`topka2a_jax.train_step` passes it, from XLA's cost analysis of the
+compiled gradient (``_src/planner/compute.py``); an explicit
+``backward_seconds=`` option wins over it."""
+
+
+def holds_exchange(state: Any) -> bool:
+  """Whether an optimizer state holds a :class:`topka2a_jax.TopKA2AState` anywhere.
+
+  Example:
+    >>> holds_exchange(optax.adam(1e-3).init({"w": jnp.zeros(2)}))
+    False
+  """
+  is_exchange = lambda node: isinstance(node, TopKA2AState)
+  return any(map(is_exchange, jax.tree.leaves(state, is_leaf=is_exchange)))
+
+
+def layout_mesh(options: Options, leaves: Sequence[Any]) -> Mesh | None:
+  """The mesh to lay a fresh state out for, if the call is outside shard_map."""
+  for mesh in (options.mesh, layout.mesh_laid_out_for()):
+    if mesh is not None:
+      return mesh
+  for leaf in leaves:
+    sharding = getattr(leaf, "sharding", None)
+    if (isinstance(sharding, NamedSharding)
+        and options.axis.on(sharding.mesh)):
+      return sharding.mesh
+  return None
+
+
+def init_state(options: Options, params: optax.Params) -> TopKA2AState:
+  """The transform's initial state for ``params``.
+
+  Inside a shard_map over the data axis, every device makes its own
+  residuals; outside, the state comes out as global arrays laid out for the
+  mesh (:func:`layout_mesh`).
+
+  Raises:
+    TypeError: a non-floating parameter.
+    ValueError: outside shard_map with no mesh to lay the state out for, or a
+      parameter sharded over the data axis.
+  """
+  paths, leaves, treedef, _ = leaves_of(params)
+  check_floating(leaves, paths, "parameter")
+  zero = jnp.zeros((), jnp.int32)
+  if is_bound(options.axis_name):
+    residuals = [
+        jnp.zeros(residual_block_shape(options, leaf.shape),
+                  error_feedback.residual_dtype(leaf.dtype))
+        if options.keeps_residual(leaf.size, leaf.shape) else optax.MaskedNode()
+        for leaf in leaves]
+    return TopKA2AState(treedef.unflatten(residuals), zero, zero,
+                        initial_factors(options, leaves, treedef))
+  mesh = layout_mesh(options, leaves)
+  if mesh is not None and not options.axis.on(mesh):
+    raise ValueError(
+        f"mesh has no axis {options.axis_name!r}; its axes are "
+        f"{mesh.axis_names}. Build topka2a with the data-parallel axis: "
+        "axis_name=...")
+  if mesh is None:
+    raise ValueError(
+        f"topka2a does not know the mesh to lay its state out for: its "
+        f"residuals are per device along {options.axis_name!r}. Build it with "
+        f"topka2a(..., mesh=mesh), place the parameters on the mesh first "
+        f"(jax.device_put(params, NamedSharding(mesh, P()))), or make the "
+        f"state with topka2a_jax.init(tx, params, mesh).")
+  return _global_state(options, mesh, paths, leaves, treedef)
+
+
+def initial_factors(options: Options, leaves: Sequence[Any], treedef: Any) -> Any:
+  """Each low-rank leaf's first ``Q``, ``optax.MaskedNode()`` elsewhere; None unless PowerSGD."""
+  if not options.is_low_rank:
+    return None
+  return treedef.unflatten([
+      low_rank.initial_factor(leaf.shape, options.rank, position)
+      if options.sends_low_rank(leaf.shape) else optax.MaskedNode()
+      for position, leaf in enumerate(leaves)])
+
+
+def residual_block_shape(options: Options, shape: Sequence[int]) -> tuple[int, ...]:
+  """One device's residual for its ``shape``-d shard, inside ``shard_map``.
+
+  Shaped like the shard (``(1,)`` for a scalar) over one data axis; over a
+  pair, the device's slice of it (``layout.residual_slice``).
+  """
+  per_node = options.axis.per_node()
+  if per_node is not None:
+    return (layout.residual_slice(math.prod(shape), per_node),)
+  return tuple(shape) or (1,)
+
+
+def _global_state(options: Options, mesh: Mesh, paths: Sequence[str],
+                  leaves: Sequence[Any], treedef: Any) -> TopKA2AState:
+  """Zero residuals as global arrays, each split like its parameter."""
+  num_devices = options.axis.size(mesh)
+  per_node = options.axis.per_node(mesh)
+  others = layout.automatic_axes(mesh, options.axis)
+  tracing = any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
+  residuals: list[Any] = [optax.MaskedNode()] * len(leaves)
+  kept, shapes, shardings, factors = [], [], [], []
+  for i, (leaf, path) in enumerate(zip(leaves, paths)):
+    given = layout.param_spec_of(leaf, mesh)
+    layout.check_not_over_data(given, options.axis, path)
+    spec = layout.restrict_spec(given, leaf.shape, others)
+    local_shape = layout.local_shape(leaf.shape, spec, others)
+    local_size = math.prod(local_shape)
+    if options.sends_low_rank(local_shape):
+      factors.append((i, local_shape, math.prod(leaf.shape) // max(local_size, 1),
+                      NamedSharding(mesh, layout.factor_spec(spec))))
+    if options.keeps_residual(local_size, local_shape):
+      kept.append(i)
+      shapes.append(jax.ShapeDtypeStruct(
+          layout.residual_shape(leaf.shape, num_devices, per_node=per_node,
+                                pieces=math.prod(leaf.shape) // local_size),
+          error_feedback.residual_dtype(leaf.dtype)))
+      shardings.append(NamedSharding(mesh, layout.residual_spec(options.axis, spec)))
+
+  def zeros() -> list[jax.Array]:  # the residuals, then count and nonfinite_steps
+    return ([jnp.zeros(shape.shape, shape.dtype) for shape in shapes]
+            + [jnp.zeros((), jnp.int32) for _ in range(2)])
+
+  replicated = NamedSharding(mesh, P())
+  if tracing:
+    *made, count, skipped = [layout.constrain(z, s) for z, s in
+                             zip(zeros(), shardings + [replicated] * 2)]
+  else:  # made in place: never whole on one device, on every process alike
+    *made, count, skipped = jax.jit(zeros,
+                                    out_shardings=shardings + [replicated] * 2)()
+  for i, array in zip(kept, made):
+    residuals[i] = array
+  return TopKA2AState(treedef.unflatten(residuals), count, skipped,
+                      _global_factors(options, factors, len(leaves), treedef, tracing))
+
+
+def _global_factors(options: Options, factors: Sequence[tuple], count: int,
+                    treedef: Any, tracing: bool) -> Any:
+  """The first ``Q`` of every low-rank leaf as a global array; None unless PowerSGD.
+
+  Args:
+    options: the transform's options.
+    factors: ``(position, local shape, pieces, sharding)`` per low-rank leaf:
+      one ``(n, rank)`` block for each of its ``pieces`` shards.
+    count: leaves in all.
+    treedef: their structure.
+    tracing: whether this runs under a trace (the arrays are then constrained).
+  """
+  if not options.is_low_rank:
+    return None
+
+  def make() -> list[jax.Array]:
+    made = []
+    for position, shape, pieces, _ in factors:
+      block = low_rank.initial_factor(shape, options.rank, position)
+      made.append(jnp.tile(block, (pieces, 1)))
+    return made
+
+  shardings = [sharding for *_, sharding in factors]
+  if tracing:
+    made = [layout.constrain(f, s) for f, s in zip(make(), shardings)]
+  else:
+    made = jax.jit(make, out_shardings=shardings)()
+  tree: list[Any] = [optax.MaskedNode()] * count
+  for (position, *_), factor in zip(factors, made):
+    tree[position] = factor
+  return treedef.unflatten(tree)
+
+
+def update_state(options: Options, updates: optax.Updates, state: TopKA2AState,
+                 extra_args: dict[str, Any]) -> tuple[optax.Updates, TopKA2AState]:
+  """The transform's update: the mean of ``updates`` over the axis, and the state.
+
+  Raises:
+    ValueError: outside shard_map (said first), a state that does not match,
+      or gradients already summed across the axis.
+    TypeError: non-floating gradients or a state of another transform.
+  """
+  bound_axis_size(options.axis_name)
+  if options.backward_seconds is None and BACKWARD_SECONDS in extra_args:
+    options = dataclasses.replace(options,
+                                  backward_seconds=extra_args[BACKWARD_SECONDS])
+  tree = leaves_of(updates)
+  paths, grads, treedef = tree.paths, tree.values, tree.structure
+  check_floating(grads, paths, "gradient")
+  given = given_specs(treedef, extra_args.get(PARAM_SPECS))
+  others = layout.automatic_axes(jax.sharding.get_abstract_mesh(), options.axis)
+  shapes = local_shapes(grads, given, others)
+  residuals = _checked_residuals(options, treedef, state, grads, paths, shapes)
+  check_per_device(grads, paths, options.axis_name)
+  if not any(g.size for g in grads):
+    return updates, state
+  bad = extra_args.get(NONFINITE)  # decided already by skip_nonfinite(...)
+  carries = with_factors(options, treedef, state, grads, paths, residuals, shapes)
+  if not others:
+    means, new, count, skipped = error_feedback.step(
+        options, grads, carries, state.count, state.nonfinite_steps, bad)
+  else:
+    means, new, count, skipped = _step_on_shards(
+        options, others, grads, carries, state, bad, given)
+  new, factors = without_factors(options, treedef, new)
+  return tree.full.unflatten(means), TopKA2AState(treedef.unflatten(new), count,
+                                                  skipped, factors)
+
+
+def with_factors(options: Options, treedef: Any, state: TopKA2AState,
+                 grads: Sequence[jax.Array], paths: Sequence[str], residuals: list[Any],
+                 local_shapes: Sequence[tuple[int, ...]]) -> list[Any]:
+  """Every low-rank leaf's residual and ``Q`` as one :class:`low_rank.Carry`.
+
+  A leaf split over other mesh axes is a matrix per shard (its
+  ``local_shapes``), with one ``Q`` block per shard.
+
+  Raises:
+    ValueError: the state's factors do not match ``algorithm="powersgd"``
+      and these gradients (made with other options, or for another model).
+  """
+  fix = ("The state was made with other options; re-create it with "
+         "tx.init(params) for this transform.")
+  if not options.is_low_rank:
+    if state.factors is not None:
+      raise ValueError(f"the state holds PowerSGD factors but algorithm="
+                       f"{options.algorithm!r}. {fix}")
+    return residuals
+  if state.factors is None:
+    raise ValueError(f"algorithm='powersgd' needs the factors its init makes; the "
+                     f"state has none. {fix}")
+  factors = treedef.flatten_up_to(state.factors)
+  carries = []
+  for grad, path, residual, factor, shape in zip(grads, paths, residuals, factors,
+                                                 local_shapes):
+    if not options.sends_low_rank(shape):
+      if not isinstance(factor, optax.MaskedNode):
+        raise ValueError(f"the state holds a PowerSGD factor for leaf {path}, which "
+                         f"goes dense with these options. {fix}")
+      carries.append(residual)
+      continue
+    m, n = low_rank.matrix_shape(shape)
+    pieces = grad.size // math.prod(shape)  # shards seen whole here (automatic axes)
+    expected = (pieces * n, low_rank.leaf_rank(shape, options.rank))
+    if getattr(factor, "shape", None) != expected:
+      raise ValueError(
+          f"PowerSGD factor for leaf {path} has shape "
+          f"{getattr(factor, 'shape', type(factor).__name__)}, expected {expected} "
+          f"(its {m} x {n} matrix at rank {options.rank}). {fix}")
+    carries.append(low_rank.Carry(residual, factor))
+  return carries
+
+
+def without_factors(options: Options, treedef: Any, carries: list[Any]
+                    ) -> tuple[list[Any], Any]:
+  """The residuals and the factors' pytree (None unless PowerSGD), from :func:`with_factors`."""
+  if not options.is_low_rank:
+    return carries, None
+  is_carry = lambda node: isinstance(node, low_rank.Carry)
+  residuals = [c.residual if is_carry(c) else c for c in carries]
+  factors = [c.factor if is_carry(c) else optax.MaskedNode() for c in carries]
+  return residuals, treedef.unflatten(factors)
+
+
+def _step_on_shards(options: Options, others: dict[Hashable, int],
+                    grads: list, residuals: list, state: TopKA2AState,
+                    bad: jax.Array | None, given: Sequence[P | None]):
+  """``error_feedback.step`` in a nested shard_map over the other mesh axes.
+
+  Each device then selects from, and keeps residuals for, its own shard of
+  every leaf (a residual is shaped like its leaf, so one spec splits both);
+  the exchange adds no collective over those axes.
+  """
+  specs = shard_specs(grads, given, others)
+  blocks = [layout.residual_block_spec(options.axis, spec) for spec in specs]
+  blocks = [low_rank.Carry(block if not isinstance(r.residual, optax.MaskedNode)
+                           else optax.MaskedNode(), layout.factor_spec(spec))
+            if isinstance(r, low_rank.Carry) else block
+            for block, spec, r in zip(blocks, specs, residuals)]
+
+  def on_shards(grads, residuals, count, skipped, bad):
+    return error_feedback.step(options, grads, residuals, count, skipped, bad)
+
+  run = jax.shard_map(
+      on_shards, mesh=jax.sharding.get_abstract_mesh(), axis_names=set(others),
+      in_specs=(specs, blocks, P(), P(), P()), out_specs=(specs, blocks, P(), P()))
+  return run(list(grads), list(residuals), state.count, state.nonfinite_steps, bad)
+
+
+def matching_residuals(options: Options, treedef: Any, state: TopKA2AState,
+                       grads: Sequence[jax.Array], paths: Sequence[str],
+                       param_specs: Any) -> list[Any]:
+  """The state's residuals, one per gradient leaf, checked against the grads."""
+  others = layout.automatic_axes(jax.sharding.get_abstract_mesh(), options.axis)
+  shapes = local_shapes(grads, given_specs(treedef, param_specs), others)
+  return _checked_residuals(options, treedef, state, grads, paths, shapes)
+
+
+def _checked_residuals(options: Options, treedef: Any, state: TopKA2AState,
+                       grads: Sequence[jax.Array], paths: Sequence[str],
+                       shapes: Sequence[tuple[int, ...]]) -> list[Any]:
+  """The residuals of :func:`matching_residuals`, given each leaf's local shape."""
+  if not isinstance(state, TopKA2AState):
+    raise TypeError(
+        f"expected the TopKA2AState made by this transform's init, got "
+        f"{type(state).__name__}")
+  try:
+    residuals = treedef.flatten_up_to(state.residuals)
+  except (ValueError, TypeError) as error:
+    raise ValueError(
+        "the optimizer state does not match the gradients' pytree: was it "
+        "initialised for another model? Re-create it with tx.init(params) "
+        f"(topka2a built with mesh=...) or topka2a_jax.init(tx, params, mesh). "
+        f"({error})") from None
+  for grad, residual, path, shape in zip(grads, residuals, paths, shapes):
+    if options.keeps_residual(math.prod(shape), shape):
+      expected = residual_block_shape(options, grad.shape)
+      if getattr(residual, "shape", None) != expected:
+        shape = getattr(residual, "shape", None)
+        whole = (shape is not None and len(shape) == len(expected) and expected
+                 and shape[0] == expected[0] * options.axis.size()
+                 and shape[1:] == expected[1:])
+        raise ValueError(
+            f"residual for leaf {path} has shape "
+            f"{getattr(residual, 'shape', type(residual).__name__)}, expected "
+            f"{expected} on each device."
+            + (" It came in whole, every device's block at once: nothing split "
+               "it (a state closed over instead of passed through shard_map's "
+               "in_specs, or jax.pmap, which maps a leading axis: use "
+               "jax.shard_map)." if whole else "")
+            + " Its residuals are per device: pass "
+            "the state through shard_map with in_specs/out_specs from "
+            "topka2a_jax.state_specs(opt_state), or let "
+            "topka2a_jax.train_step place it; and make it for this model, "
+            "these options and this mesh with tx.init(params) (topka2a built "
+            "with mesh=...) or topka2a_jax.init. A state saved on another "
+            "number of devices is resized by topka2a_jax.restore.")
+    elif not isinstance(residual, optax.MaskedNode):
+      raise ValueError(
+          f"the state holds a residual for leaf {path}, which these options "
+          "send dense or without error feedback: the state was made with "
+          "other options (min_size, algorithm or error_feedback). Re-create "
+          "it with tx.init(params) for this transform.")
+  return residuals
