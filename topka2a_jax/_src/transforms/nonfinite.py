@@ -40,8 +40,10 @@ from topka2a_jax._src.axis import (
   varying_axes,
 )
 
-NONFINITE = "nonfinite_step"
-"""Extra argument of the update: the decision taken once, for inner transforms."""
+NONFINITE = "topka2a_nonfinite_step"
+"""Extra argument of the update: the decision taken once, for inner transforms
+(prefixed like the other extra arguments the library passes, so that no
+user transform's own argument of that name is taken for it)."""
 
 
 def _holds_nonfinite(leaf: jax.Array) -> jax.Array:

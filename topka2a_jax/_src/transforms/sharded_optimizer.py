@@ -64,6 +64,7 @@ from topka2a_jax._src.planner.fusion import step_model
 from topka2a_jax._src.sizes import ceil_div
 from topka2a_jax._src.states import ShardedOptimizerState, TopKA2AState
 from topka2a_jax._src.transforms import error_feedback
+from topka2a_jax._src.transforms.clipping import transform_names
 from topka2a_jax._src.transforms.exchange_state import (
   PARAM_SPECS,
   holds_exchange,
@@ -83,7 +84,7 @@ from topka2a_jax._src.transforms.nonfinite import (
   step_is_bad,
 )
 
-ALGORITHMS = (AUTO, TOPKA2A.name, DENSE.name)
+OWNER_SHARD_ALGORITHMS = (AUTO, TOPKA2A.name, DENSE.name)
 """The exchanges whose first phase leaves each owner its summed shard."""
 
 NOT_ELEMENT_WISE = (
@@ -96,34 +97,13 @@ NOT_ELEMENT_WISE = (
 """optax transforms whose update of an entry reads other entries."""
 
 
-def _closure_names(fn: Any, seen: set[int]) -> set[str]:
-  """Qualified names of ``fn`` and every function its closure holds, recursively."""
-  if id(fn) in seen:
-    return set()
-  seen.add(id(fn))
-  names = set()
-  if isinstance(fn, (optax.GradientTransformation, tuple, list)):
-    for item in fn:
-      names |= _closure_names(item, seen)
-    return names
-  qualname = getattr(fn, "__qualname__", None)
-  if isinstance(qualname, str) and callable(fn):
-    names.add(qualname.split(".")[0])
-  for cell in getattr(fn, "__closure__", None) or ():
-    try:
-      names |= _closure_names(cell.cell_contents, seen)
-    except ValueError:  # an empty cell
-      continue
-  return names
-
-
 def check_element_wise(inner: optax.GradientTransformation) -> None:
   """Refuses an inner transform that reads more than one entry per update.
 
   Raises:
     ValueError: naming the transform and what to do instead.
   """
-  found = sorted(_closure_names(inner.update, set()) & set(NOT_ELEMENT_WISE))
+  found = sorted(set(transform_names(inner.update)) & set(NOT_ELEMENT_WISE))
   if found:
     raise ValueError(
         f"sharded_optimizer runs the inner transform on each device's shard of "
@@ -194,11 +174,11 @@ def sharded_optimizer(
     >>> opt_state.inner[0].trace["w"].shape  # 256 entries: 32 on each device
     (8, 1, 32)
   """
-  if algorithm not in ALGORITHMS:
+  if algorithm not in OWNER_SHARD_ALGORITHMS:
     raise ValueError(
         f"sharded_optimizer runs the optimizer where TopKA2A's first phase "
         f"leaves each device its summed shard; algorithm={algorithm!r} has no "
-        f"such phase. Choose one of {', '.join(map(repr, ALGORITHMS))}.")
+        f"such phase. Choose one of {', '.join(map(repr, OWNER_SHARD_ALGORITHMS))}.")
   axis = DataAxis.parse(axis_name)
   if axis.is_pair:
     raise ValueError(
