@@ -352,6 +352,18 @@ def test_step_without_an_exchange_or_with_multisteps(mesh):
     step(PARAMS, tx.init(PARAMS), jnp.ones((16, 64)))
 
 
+@pytest.mark.parametrize("micro, error, match", [
+    (2.0, TypeError, "micro_batches must be an int, got 2.0"),
+    (True, TypeError, "micro_batches must be an int, got True"),
+    (0, ValueError, "micro_batches must be at least 1, got 0"),
+])
+def test_micro_batches_not_a_positive_int(mesh, micro, error, match):
+  # The same mistake raises what the transforms' counts raise (fusion=, rank=).
+  tx = optax.chain(topka2a_jax.topka2a(0.1, mesh=mesh), optax.sgd(0.1))
+  with pytest.raises(error, match=match):
+    topka2a_jax.train_step(loss_of, tx, mesh, micro_batches=micro)
+
+
 @pytest.mark.parametrize("rows, micro, needs", [(60, 1, 8), (64, 3, 24)])
 def test_batch_that_does_not_split_over_the_devices(mesh, rows, micro, needs):
   tx = optax.chain(topka2a_jax.topka2a(0.1, mesh=mesh), optax.sgd(0.1))
