@@ -226,3 +226,51 @@ def test_a_stall_timeout_must_be_positive():
   for bad in (0, -5):  # refused before anything joins the runtime
     with pytest.raises(ValueError, match=f"stall_timeout_seconds={bad} must be a positive"):
       topka2a_jax.distributed.initialize(stall_timeout_seconds=bad)
+
+
+WATCH_BUSY_AT_EXIT = """
+import sys, threading
+import jax, jax.numpy as jnp
+from topka2a_jax._src.training import watchdog
+
+busy = threading.Event()
+
+class SlowStore:  # the coordination store's write, as slow as a remote one
+  def key_value_set(self, key, value, allow_overwrite=False):
+    busy.set()
+    x = jnp.ones((1500, 1500))
+    for _ in range(30):
+      x = x @ x / 1500
+    x.block_until_ready()  # inside the runtime, the GIL released
+    open(sys.argv[1], "w").write(value)
+
+  def key_value_dir_get(self, key):
+    return []
+
+class Teardown:  # a program whose objects take a while to free at exit
+  def __del__(self, wait=threading.Event().wait):
+    wait(3)
+
+teardown = Teardown()
+watchdog.POLL_SECONDS = 0.01
+watchdog.arm(600, 0, SlowStore())
+watchdog.watch(jnp.zeros(()))
+busy.wait(30)
+print("finished", flush=True)
+"""
+
+
+def test_a_process_that_finishes_while_the_watch_calls_the_runtime_exits_cleanly(
+    tmp_path):
+  """The watch's last call returns before the interpreter tears down.
+
+  A thread still inside a runtime call when the interpreter finalizes is
+  unwound there, and the runtime aborts the process (status 134, "FATAL:
+  exception not rethrown"): a job whose every step had finished then
+  failed.
+  """
+  script, written = tmp_path / "worker.py", tmp_path / "written"
+  script.write_text(WATCH_BUSY_AT_EXIT)
+  done = run([sys.executable, str(script), str(written)])
+  assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+  assert "finished" in done.stdout and written.read_text() == "1"

@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import collections
 import os
 import sys
@@ -46,12 +47,22 @@ has lost a peer; a slower peer that catches up inside it is no stall."""
 POLL_SECONDS = 1.0
 """How often the watch looks at the oldest step still in flight."""
 
+STOP_SECONDS = 30.0
+"""How long a finishing process waits for the watch's last call into the
+runtime (a readiness check, a store write) to return."""
+
 _KEY = "topka2a_jax/steps/"
 """The coordination store's directory of every process's dispatched steps."""
 
 
 class StallWatch:
   """Polls the steps in flight; ends the process on one that waits too long.
+
+  The watch stops when the interpreter begins to exit, before JAX's own
+  clean-up: a thread that is inside a runtime call (a readiness check, a
+  store write) when the interpreter finalizes is unwound by it, and the
+  runtime's C++ turns that into an abort (status 134) of a process that had
+  finished its work.
 
   Args:
     timeout: seconds a dispatched step may wait before it counts as stalled.
@@ -67,9 +78,18 @@ class StallWatch:
     self._in_flight: collections.deque = collections.deque()  # (step, since, loss)
     self._dispatched = 0
     self._published = 0
+    self._stopping = threading.Event()
     self._thread = threading.Thread(target=self._run, name="topka2a-stall-watch",
                                     daemon=True)
     self._thread.start()
+    # After JAX's exit handlers in registration order, so before them at exit.
+    atexit.register(self.stop)
+
+  def stop(self) -> None:
+    """Ends the polling and waits (up to :data:`STOP_SECONDS`) for its last call."""
+    self._stopping.set()
+    if self._thread is not threading.current_thread():
+      self._thread.join(STOP_SECONDS)
 
   def dispatched(self, loss: jax.Array) -> None:
     """Notes one dispatched step, whose ``loss`` is ready when it has finished."""
@@ -78,8 +98,7 @@ class StallWatch:
       self._in_flight.append((self._dispatched, time.monotonic(), loss))
 
   def _run(self) -> None:
-    while True:
-      time.sleep(POLL_SECONDS)
+    while not self._stopping.wait(POLL_SECONDS):
       with self._lock:
         while self._in_flight and _done(self._in_flight[0][2]):
           self._in_flight.popleft()
