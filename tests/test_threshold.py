@@ -106,6 +106,19 @@ def test_first_set_matches_numpy():
     np.testing.assert_array_equal(positions, np.flatnonzero(row)[:m])
 
 
+@pytest.mark.parametrize(("length", "bound"), [
+    (1, 32), (127, 32), (128, 32), (129, 32), (5000, 1), (16_385, 32),
+    (300_000, 32),  # three levels of blocks
+    (600_000, 32),  # 32 x 600,000 reaches 2^24: the cumulative sum
+])
+def test_running_sum_is_numpys_cumsum(length, bound):
+  rng = np.random.default_rng(length)
+  counts = rng.integers(0, bound + 1, (2, length)).astype(np.int32)
+  counts[1] = bound  # every entry at the bound: the largest sums
+  got = jax.jit(threshold._running_sum, static_argnums=1)(jnp.asarray(counts), bound)
+  np.testing.assert_array_equal(np.asarray(got), np.cumsum(counts, axis=1))
+
+
 @pytest.mark.parametrize(("length", "smallest", "want"), [
     (200_000, 5, 5),  # divides
     (6_250_000, 5, 5),
