@@ -70,6 +70,8 @@ RUNS = {
     "momentum, variance frozen at 30, onebit": {"form": "momentum", "freeze_after": 30,
                                                 "algorithm": "onebit"},
     "onebit": {"algorithm": "onebit"},
+    "defaults, buckets split to overlap the backward pass": {
+        "backward_seconds": "estimated"},
 }
 """Configurations: name -> options of ``topka2a`` besides the density.
 
@@ -92,6 +94,10 @@ bytes of PowerSGD at rank 4 and at rank 1 on this model (the table's
 to its shard's owner and the owners' means back in 8 bits (``onebit_4``: 4,
 ``onebit_1``: 1): Adam's updates, the frozen-variance momentum, or (plain
 ``"onebit"``) the gradient before a replicated Adam; they ignore the density.
+``"backward_seconds": "estimated"`` plans the buckets to overlap the
+backward pass the step estimates (``TrainStep.backward_seconds``), as
+accelerators' steps do; on CPUs the steps plan without it, since XLA's CPU
+backend runs collectives in line (``benchmarks/overlap.py``).
 """
 
 DEFAULT_RUNS = ["dense", "defaults", "updates", "updates, topka2a_sparse",
@@ -112,13 +118,19 @@ def run_options(name: str) -> dict:
       "of them and N dense steps first: 'updates, 30 dense steps'")
 
 
-def optimizer(name: str, density: float, mesh, schedule, b1: float):
-  """The optimizer of the run called ``name``: the gradient or the updates compressed."""
+def optimizer(name: str, density: float, mesh, schedule, b1: float,
+              backward_seconds: float = 0.0):
+  """The optimizer of the run called ``name``: the gradient or the updates compressed.
+
+  ``backward_seconds`` stands for ``"estimated"`` in the run's options.
+  """
   import optax
 
   import topka2a_jax
 
   options = dict(run_options(name))
+  if options.get("backward_seconds") == "estimated":
+    options["backward_seconds"] = backward_seconds
   form = options.pop("form", "gradient")
   density = options.pop("density", density)
   if form == "updates":
@@ -239,12 +251,14 @@ def worker(args: argparse.Namespace) -> None:
   batches = [np.stack([train[s:s + CONTEXT + 1] for s in row]) for row in starts]
   valid_windows = np.lib.stride_tricks.sliding_window_view(valid, CONTEXT + 1)[::CONTEXT][:64]
   validation = jax.jit(loss)
+  backward = topka2a_jax.train_step(loss, optax.sgd(0.0), mesh).backward_seconds(
+      init(jax.random.key(args.seed)), batches[0])
   rows = []
   for name in args.runs:
     warmup = min(30, args.steps // 4)
     schedule = optax.warmup_cosine_decay_schedule(0.0, 2e-3, warmup,
                                                   max(args.steps, warmup + 1))
-    tx = optimizer(name, args.density, mesh, schedule, args.b1)
+    tx = optimizer(name, args.density, mesh, schedule, args.b1, backward)
     params = jax.tree.map(lambda v: jax.make_array_from_callback(
         v.shape, NamedSharding(mesh, P()), lambda index, v=v: np.asarray(v)[index]),
         init(jax.random.key(args.seed)))

@@ -85,6 +85,12 @@ def test_resnet50_on_8_gpus_goes_dense_on_nvlink_and_sparse_on_ethernet(
   assert ("compression does not pay here" in out) == (network == "nvlink")
 
 
+def test_cpu_hosts_plan_no_overlap_with_the_backward_pass(capsys):
+  out = run(capsys, "--model", "resnet50", "--devices", "8", "--density", "0.01",
+            "--device", "cpu")
+  assert ("backward pass: 0.000 ms (cpu runs collectives in line with compute: "
+          "no exchange overlaps it)") in out
+
 
 @pytest.mark.parametrize("network, inner, want", [
     ("eth10", "nvlink", {"two_level"}), ("nvlink", "eth1", {"flat"})])

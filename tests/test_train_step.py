@@ -6,6 +6,7 @@ and what stays behind.
 """
 
 import functools
+import itertools
 
 import chex
 import jax
@@ -130,6 +131,36 @@ def test_micro_batches_exchange_once_per_step(mesh):
         params, tx.init(params), minibatches(data, 1, size=128)[0])
     counts.append(topka2a_jax.comm_report(lowered).count_of("all-to-all"))
   assert counts[0] == counts[1] == 2  # one per weight's bucket
+
+
+def test_on_cpus_no_bucket_is_split_off_to_overlap_the_backward_pass(mesh):
+  """XLA's CPU backend runs collectives in line (benchmarks/overlap.py).
+
+  Given the backward pass's estimate, the planner splits this MLP's
+  gradient into two sparse buckets, so that the first can travel while the
+  backward pass computes; on CPUs the step plans one, as with no estimate.
+  """
+  sizes = (1024, 2048, 2048, 512)
+  params = {f"w{i}": jnp.zeros(shape)
+            for i, shape in enumerate(itertools.pairwise(sizes))}
+
+  def loss(params, x):
+    for i in range(len(sizes) - 1):
+      x = jnp.tanh(x @ params[f"w{i}"])
+    return jnp.mean(x ** 2)
+
+  batch = jnp.zeros((8 * 32, sizes[0]))
+
+  def exchanges(**options):
+    tx = optax.chain(topka2a_jax.topka2a(0.01, mesh=mesh, **options), optax.sgd(0.1))
+    step = topka2a_jax.train_step(loss, tx, mesh)
+    lowered = step.lower(params, tx.init(params), batch)
+    return step, topka2a_jax.comm_report(lowered).count_of("all-to-all")
+
+  step, planned = exchanges()
+  estimate = step.backward_seconds(params, batch)
+  assert estimate > 0
+  assert planned == 1 < exchanges(backward_seconds=estimate)[1] == 2
 
 
 def test_per_device_keys_are_folded_in_and_reproducible(mesh):

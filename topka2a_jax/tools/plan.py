@@ -177,6 +177,10 @@ def _backward(args: argparse.Namespace) -> dict:
     return {}
   flops, counted = FORWARD_FLOPS[args.model]
   device = DEVICES[args.device]
+  if not device.overlaps:
+    return {"backward_seconds": 0.0,
+            "backward_source": f"{device.name} runs collectives in line with "
+                               f"compute: no exchange overlaps it"}
   return {"backward_seconds": device.seconds(2 * flops * args.batch_per_device),
           "backward_source": f"twice the forward's {flops / 1e9:.3g} GFLOP per sample "
                              f"({counted}) x {args.batch_per_device} samples at "

@@ -4,6 +4,9 @@ Bucket exchanges overlap the backward pass, so the planner needs its
 duration. It comes from the work (XLA's cost analysis of the compiled
 gradient, or a known model's FLOPs) divided by the device's sustained rate:
 a preset per device kind, at the utilisation large training runs reach.
+Where the backend runs a collective in line with the compute around it
+(XLA's CPU backend), no exchange hides behind the backward pass, and the
+training steps plan as if it took no time (:attr:`Device.overlaps`).
 
 Example:
   >>> DEVICES["h100"].seconds(2 * 8.2e9 * 32)  # ResNet-50's backward, 32 images
@@ -30,11 +33,16 @@ class Device:
     name: a label.
     flops_per_second: sustained rate.
     source: where the figure comes from.
+    overlaps: whether the backend runs a collective beside independent
+      compute, so that bucket exchanges can hide behind the backward pass.
+      XLA's GPU and TPU backends do (asynchronous collectives); its CPU
+      backend runs them in line (``benchmarks/overlap.py`` measures it).
   """
 
   name: str
   flops_per_second: float
   source: str
+  overlaps: bool = True
 
   def seconds(self, flops: float) -> float:
     """Time for ``flops`` floating-point operations."""
@@ -48,7 +56,8 @@ DEVICES: dict[str, Device] = {
                    "A100, 312 TFLOP/s dense bf16 (NVIDIA datasheet), at 40%"),
     "tpu-v5e": Device("tpu-v5e", UTILISATION * 197e12,
                       "TPU v5e, 197 TFLOP/s bf16 (Google Cloud), at 40%"),
-    "cpu": Device("cpu", 50e9, "a CPU host: order of tens of GFLOP/s"),
+    "cpu": Device("cpu", 50e9, "a CPU host: order of tens of GFLOP/s",
+                  overlaps=False),
 }
 """Presets by name; pass a :class:`Device` for hardware measured otherwise."""
 
