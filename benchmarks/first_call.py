@@ -22,9 +22,13 @@ for when a run starts or a shape changes) and the median of the next ones:
 the backward pass's estimate, ``step.lower(...)`` and ``.compile()``, and
 counts the sparse collectives (all-to-all and all-gather) compiled.
 
+Each configuration runs ``--trials`` times (3 by default), interleaved with
+the others; the table gives the median first call, its median ratio to the
+pmean step of the same trial and the range of those ratios.
+
 Run:
-  python benchmarks/first_call.py [--runs NAME ...] [--repeats 3] [--split]
-      [--json out.json]
+  python benchmarks/first_call.py [--runs NAME ...] [--trials 3] [--repeats 3]
+      [--split] [--json out.json]
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import argparse
 import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -175,6 +180,10 @@ def main() -> int:
   parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS),
                       metavar="RUN", help=f"among {', '.join(map(repr, RUNS))}")
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--trials", type=int, default=3,
+                      help="fresh processes per configuration, interleaved; the "
+                      "table gives medians and the range of the ratios to pmean "
+                      "of the same trial")
   parser.add_argument("--split", action="store_true",
                       help="time the backward estimate, lowering and compiling apart")
   parser.add_argument("--json", help="also write the rows here")
@@ -193,25 +202,37 @@ def main() -> int:
     print(f"{'run':38s} {'estimate s':>10s} {'lower s':>8s} {'compile s':>9s} "
           f"{'collectives':>11s}")
   else:
-    print(f"{'run':38s} {'first call s':>12s} {'vs pmean':>8s} {'step s':>8s}")
+    print(f"{'run':38s} {'first call s':>12s} {'vs pmean':>8s} {'range':>10s} "
+          f"{'step s':>8s}")
+  names = ["pmean", *[n for n in args.runs if n != "pmean"]]
+  trials: dict[str, list[dict]] = {name: [] for name in names}
+  for _ in range(1 if args.split else args.trials):
+    for name in names:  # interleaved: a slow spell of the machine hits every run
+      command = [sys.executable, __file__, "--one", name, "--repeats",
+                 str(args.repeats), *(["--split"] if args.split else [])]
+      with tempfile.TemporaryDirectory() as cache:
+        run_env = dict(env, JAX_COMPILATION_CACHE_DIR=cache) if name == CACHED else env
+        for _ in range(2 if name == CACHED else 1):  # the first run fills the cache
+          out = subprocess.run(command, env=run_env, check=True, capture_output=True,
+                               text=True).stdout
+      trials[name].append(json.loads(out.strip().splitlines()[-1]))
   rows = []
-  for name in ["pmean", *[n for n in args.runs if n != "pmean"]]:
-    command = [sys.executable, __file__, "--one", name, "--repeats", str(args.repeats),
-               *(["--split"] if args.split else [])]
-    with tempfile.TemporaryDirectory() as cache:
-      run_env = dict(env, JAX_COMPILATION_CACHE_DIR=cache) if name == CACHED else env
-      for _ in range(2 if name == CACHED else 1):  # the first run fills the cache
-        out = subprocess.run(command, env=run_env, check=True, capture_output=True,
-                             text=True).stdout
-    rows.append(json.loads(out.strip().splitlines()[-1]))
-    row = rows[-1]
+  for name in names:
     if args.split:
+      row = trials[name][0]
       print(f"{name:38s} {row['estimate_s']:10.2f} {row['lower_s']:8.2f} "
-            f"{row['compile_s']:9.2f} {row['gathers_and_alltoalls']:11d}", flush=True)
+            f"{row['compile_s']:9.2f} {row['gathers_and_alltoalls']:11d}")
     else:
-      print(f"{name:38s} {row['first_s']:12.2f} "
-            f"{row['first_s'] / rows[0]['first_s']:7.2f}x {row['step_s']:8.3f}",
-            flush=True)
+      firsts = [t["first_s"] for t in trials[name]]
+      ratios = [t["first_s"] / base["first_s"]
+                for t, base in zip(trials[name], trials["pmean"])]
+      row = {"run": name, "first_s": statistics.median(firsts),
+             "ratio": statistics.median(ratios), "ratios": ratios,
+             "step_s": statistics.median(t["step_s"] for t in trials[name]),
+             "trials": trials[name]}
+      print(f"{name:38s} {row['first_s']:12.2f} {row['ratio']:7.2f}x "
+            f"{min(ratios):5.2f}..{max(ratios):<5.2f} {row['step_s']:8.3f}")
+    rows.append(row)
   if args.json:
     Path(args.json).write_text(json.dumps({"weights": weights, "rows": rows}, indent=1))
   return 0
