@@ -268,6 +268,8 @@ class DataParallelStep:
     self._checked: set[Any] = set()  # state structures whose chain was checked
     self._warned: set[int] = set()  # ids of the transforms checked for clipping
     self._backward: dict[Any, float] = {}
+    # What the exchanges can hide behind: nothing where collectives run in line.
+    self._overlaps = compute.device_of(mesh.devices.flat[0]).overlaps
     self._jitted = jax.jit(self._run, static_argnames=("model", "tx", "specs", "backward"),
                            donate_argnums=(0, 1, 2) if donate else ())
 
@@ -330,10 +332,8 @@ class DataParallelStep:
       inputs = jax.device_put(inputs, (
           param_shardings, replicated, state_shardings, replicated,
           NamedSharding(self._mesh, P(self._axis.name))))
-    device = compute.device_of(self._mesh.devices.flat[0])
-    # What the exchanges can hide behind: nothing where collectives run in line.
     backward = (self._backward_seconds(model, params, carry, keys, batch)
-                if device.overlaps else 0.0)
+                if self._overlaps else 0.0)
     return inputs, {"model": model, "tx": tx, "specs": specs, "backward": backward}
 
   def _backward_seconds(self, model: Any, params: Any, carry: Any, keys: Any,
