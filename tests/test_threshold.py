@@ -7,7 +7,7 @@ import pytest
 import reference
 from sharded import per_device
 
-from topka2a_jax._src.collectives import exchanges, threshold
+from topka2a_jax._src.collectives import exchanges, packed_flags, threshold
 from topka2a_jax._src.collectives.exchanges import COLLECTIVES
 from topka2a_jax._src.collectives.selection import top_magnitudes
 from topka2a_jax._src.collectives.threshold import threshold_magnitudes
@@ -101,7 +101,7 @@ def test_first_set_matches_numpy():
   flags[0] = 0
   flags[0, [3, 31, 32, 33, 4999]] = 1  # word edges
   m = 5
-  got = np.asarray(threshold._first_set(threshold._pack(jnp.asarray(flags)), m))
+  got = np.asarray(packed_flags.first_set(packed_flags.pack(jnp.asarray(flags)), m))
   for row, positions in zip(flags, got):
     np.testing.assert_array_equal(positions, np.flatnonzero(row)[:m])
 
@@ -115,7 +115,7 @@ def test_running_sum_is_numpys_cumsum(length, bound):
   rng = np.random.default_rng(length)
   counts = rng.integers(0, bound + 1, (2, length)).astype(np.int32)
   counts[1] = bound  # every entry at the bound: the largest sums
-  got = jax.jit(threshold._running_sum, static_argnums=1)(jnp.asarray(counts), bound)
+  got = jax.jit(packed_flags.running_sum, static_argnums=1)(jnp.asarray(counts), bound)
   np.testing.assert_array_equal(np.asarray(got), np.cumsum(counts, axis=1))
 
 

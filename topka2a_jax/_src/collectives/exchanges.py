@@ -66,6 +66,7 @@ from jax import lax
 
 from topka2a_jax._src.axis import bound_axis_size
 from topka2a_jax._src.collectives import quantized
+from topka2a_jax._src.collectives.received import top_of_received
 from topka2a_jax._src.collectives.selection import (
   ShardLayout,
   approx_magnitudes,
@@ -90,6 +91,25 @@ class ExchangeResult(NamedTuple):
 
   mean: jax.Array
   unsent: jax.Array
+
+
+class OwnedShard(NamedTuple):
+  """What TopKA2A's first phase (:func:`to_owners`) leaves one device.
+
+  Attributes:
+    layout: the buffer's shard layout.
+    fmt: the wire format of its pairs.
+    owned: this device's shard summed over every sender, ``(shard_length,)``.
+    unsent: this device's unsent entries, ``(P, shard_length)``.
+    received: the shard positions the senders sent, ``(P, per_shard)``, each
+      row's distinct; ``owned`` is zero elsewhere.
+  """
+
+  layout: ShardLayout
+  fmt: WireFormat
+  owned: jax.Array
+  unsent: jax.Array
+  received: jax.Array
 
 
 Selection = Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]
@@ -258,15 +278,15 @@ def allgather(
 def to_owners(
     buffer: jax.Array, axis_name: Hashable, density: float,
     value_dtype: jnp.dtype | None, select: Selection, send: jax.Array | None = None,
-) -> tuple[ShardLayout, WireFormat, jax.Array, jax.Array]:
+) -> OwnedShard:
   """TopKA2A's first phase: shard-wise top-k, one AlltoAll, sum at the owner.
 
   ``send=False`` sends zeros: every owned shard sums to zero and the whole
   buffer stays unsent.
 
   Returns:
-    ``(layout, wire format, owned, unsent)``: this device's summed shard
-    ``(shard_length,)`` and its unsent entries as ``(P, shard_length)``.
+    The :class:`OwnedShard`: this device's summed shard, its unsent entries
+    and the positions it received.
   """
   _check_buffer(buffer)
   num_devices = bound_axis_size(axis_name)
@@ -285,7 +305,7 @@ def to_owners(
   flat = indices + layout.shard_length * jnp.arange(num_devices)[:, None]
   unsent = shards.reshape(-1).at[flat.ravel()].add(
       -values.ravel(), unique_indices=True).reshape(shards.shape)
-  return layout, fmt, owned, unsent
+  return OwnedShard(layout, fmt, owned, unsent, from_indices)
 
 
 def add_to_own_row(rows: jax.Array, axis_name: Hashable, row: jax.Array) -> jax.Array:
@@ -335,8 +355,8 @@ def topka2a(
     ...               mesh=mesh, in_specs=P("data"), out_specs=P()))(rows)
     Array([1., 1., 1., 1., 1., 1., 1., 1.], dtype=float32)
   """
-  layout, fmt, owned, unsent = to_owners(buffer, axis_name, density, value_dtype,
-                                          get_selection(selection), send)
+  layout, fmt, owned, unsent, _ = to_owners(buffer, axis_name, density, value_dtype,
+                                             get_selection(selection), send)
   shard_mean = owned / layout.num_shards
   if fmt.value_dtype != buffer.dtype:
     sent = fmt.rounded(shard_mean)
@@ -356,7 +376,11 @@ def topka2a_sparse(
   """TopKA2A with a sparse second phase: O(k) volume, independent of n and P.
 
   Steps 1 to 3 are :func:`topka2a`'s. Then each owner selects the top
-  ``ceil(k / P)`` of its summed shard and one tiled ``all_gather`` of those
+  ``ceil(k / P)`` of its summed shard, exactly and whatever ``selection``
+  says: the shard is zero outside the positions it received, so the search
+  runs over those (:func:`received.top_of_received
+  <topka2a_jax._src.collectives.received.top_of_received>`). One tiled
+  ``all_gather`` of those
   (value, index) pairs, divided by ``P`` before they travel (so a narrow
   ``value_dtype`` holds them), gives every device the mean. What the owner did not
   send of its summed shard stays in the owner's residual, so across the axis
@@ -381,10 +405,10 @@ def topka2a_sparse(
     ...               mesh=mesh, in_specs=P("data"), out_specs=P()))(rows)
     Array([1., 1., 1., 1., 1., 1., 1., 1.], dtype=float32)
   """
-  select = get_selection(selection)
-  layout, fmt, owned, unsent = to_owners(buffer, axis_name, density, value_dtype,
-                                          select, send)
-  values, indices = select(owned[None], layout.per_shard)
+  layout, fmt, owned, unsent, received = to_owners(
+      buffer, axis_name, density, value_dtype, get_selection(selection), send)
+  # Exact whatever the selection: owned is zero outside what was received.
+  values, indices = top_of_received(owned, received, layout.per_shard)
   # Means, not sums, on the wire: a sum of P values that each fit a narrow
   # value_dtype need not fit it.
   values = fmt.rounded(values / layout.num_shards)

@@ -36,10 +36,8 @@ once; everything after that works on arrays a fraction of its size:
    it, or leaves out a nonzero entry while selecting zeros, the row sorts
    exactly instead (:func:`_falls_short`).
 
-Both compactions (:func:`_first_set`) pack their flags 32 to a word and place
-words, not flags: a running count over the words, one small scatter that
-marks where each word's ones begin, and population counts find every slot's
-word and bit without a search.
+Both compactions, and every count, work on flags packed 32 to a word
+(``packed_flags.py``).
 
 Rows too short to gain (under 16,384 entries), selections of more than a
 quarter of a row, and dtypes other than 32-bit floats fall back to the exact
@@ -69,9 +67,15 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
+from topka2a_jax._src.collectives.packed_flags import (
+  MAX_KEY,
+  at_least,
+  count_set,
+  first_set,
+  pack,
+)
 from topka2a_jax._src.collectives.selection import top_magnitudes
 from topka2a_jax._src.sizes import ceil_div, round_up
 
@@ -102,128 +106,6 @@ _MIN_LENGTH = 4 * SAMPLE_SIZE  # shorter rows sort exactly
 # which writes the whole keyed buffer out first: several times slower. Sparse
 # selections therefore get more groups rather than larger ones.
 _MAX_PER_GROUP = 32
-_MAX_KEY = 0x7FFFFFFF
-
-
-def _at_least(keys: jax.Array, bound: jax.Array) -> jax.Array:
-  """1 where ``keys >= bound`` (per row), else 0, as int32.
-
-  Keys are in [-1, 2^31) and bounds in [0, 2^31), so ``bound - 1 - key``
-  cannot overflow and its sign bit is the comparison, an integer that XLA
-  packs and counts quickly.
-  """
-  return lax.shift_right_logical(bound[:, None] - 1 - keys, 31)
-
-
-def _pack(flags: jax.Array) -> jax.Array:
-  """Packs 0/1 int32 ``flags`` (R, n) into (R, ceil(n / 32)) uint32 words.
-
-  Flag ``i`` of a row is bit ``i % 32`` of word ``i // 32``. Counting through
-  packed words is several times faster on XLA's CPU backend than summing the
-  flags, which it materialises before a tree of windowed sums.
-  """
-  rows, length = flags.shape
-  bits = jnp.pad(flags, ((0, 0), (0, -length % 32))).reshape(rows, -1, 32)
-  return jnp.sum(bits.astype(jnp.uint32) << jnp.arange(32, dtype=jnp.uint32),
-                 axis=2)
-
-
-def _count(words: jax.Array) -> jax.Array:
-  """Per row, how many bits of the packed ``words`` are set."""
-  return jnp.sum(lax.population_count(words).astype(jnp.int32), axis=1)
-
-
-_PREFIX_BLOCK = 128
-_PREFIX_EXACT = 1 << 24  # float32 holds every integer below it exactly
-
-
-def _running_sum(counts: jax.Array, bound: int) -> jax.Array:
-  """Inclusive running sums of non-negative int32 ``counts`` along the last axis.
-
-  ``bound`` bounds every entry. The sums are blocks of 128 multiplied by a
-  triangle of ones (float32 products, exact below 2^24), then the blocks'
-  running totals the same way: far fewer operations to compile than XLA's
-  cumulative sum, which it rewrites into a tree of windowed sums, and no
-  slower to run. Sums that may reach 2^24 take the cumulative sum.
-
-  Example:
-    >>> _running_sum(jnp.array([[3, 0, 2, 5]], jnp.int32), 5)
-    Array([[ 3,  3,  5, 10]], dtype=int32)
-  """
-  length = counts.shape[-1]
-  if bound * length >= _PREFIX_EXACT:
-    return jnp.cumsum(counts, axis=-1)
-  if length <= _PREFIX_BLOCK:
-    triangle = np.triu(np.ones((length, length), np.float32))
-    return jnp.matmul(counts.astype(jnp.float32), triangle,
-                      precision=lax.Precision.HIGHEST).astype(jnp.int32)
-  blocks = ceil_div(length, _PREFIX_BLOCK)
-  padded = jnp.pad(counts, [(0, 0)] * (counts.ndim - 1) + [(0, blocks * _PREFIX_BLOCK
-                                                             - length)])
-  within = _running_sum(padded.reshape(*counts.shape[:-1], blocks, _PREFIX_BLOCK),
-                        bound)
-  totals = _running_sum(within[..., -1], bound * _PREFIX_BLOCK)
-  before = jnp.concatenate([jnp.zeros_like(totals[..., :1]), totals[..., :-1]], -1)
-  summed = within + before[..., None]
-  return summed.reshape(*counts.shape[:-1], blocks * _PREFIX_BLOCK)[..., :length]
-
-
-def _first_set(words: jax.Array, m: int) -> jax.Array:
-  """Positions of the first ``m`` set bits in every row of packed ``words``.
-
-  A running count over the words (see :func:`_pack`) gives the slot where
-  each word's ones begin; a scatter marks those slots as bits, so
-  that a running count of marks (32 times shorter than the slots) and a
-  population count give every slot's word, and five halving steps of
-  population counts find the bit in it. A row with fewer than ``m`` ones
-  gets unspecified positions in its last slots.
-
-  Example:
-    >>> words = jax.jit(_pack)(jnp.array([[0, 1, 1, 0, 1]], jnp.int32))
-    >>> jax.jit(_first_set, static_argnums=1)(words, 2)
-    Array([[1, 2]], dtype=int32)
-  """
-  rows, num_words = words.shape
-  ones = lax.population_count(words).astype(jnp.int32)
-  nonzero = (ones > 0).astype(jnp.int32)
-  through, nonzero_through = _running_sum(jnp.stack([ones, nonzero]), 32)
-  start = through - ones  # slot of each word's first one
-
-  # Word index of the r-th word that holds a one.
-  word_ids = jnp.broadcast_to(jnp.arange(num_words, dtype=jnp.int32), ones.shape)
-  nonzero_words = jax.vmap(
-      lambda rank, ids: jnp.zeros(num_words, jnp.int32).at[rank].set(
-          ids, mode="drop"))(
-              jnp.where(nonzero > 0, nonzero_through - 1, num_words), word_ids)
-
-  # One bit per slot, set where a word's ones begin (starts are distinct).
-  mark_words = ceil_div(m, 32)
-  marks = jax.vmap(
-      lambda at, bit: jnp.zeros(mark_words, jnp.uint32).at[at].add(
-          bit, mode="drop"))(
-              jnp.where((nonzero > 0) & (start < m), start // 32, mark_words),
-              jnp.uint32(1) << (start % 32).astype(jnp.uint32))
-  marked = lax.population_count(marks).astype(jnp.int32)
-  before = _running_sum(marked, 32) - marked
-  shift = jnp.arange(32, dtype=jnp.uint32)
-  through_bit = (jnp.uint32(2) << shift) - 1  # bits 0..shift (all 32 wrap)
-  word_rank = (before[:, :, None] + lax.population_count(
-      marks[:, :, None] & through_bit).astype(jnp.int32)).reshape(rows, -1)[:, :m] - 1
-  word = jnp.take_along_axis(nonzero_words, jnp.clip(word_rank, 0, num_words - 1),
-                             axis=1)
-
-  rank = jnp.arange(1, m + 1, dtype=jnp.int32) - jnp.take_along_axis(
-      start, word, axis=1)  # 1-based within the word
-  value = jnp.take_along_axis(words, word, axis=1)
-  bit = jnp.zeros_like(rank)
-  for width in (16, 8, 4, 2, 1):
-    low = lax.population_count(
-        (value >> bit.astype(jnp.uint32)) & jnp.uint32((1 << width) - 1)
-    ).astype(jnp.int32)
-    right = low < rank
-    rank = jnp.where(right, rank - low, rank)
-    bit = jnp.where(right, bit + width, bit)
-  return word * 32 + bit
 
 
 def _group_keys(rows: jax.Array, groups: int, per_group: int) -> jax.Array:
@@ -239,7 +121,7 @@ def _group_keys(rows: jax.Array, groups: int, per_group: int) -> jax.Array:
   num_rows = rows.shape[0]
   low_bits = per_group.bit_length()
   magnitude = lax.bitcast_convert_type(rows, jnp.int32) & jnp.int32(
-      _MAX_KEY & ~((1 << low_bits) - 1))
+      MAX_KEY & ~((1 << low_bits) - 1))
   whole = per_group * groups
   keys = jnp.max(magnitude[:, :whole].reshape(num_rows, per_group, groups)
                  | jnp.arange(per_group, dtype=jnp.int32)[None, :, None], axis=1)
@@ -264,14 +146,14 @@ def _candidates(group_max: jax.Array, k: int,
   sample = jnp.sort(group_max[:, ::stride], axis=1)
   wanted = 0.75 * slots * sample.shape[1] / groups
   lo = sample[:, max(0, sample.shape[1] - math.ceil(wanted) - 1)]
-  words = _pack(_at_least(group_max, lo))
-  count = _count(words)
+  words = pack(at_least(group_max, lo))
+  count = count_set(words)
   # Every key is >= 0, and there are at least k groups.
   lo = jnp.where(count >= k, lo, 0)
   words = lax.cond(jnp.all(count >= k), lambda: words,
-                   lambda: _pack(_at_least(group_max, lo)))
+                   lambda: pack(at_least(group_max, lo)))
   count = jnp.where(count >= k, count, groups)
-  hi = jnp.full_like(lo, _MAX_KEY)
+  hi = jnp.full_like(lo, MAX_KEY)
 
   def too_many(state):
     lo, hi, count, _, step = state
@@ -280,8 +162,8 @@ def _candidates(group_max: jax.Array, k: int,
   def bisect(state):
     lo, hi, count, words, step = state
     mid = lo + (hi - lo) // 2
-    mid_words = _pack(_at_least(group_max, mid))
-    mid_count = _count(mid_words)
+    mid_words = pack(at_least(group_max, mid))
+    mid_count = count_set(mid_words)
     move = count > slots
     up = move & (mid_count >= k)
     return (jnp.where(up, mid, lo), jnp.where(move & ~up, mid, hi),
@@ -343,26 +225,26 @@ def threshold_magnitudes(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array]
   # batch, dead units, masked parameters), a key above the tie that comes
   # late may be crowded out; _falls_short then finds the row short and it
   # sorts exactly.
-  candidate = _first_set(words, slots)
+  candidate = first_set(words, slots)
   keys = jnp.where(jnp.arange(slots) < reached[:, None],
                    jnp.take_along_axis(group_max, jnp.clip(candidate, 0, groups - 1),
                                        axis=1), -1)
 
   top = jnp.max(keys, axis=1)
-  lo, hi = bound, jnp.where(top == _MAX_KEY, top, top + 1)
+  lo, hi = bound, jnp.where(top == MAX_KEY, top, top + 1)
 
   def narrow(_, bracket):
     lo, hi = bracket
     mid = lo + (hi - lo) // 2
-    enough = _count(_pack(_at_least(keys, mid))) >= k
+    enough = count_set(pack(at_least(keys, mid))) >= k
     return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
 
   lo, hi = lax.fori_loop(0, BISECTIONS, narrow, (lo, hi))
 
-  above = _at_least(keys, hi)
-  band = _at_least(keys, lo) - above
+  above = at_least(keys, hi)
+  band = at_least(keys, lo) - above
   # Slots: the candidates above hi in position order, then the band's.
-  picked = _first_set(_pack(jnp.concatenate([above, band], axis=1)), k)
+  picked = first_set(pack(jnp.concatenate([above, band], axis=1)), k)
   slot = jnp.where(picked >= slots, picked - slots, picked)
   group = jnp.take_along_axis(candidate, slot, axis=1)
   within = jnp.take_along_axis(keys, slot, axis=1) & jnp.int32(

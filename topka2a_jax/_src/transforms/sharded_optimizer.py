@@ -350,12 +350,12 @@ def owner_phase(opts: Options, grads: Sequence[jax.Array], residuals: Sequence[A
   dense = []
   for i, (grad, acc) in enumerate(zip(grads, accs)):
     if sparse and _sparse(opts, grad.size, num_devices):
-      _, _, owned, unsent = exchanges.to_owners(
+      first_phase = exchanges.to_owners(
           acc, opts.axis_name, opts.density, opts.value_dtype,
           exchanges.get_selection(opts.selection))
-      shards[i] = owned / num_devices
+      shards[i] = first_phase.owned / num_devices
       if opts.keeps_residual(grad.size):
-        new[i] = unsent.reshape(-1)[: grad.size].reshape(residuals[i].shape)
+        new[i] = first_phase.unsent.reshape(-1)[: grad.size].reshape(residuals[i].shape)
     else:
       dense.append(i)
       if opts.keeps_residual(grad.size):
