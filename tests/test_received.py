@@ -68,10 +68,11 @@ def test_every_nonzero_goes_when_fewer_than_k_are_nonzero():
 def test_narrow_floats_rank_as_float32():
   rng = np.random.default_rng(5)
   shard, received = received_shard(rng, 5000, 4, 100)
-  wide = shard.astype(jnp.bfloat16).astype(np.float32)
-  values, indices = select(jnp.asarray(wide, jnp.bfloat16), jnp.asarray(received), 60)
-  np.testing.assert_array_equal(np.sort(np.abs(np.asarray(values, np.float32)[0])),
-                                np.sort(np.abs(wide))[-60:])
+  narrow = shard.astype(jnp.bfloat16).astype(np.float32)
+  values, indices = select(jnp.asarray(narrow, jnp.bfloat16), jnp.asarray(received), 60)
+  values = np.asarray(values, np.float32)[0]
+  np.testing.assert_array_equal(values, narrow[np.asarray(indices)[0]])
+  np.testing.assert_array_equal(np.sort(np.abs(values)), np.sort(np.abs(narrow))[-60:])
 
 
 def test_the_sparse_exchange_runs_one_threshold_search():

@@ -378,9 +378,7 @@ def topka2a_sparse(
   Steps 1 to 3 are :func:`topka2a`'s. Then each owner selects the top
   ``ceil(k / P)`` of its summed shard, exactly and whatever ``selection``
   says: the shard is zero outside the positions it received, so the search
-  runs over those (:func:`received.top_of_received
-  <topka2a_jax._src.collectives.received.top_of_received>`). One tiled
-  ``all_gather`` of those
+  runs over those alone. One tiled ``all_gather`` of those
   (value, index) pairs, divided by ``P`` before they travel (so a narrow
   ``value_dtype`` holds them), gives every device the mean. What the owner did not
   send of its summed shard stays in the owner's residual, so across the axis
