@@ -8,7 +8,7 @@ so the selection works on those ``P k`` positions instead of the whole
 shard, and it is exact:
 
 1. **Distinct positions.** A position several senders chose is listed once,
-   where it first appears (a scatter of the list's order, keeping the
+   where it last appears (a scatter of the list's order, keeping the
    largest, then a comparison).
 2. **Threshold.** A bisection over the magnitudes' bit patterns (31
    counting passes over the ``P k`` listed keys) finds the smallest key
@@ -72,11 +72,11 @@ def top_of_received(shard: jax.Array, received: jax.Array,
   length = shard.shape[0]
   positions = received.ravel()
   order = jnp.arange(1, positions.size + 1, dtype=jnp.int32)
-  first = jnp.zeros(length, jnp.int32).at[positions].max(order, mode="drop")
+  last = jnp.zeros(length, jnp.int32).at[positions].max(order, mode="drop")
   keys = lax.bitcast_convert_type(jnp.abs(shard[positions]).astype(jnp.float32),
                                   jnp.int32)
   # -1 for a repeat of a listed position: below every bound, never taken.
-  listed = jnp.where(first[positions] == order, keys, -1)[None]
+  listed = jnp.where(last[positions] == order, keys, -1)[None]
 
   def halve(_, bracket):  # the smallest t >= 1 that at most k listed keys reach
     lo, hi = bracket
