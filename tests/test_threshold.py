@@ -106,6 +106,21 @@ def test_first_set_matches_numpy():
     np.testing.assert_array_equal(positions, np.flatnonzero(row)[:m])
 
 
+@pytest.mark.parametrize(("rows", "length", "m"), [
+    (1, 70, 7), (4, 5000, 5), (4, 5000, 300), (8, 28_864, 14_426)])
+def test_set_positions_takes_each_set_in_turn_like_numpy(rows, length, m):
+  rng = np.random.default_rng(length + m)
+  which = rng.choice(3, (rows, length), p=[0.6, 0.15, 0.25])  # none, first, second
+  which[0, :64] = [1, 2] * 32  # word edges, the sets interleaved
+  first, second = ((which == s).astype(np.int32) for s in (1, 2))
+  got = np.asarray(jax.jit(packed_flags.set_positions, static_argnums=1)(
+      [jnp.asarray(first), jnp.asarray(second)], m))
+  assert got.shape == (rows, m)
+  for row in range(rows):
+    want = np.concatenate([np.flatnonzero(first[row]), np.flatnonzero(second[row])])
+    np.testing.assert_array_equal(got[row, :len(want)], want[:m])
+
+
 @pytest.mark.parametrize(("length", "bound"), [
     (1, 32), (127, 32), (128, 32), (129, 32), (5000, 1), (16_385, 32),
     (300_000, 32),  # three levels of blocks

@@ -6,18 +6,27 @@ entries to take, and the first ``m`` set flags of every row become ``m``
 positions. Summing int32 flags is slow on XLA's CPU backend (it writes
 them out before a tree of windowed sums), so the flags are packed into
 uint32 words (:func:`pack`) and counted with population counts
-(:func:`count_set`); the compaction (:func:`first_set`) places words, not
-flags: a running count over the words (:func:`running_sum`), one small
-scatter that marks where each word's ones begin, and population counts find
-every slot's word and bit without a search.
+(:func:`count_set`). Two compactions place them:
+
+* :func:`first_set`, for long rows, places words, not flags: a running count
+  over the words (:func:`running_sum`), one small scatter that marks where
+  each word's ones begin, and population counts find every slot's word and
+  bit without a search. Its work grows with ``m``, not with the row.
+* :func:`set_positions`, for rows a few times ``m``, ranks every flag from
+  the running count over its words and scatters each position to its rank:
+  one scatter over the whole row, and fewer kernels to compile.
 
 Example:
   >>> words = pack(jnp.array([[0, 1, 1, 0, 1]], jnp.int32))
   >>> count_set(words), first_set(words, 2)
   (Array([3], dtype=int32), Array([[1, 2]], dtype=int32))
+  >>> set_positions([jnp.array([[0, 1, 1, 0, 1]]), jnp.array([[1, 0, 0, 0, 0]])], 3)
+  Array([[1, 2, 4]], dtype=int32)
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -76,22 +85,24 @@ def running_sum(counts: jax.Array, bound: int) -> jax.Array:
     >>> running_sum(jnp.array([[3, 0, 2, 5]], jnp.int32), 5)
     Array([[ 3,  3,  5, 10]], dtype=int32)
   """
-  length = counts.shape[-1]
-  if bound * length >= _PREFIX_EXACT:
+  if bound * counts.shape[-1] >= _PREFIX_EXACT:
     return jnp.cumsum(counts, axis=-1)
+  return _float_running_sum(counts.astype(jnp.float32)).astype(jnp.int32)
+
+
+def _float_running_sum(x: jax.Array) -> jax.Array:
+  """:func:`running_sum` of float32 integers whose sums stay below 2^24."""
+  length = x.shape[-1]
   if length <= _PREFIX_BLOCK:
     triangle = np.triu(np.ones((length, length), np.float32))
-    return jnp.matmul(counts.astype(jnp.float32), triangle,
-                      precision=lax.Precision.HIGHEST).astype(jnp.int32)
+    return jnp.matmul(x, triangle, precision=lax.Precision.HIGHEST)
   blocks = ceil_div(length, _PREFIX_BLOCK)
-  padded = jnp.pad(counts, [(0, 0)] * (counts.ndim - 1) + [(0, blocks * _PREFIX_BLOCK
-                                                             - length)])
-  within = running_sum(padded.reshape(*counts.shape[:-1], blocks, _PREFIX_BLOCK),
-                        bound)
-  totals = running_sum(within[..., -1], bound * _PREFIX_BLOCK)
-  before = jnp.concatenate([jnp.zeros_like(totals[..., :1]), totals[..., :-1]], -1)
+  padded = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, blocks * _PREFIX_BLOCK - length)])
+  within = _float_running_sum(padded.reshape(*x.shape[:-1], blocks, _PREFIX_BLOCK))
+  totals = within[..., -1]
+  before = _float_running_sum(totals) - totals  # what the earlier blocks hold
   summed = within + before[..., None]
-  return summed.reshape(*counts.shape[:-1], blocks * _PREFIX_BLOCK)[..., :length]
+  return summed.reshape(*x.shape[:-1], blocks * _PREFIX_BLOCK)[..., :length]
 
 
 def first_set(words: jax.Array, m: int) -> jax.Array:
@@ -150,3 +161,50 @@ def first_set(words: jax.Array, m: int) -> jax.Array:
     rank = jnp.where(right, rank - low, rank)
     bit = jnp.where(right, bit + width, bit)
   return word * 32 + bit
+
+
+def set_positions(flag_sets: Sequence[jax.Array], m: int) -> jax.Array:
+  """Positions of the first ``m`` set flags, one set after another.
+
+  Every set flag of ``flag_sets[0]`` comes first, in position order, then
+  those of ``flag_sets[1]``, and so on. A flag's slot is its rank: the ones
+  before its word (a running count over the packed words of every set),
+  plus a population count of the bits below it; one scatter then puts
+  each position in its slot. A row with fewer than ``m`` set flags gets
+  unspecified positions in its last slots.
+
+  Args:
+    flag_sets: 0/1 int32 arrays, each ``(R, n)``; no position is set in two.
+    m: slots per row.
+
+  Returns:
+    ``(R, m)`` int32 positions in ``[0, n)``.
+
+  Example:
+    >>> above = jnp.array([[0, 0, 1, 0]])
+    >>> tied = jnp.array([[1, 0, 0, 1]])
+    >>> jax.jit(set_positions, static_argnums=1)([above, tied], 2)
+    Array([[2, 0]], dtype=int32)
+  """
+  rows, length = flag_sets[0].shape
+  words = jnp.stack([pack(flags) for flags in flag_sets])  # (S, R, W)
+  ones = lax.population_count(words).astype(jnp.int32)
+  through = running_sum(ones, 32)
+  totals = through[..., -1]
+  earlier_sets = jnp.cumsum(totals, axis=0) - totals  # (S, R): a handful of sets
+  first_of_word = through - ones + earlier_sets[..., None]
+  bit = jnp.arange(32, dtype=jnp.uint32)
+  packed = words[..., None]
+  rank = first_of_word[..., None] + lax.population_count(
+      packed & ((jnp.uint32(1) << bit) - 1)).astype(jnp.int32)
+  is_set = ((packed >> bit) & 1).astype(bool)
+  # The sets are disjoint, so at most one of them places a position.
+  slot = jnp.sum(jnp.where(is_set, rank, 0), axis=0).reshape(rows, -1)[:, :length]
+  taken = jnp.any(is_set, axis=0).reshape(rows, -1)[:, :length] & (slot < m)
+  # Flat slots: a scatter over (row, slot) pairs copies its operand first on
+  # XLA's CPU backend.
+  flat_slot = jnp.where(taken, slot + m * jnp.arange(rows, dtype=jnp.int32)[:, None],
+                        rows * m)
+  positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (rows, length))
+  return jnp.zeros(rows * m, jnp.int32).at[flat_slot.ravel()].set(
+      positions.ravel(), mode="drop").reshape(rows, m)

@@ -41,8 +41,8 @@ from topka2a_jax._src.collectives.packed_flags import (
   MAX_KEY,
   at_least,
   count_set,
-  first_set,
   pack,
+  set_positions,
 )
 from topka2a_jax._src.collectives.selection import top_magnitudes
 
@@ -89,6 +89,5 @@ def top_of_received(shard: jax.Array, received: jax.Array,
                        (jnp.ones_like(row), jnp.full_like(row, MAX_KEY)))
   above = at_least(listed, t)
   tied = at_least(listed, t - 1) - above
-  slot = first_set(pack(jnp.concatenate([above, tied], axis=1)), k)
-  indices = positions[jnp.where(slot >= positions.size, slot - positions.size, slot)]
+  indices = positions[set_positions([above, tied], k)]
   return shard[indices], indices

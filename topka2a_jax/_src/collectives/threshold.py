@@ -75,6 +75,7 @@ from topka2a_jax._src.collectives.packed_flags import (
   count_set,
   first_set,
   pack,
+  set_positions,
 )
 from topka2a_jax._src.collectives.selection import top_magnitudes
 from topka2a_jax._src.sizes import ceil_div, round_up
@@ -244,8 +245,7 @@ def threshold_magnitudes(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array]
   above = at_least(keys, hi)
   band = at_least(keys, lo) - above
   # Slots: the candidates above hi in position order, then the band's.
-  picked = first_set(pack(jnp.concatenate([above, band], axis=1)), k)
-  slot = jnp.where(picked >= slots, picked - slots, picked)
+  slot = set_positions([above, band], k)
   group = jnp.take_along_axis(candidate, slot, axis=1)
   within = jnp.take_along_axis(keys, slot, axis=1) & jnp.int32(
       (1 << per_group.bit_length()) - 1)
