@@ -251,11 +251,16 @@ def threshold_magnitudes(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array]
       (1 << per_group.bit_length()) - 1)
   indices = within * groups + group
   values = jnp.take_along_axis(rows, indices, axis=1)
-  return lax.cond(_falls_short(rows, values), lambda: top_magnitudes(rows, k),
-                  lambda: (values, indices))
+  # The reads of whole rows below go through one flat view: XLA then reads
+  # the caller's buffer. A 2-D view of a concatenated one (the step's packed
+  # gradients) is computed and written out a second time.
+  flat = rows.reshape(-1)
+  return lax.cond(_falls_short(flat, values),
+                  lambda flat: top_magnitudes(flat.reshape(rows.shape), k),
+                  lambda flat: (values, indices), flat)
 
 
-def _falls_short(rows: jax.Array, values: jax.Array) -> jax.Array:
+def _falls_short(flat: jax.Array, values: jax.Array) -> jax.Array:
   """Whether some row's selection may keep less than exact top-k would.
 
   A group yields its largest entry only, so entries that share a group with
@@ -266,15 +271,21 @@ def _falls_short(rows: jax.Array, values: jax.Array) -> jax.Array:
   ``k t + sum(max(|x| - t, 0))``. A row falls short where the selection
   keeps less than :data:`MASS_KEPT` of that bound, or where ``t`` is zero
   (fewer than ``k`` nonzero entries) and some nonzero entry is left out.
+
+  Args:
+    flat: the rows, flattened (row-major).
+    values: ``(R, k)``, the selection of every row.
   """
-  k = values.shape[1]
+  num_rows, k = values.shape
   magnitudes = jnp.abs(values).astype(jnp.float32)
   t = jnp.min(magnitudes, axis=1, keepdims=True)
-  bound = k * t[:, 0] + jnp.sum(jnp.maximum(jnp.abs(rows) - t, 0.0), axis=1)
+  excess = jnp.maximum(jnp.abs(flat).reshape(num_rows, -1) - t, 0.0)
+  bound = k * t[:, 0] + jnp.sum(excess, axis=1)
   short = jnp.any(jnp.sum(magnitudes, axis=1) < MASS_KEPT * bound)
 
-  def nonzero_left_out():  # recomputes |rows|: an operand would be written out
+  def nonzero_left_out(flat):  # recomputes |rows|: an operand would be written out
     count = lambda m: jnp.sum(jnp.sign(jnp.abs(m)), axis=1)  # exact up to 2**24
-    return jnp.any(count(rows) > count(values))
+    return jnp.any(count(flat.reshape(num_rows, -1)) > count(values))
 
-  return lax.cond(jnp.any(t == 0), lambda: short | nonzero_left_out(), lambda: short)
+  return lax.cond(jnp.any(t == 0), lambda flat: short | nonzero_left_out(flat),
+                  lambda flat: short, flat)
