@@ -67,6 +67,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from topka2a_jax._src.collectives.packed_flags import (
@@ -136,7 +137,9 @@ def _candidates(group_max: jax.Array, k: int,
 
   The bound comes from a sample and aims at ``0.75 * slots`` keys; one
   count checks that between ``k`` and ``slots`` keys reach it. Rows where it
-  fails bisect with further counts (ties may leave more than ``slots``).
+  fails bisect with further counts, between the bound and the largest key
+  where more than ``slots`` reach it, between 0 (every key reaches it) and
+  the bound where fewer than ``k`` do; ties may leave more than ``slots``.
 
   Returns:
     ``(bound, count, words)``: the bound, how many keys reach it, and their
@@ -149,12 +152,14 @@ def _candidates(group_max: jax.Array, k: int,
   lo = sample[:, max(0, sample.shape[1] - math.ceil(wanted) - 1)]
   words = pack(at_least(group_max, lo))
   count = count_set(words)
-  # Every key is >= 0, and there are at least k groups.
-  lo = jnp.where(count >= k, lo, 0)
-  words = lax.cond(jnp.all(count >= k), lambda: words,
-                   lambda: pack(at_least(group_max, lo)))
-  count = jnp.where(count >= k, count, groups)
-  hi = jnp.full_like(lo, MAX_KEY)
+  # Every key is >= 0, so every group reaches 0; there are at least k groups.
+  enough = count >= k
+  every_group = np.full(words.shape[1], 0xFFFFFFFF, np.uint32)
+  every_group[-1] >>= -groups % 32
+  hi = jnp.where(enough, MAX_KEY, lo)
+  lo = jnp.where(enough, lo, 0)
+  words = jnp.where(enough[:, None], words, every_group)
+  count = jnp.where(enough, count, groups)
 
   def too_many(state):
     lo, hi, count, _, step = state
