@@ -12,9 +12,9 @@ uint32 words (:func:`pack`) and counted with population counts
   over the words (:func:`running_sum`), one small scatter that marks where
   each word's ones begin, and population counts find every slot's word and
   bit without a search. Its work grows with ``m``, not with the row.
-* :func:`set_positions`, for rows a few times ``m``, ranks every flag from
-  the running count over its words and scatters each position to its rank:
-  one scatter over the whole row, and fewer kernels to compile.
+* :func:`set_positions`, for rows a few times ``m``, lists the positions of
+  every word's ones and scatters each word's list to its first slot: fewer
+  kernels to compile, and its work grows with the row.
 
 Example:
   >>> words = pack(jnp.array([[0, 1, 1, 0, 1]], jnp.int32))
@@ -167,10 +167,12 @@ def set_positions(flag_sets: Sequence[jax.Array], m: int) -> jax.Array:
   """Positions of the first ``m`` set flags, one set after another.
 
   Every set flag of ``flag_sets[0]`` comes first, in position order, then
-  those of ``flag_sets[1]``, and so on. A flag's slot is its rank: the ones
-  before its word (a running count over the packed words of every set),
-  plus a population count of the bits below it; one scatter then puts
-  each position in its slot. A row with fewer than ``m`` set flags gets
+  those of ``flag_sets[1]``, and so on. A running count over the packed
+  words of every set gives each word's first slot; five halving steps of
+  population counts list the positions of each word's ones; one scatter
+  then writes every word's list as a window of 32 slots at its first slot.
+  A window's unused tail holds -1 and overlaps only later words' slots, so
+  the scatter keeps the maximum. A row with fewer than ``m`` set flags gets
   unspecified positions in its last slots.
 
   Args:
@@ -186,25 +188,34 @@ def set_positions(flag_sets: Sequence[jax.Array], m: int) -> jax.Array:
     >>> jax.jit(set_positions, static_argnums=1)([above, tied], 2)
     Array([[2, 0]], dtype=int32)
   """
-  rows, length = flag_sets[0].shape
-  words = jnp.stack([pack(flags) for flags in flag_sets])  # (S, R, W)
+  rows = flag_sets[0].shape[0]
+  words = jnp.stack([pack(flags) for flags in flag_sets])  # (sets, R, W)
   ones = lax.population_count(words).astype(jnp.int32)
   through = running_sum(ones, 32)
   totals = through[..., -1]
-  earlier_sets = jnp.cumsum(totals, axis=0) - totals  # (S, R): a handful of sets
-  first_of_word = through - ones + earlier_sets[..., None]
-  bit = jnp.arange(32, dtype=jnp.uint32)
-  packed = words[..., None]
-  rank = first_of_word[..., None] + lax.population_count(
-      packed & ((jnp.uint32(1) << bit) - 1)).astype(jnp.int32)
-  is_set = ((packed >> bit) & 1).astype(bool)
-  # The sets are disjoint, so at most one of them places a position.
-  slot = jnp.sum(jnp.where(is_set, rank, 0), axis=0).reshape(rows, -1)[:, :length]
-  taken = jnp.any(is_set, axis=0).reshape(rows, -1)[:, :length] & (slot < m)
-  # Flat slots: a scatter over (row, slot) pairs copies its operand first on
-  # XLA's CPU backend.
-  flat_slot = jnp.where(taken, slot + m * jnp.arange(rows, dtype=jnp.int32)[:, None],
-                        rows * m)
-  positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (rows, length))
-  return jnp.zeros(rows * m, jnp.int32).at[flat_slot.ravel()].set(
-      positions.ravel(), mode="drop").reshape(rows, m)
+  earlier_sets = jnp.cumsum(totals, axis=0) - totals  # (sets, R): a handful
+  first_slot = through - ones + earlier_sets[..., None]
+
+  # The bit of every word's j-th one (j < 32), halving the word five times.
+  rank = jnp.broadcast_to(jnp.arange(1, 33, dtype=jnp.int32), (*words.shape, 32))
+  value = words[..., None]
+  bit = jnp.zeros_like(rank)
+  for width in (16, 8, 4, 2, 1):
+    low = lax.population_count(
+        (value >> bit.astype(jnp.uint32)) & jnp.uint32((1 << width) - 1)
+    ).astype(jnp.int32)
+    right = low < rank
+    rank = jnp.where(right, rank - low, rank)
+    bit = jnp.where(right, bit + width, bit)
+  word = jnp.arange(words.shape[-1], dtype=jnp.int32)[:, None]
+  listed = jnp.where(jnp.arange(32) < ones[..., None], word * 32 + bit, -1)
+
+  # Rows of m + 32 slots, so that a window starting before slot m fits.
+  width = m + 32
+  start = jnp.minimum(first_slot, m) + width * jnp.arange(rows, dtype=jnp.int32)[:, None]
+  windows = lax.ScatterDimensionNumbers(
+      update_window_dims=(1,), inserted_window_dims=(), scatter_dims_to_operand_dims=(0,))
+  slots = lax.scatter_max(
+      jnp.full(rows * width, -1, jnp.int32), start.reshape(-1, 1),
+      listed.reshape(-1, 32), windows, mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+  return slots.reshape(rows, width)[:, :m]
