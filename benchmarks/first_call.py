@@ -20,7 +20,8 @@ for when a run starts or a shape changes) and the median of the next ones:
 
 ``--split`` times the parts instead, each configuration in a fresh process:
 the backward pass's estimate, ``step.lower(...)`` and ``.compile()``, and
-counts the sparse collectives (all-to-all and all-gather) compiled.
+counts the kernels (XLA fusions) and the sparse collectives (all-to-all and
+all-gather) compiled.
 
 Each configuration runs ``--trials`` times (3 by default), interleaved with
 the others; the table gives the median first call, its median ratio to the
@@ -169,10 +170,11 @@ def split(name: str) -> dict:
   start = time.perf_counter()
   compiled = lowered.compile()
   compile_s = time.perf_counter() - start
-  buckets = compiled.as_text().count("all-to-all(") + compiled.as_text().count(
-      "all-gather(")
+  text = compiled.as_text()
+  buckets = text.count("all-to-all(") + text.count("all-gather(")
   return {"run": name, "estimate_s": estimate, "lower_s": lower,
-          "compile_s": compile_s, "gathers_and_alltoalls": buckets}
+          "compile_s": compile_s, "kernels": text.count(" fusion("),
+          "gathers_and_alltoalls": buckets}
 
 
 def main() -> int:
@@ -200,7 +202,7 @@ def main() -> int:
         f"density 0.01; every run in a fresh process")
   if args.split:
     print(f"{'run':38s} {'estimate s':>10s} {'lower s':>8s} {'compile s':>9s} "
-          f"{'collectives':>11s}")
+          f"{'kernels':>7s} {'collectives':>11s}")
   else:
     print(f"{'run':38s} {'first call s':>12s} {'vs pmean':>8s} {'range':>10s} "
           f"{'step s':>8s}")
@@ -221,7 +223,8 @@ def main() -> int:
     if args.split:
       row = trials[name][0]
       print(f"{name:38s} {row['estimate_s']:10.2f} {row['lower_s']:8.2f} "
-            f"{row['compile_s']:9.2f} {row['gathers_and_alltoalls']:11d}")
+            f"{row['compile_s']:9.2f} {row['kernels']:7d} "
+            f"{row['gathers_and_alltoalls']:11d}")
     else:
       firsts = [t["first_s"] for t in trials[name]]
       ratios = [t["first_s"] / base["first_s"]
