@@ -151,7 +151,16 @@ def first_set(words: jax.Array, m: int) -> jax.Array:
 
   rank = jnp.arange(1, m + 1, dtype=jnp.int32) - jnp.take_along_axis(
       start, word, axis=1)  # 1-based within the word
-  value = jnp.take_along_axis(words, word, axis=1)
+  return word * 32 + _bit_of_one(jnp.take_along_axis(words, word, axis=1), rank)
+
+
+def _bit_of_one(value: jax.Array, rank: jax.Array) -> jax.Array:
+  """The bit of the ``rank``-th (1-based) one of every uint32 ``value``.
+
+  Five halving steps: population counts of the lower half of what is left
+  say on which side the one lies. Where ``value`` holds fewer than
+  ``rank`` ones, the bit is unspecified.
+  """
   bit = jnp.zeros_like(rank)
   for width in (16, 8, 4, 2, 1):
     low = lax.population_count(
@@ -160,7 +169,7 @@ def first_set(words: jax.Array, m: int) -> jax.Array:
     right = low < rank
     rank = jnp.where(right, rank - low, rank)
     bit = jnp.where(right, bit + width, bit)
-  return word * 32 + bit
+  return bit
 
 
 def set_positions(flag_sets: Sequence[jax.Array], m: int) -> jax.Array:
@@ -196,17 +205,9 @@ def set_positions(flag_sets: Sequence[jax.Array], m: int) -> jax.Array:
   earlier_sets = jnp.cumsum(totals, axis=0) - totals  # (sets, R): a handful
   first_slot = through - ones + earlier_sets[..., None]
 
-  # The bit of every word's j-th one (j < 32), halving the word five times.
-  rank = jnp.broadcast_to(jnp.arange(1, 33, dtype=jnp.int32), (*words.shape, 32))
-  value = words[..., None]
-  bit = jnp.zeros_like(rank)
-  for width in (16, 8, 4, 2, 1):
-    low = lax.population_count(
-        (value >> bit.astype(jnp.uint32)) & jnp.uint32((1 << width) - 1)
-    ).astype(jnp.int32)
-    right = low < rank
-    rank = jnp.where(right, rank - low, rank)
-    bit = jnp.where(right, bit + width, bit)
+  # The bit of every word's j-th one (j < 32; those past its ones are unused).
+  bit = _bit_of_one(words[..., None], jnp.broadcast_to(
+      jnp.arange(1, 33, dtype=jnp.int32), (*words.shape, 32)))
   word = jnp.arange(words.shape[-1], dtype=jnp.int32)[:, None]
   listed = jnp.where(jnp.arange(32) < ones[..., None], word * 32 + bit, -1)
 
