@@ -284,6 +284,8 @@ def _falls_short(flat: jax.Array, values: jax.Array) -> jax.Array:
   num_rows, k = values.shape
   magnitudes = jnp.abs(values).astype(jnp.float32)
   t = jnp.min(magnitudes, axis=1, keepdims=True)
+  # |flat| before the reshape: a 1-D zero for the maximum would be the same
+  # broadcast as a caller's 1-D zeros, and XLA would write it out to share it.
   excess = jnp.maximum(jnp.abs(flat).reshape(num_rows, -1) - t, 0.0)
   bound = k * t[:, 0] + jnp.sum(excess, axis=1)
   short = jnp.any(jnp.sum(magnitudes, axis=1) < MASS_KEPT * bound)
