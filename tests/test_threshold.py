@@ -75,13 +75,12 @@ def test_ties_give_exactly_k_distinct_valid_indices(fill):
 
 
 @pytest.mark.parametrize("sample", ["too small", "too large"])
-@pytest.mark.parametrize("groups", [40_000, 40_013])  # whole words of flags, or not
-def test_a_misleading_sample_still_gives_k_to_2k_candidates(sample, groups):
+def test_a_misleading_sample_still_gives_k_to_2k_candidates(sample):
   # The bound comes from every stride-th group key; here those keys alone
   # are 0 (the bound lets every key through) or the largest (too few get
   # through), so only the counting passes' bisection finds a bound that works.
   rng = np.random.default_rng(3)
-  k = 2_000
+  groups, k = 40_000, 2_000
   keys = rng.integers(1, 2**30, (ROWS, groups)).astype(np.int32)
   stride = groups // threshold.SAMPLE_SIZE
   sampled = keys[:, ::stride].shape
@@ -94,6 +93,24 @@ def test_a_misleading_sample_still_gives_k_to_2k_candidates(sample, groups):
   flags = np.unpackbits(np.asarray(words).view(np.uint8), axis=1,
                         bitorder="little")[:, :groups]
   np.testing.assert_array_equal(flags, keys >= np.asarray(bound)[:, None])
+
+
+@pytest.mark.parametrize("groups", [40_000, 40_013])  # whole words of flags, or not
+def test_fewer_than_k_nonzero_keys_make_every_group_a_candidate(groups):
+  # A background of exact zeros (embedding rows absent from the batch): the
+  # sample sees only the few nonzero keys, no bound above 0 lets k through,
+  # so every group is a candidate, and its flags end at the last group.
+  rng = np.random.default_rng(6)
+  k = 2_000
+  keys = np.zeros((ROWS, groups), np.int32)
+  stride = groups // threshold.SAMPLE_SIZE
+  keys[:, : 1_000 * stride : stride] = rng.integers(1, 2**31 - 1, (ROWS, 1_000))
+  bound, count, words = threshold._candidates(jnp.asarray(keys), k, 2 * k)
+  np.testing.assert_array_equal(bound, 0)
+  np.testing.assert_array_equal(count, groups)
+  bits = np.unpackbits(np.asarray(words).view(np.uint8), axis=1, bitorder="little")
+  np.testing.assert_array_equal(bits, np.broadcast_to(np.arange(bits.shape[1]) < groups,
+                                                      bits.shape))
 
 
 def test_first_set_matches_numpy():
