@@ -337,6 +337,39 @@ def test_a_save_that_fails_leaves_nothing_and_can_be_retried(tmp_path, mesh, mon
   topka2a_jax.restore(tmp_path / "ckpt", state, mesh)
 
 
+def test_two_jobs_saving_to_one_directory_keep_the_one_that_reported_success(
+    tmp_path, mesh, monkeypatch):
+  """Another job's save runs while this one computes its fingerprints."""
+  mine, theirs = resumable.fresh(mesh), resumable.fresh(mesh)
+  theirs = jax.tree.map(lambda leaf: leaf + 1 if jnp.issubdtype(leaf.dtype, jnp.floating)
+                        else leaf, theirs)
+  directory, outcomes = tmp_path / "ckpt", {}
+  real_describe = checkpoint.describe
+
+  def other_job_saves_meanwhile(*args, **kwargs):
+    if "theirs" not in outcomes:
+      outcomes["theirs"] = None
+      try:
+        topka2a_jax.save(directory, theirs, mesh)
+        outcomes["theirs"] = "saved"
+      except FileExistsError:
+        outcomes["theirs"] = "refused"
+    return real_describe(*args, **kwargs)
+
+  monkeypatch.setattr(checkpoint, "describe", other_job_saves_meanwhile)
+  try:
+    topka2a_jax.save(directory, mine, mesh)
+    outcomes["mine"] = "saved"
+  except (FileExistsError, ValueError):
+    outcomes["mine"] = "refused"
+  monkeypatch.setattr(checkpoint, "describe", real_describe)
+  winners = [job for job in ("mine", "theirs") if outcomes[job] == "saved"]
+  assert len(winners) == 1, outcomes
+  restored = topka2a_jax.restore(directory, mine, mesh)
+  chex.assert_trees_all_equal(jax.tree.map(np.asarray, restored), jax.tree.map(
+      np.asarray, mine if winners == ["mine"] else theirs))
+
+
 def test_a_corrupted_layout_file_is_named(tmp_path, mesh):
   state = resumable.fresh(mesh)
   saved = tmp_path / "ckpt"

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -168,14 +169,9 @@ def save(directory: str | Path, state: Any, mesh: Mesh,
   axis = DataAxis.parse(axis_name)
   axis.check_on(mesh)
   directory = Path(directory).absolute()
-  exists = directory.exists()
-  if jax.process_count() > 1:  # every process looks before any writes
-    multihost_utils.sync_global_devices(f"topka2a_jax.save {directory}")
-  if exists:
-    raise FileExistsError(f"{directory} exists; save each checkpoint to a new "
-                          "directory (nothing was written)")
-  layout = describe(state, mesh, axis)
+  _claim(directory)
   try:
+    layout = describe(state, mesh, axis)
     with ocp.StandardCheckpointer() as checkpointer:
       checkpointer.save(directory / "state", state)
     if jax.process_count() > 1:  # every process's files are written
@@ -184,9 +180,31 @@ def save(directory: str | Path, state: Any, mesh: Mesh,
       (directory / LAYOUT_FILE).write_text(json.dumps(layout, indent=1))
       write_manifest(directory)
   except BaseException:
-    if jax.process_index() == 0:
+    if jax.process_index() == 0:  # the directory is this call's own: see _claim
       shutil.rmtree(directory, ignore_errors=True)
     raise
+
+
+def _claim(directory: Path) -> None:
+  """Creates ``directory`` for this save alone, or raises FileExistsError.
+
+  Process 0 creates it with one ``mkdir``, which fails if anything (another
+  job's save among them) made it first; every process learns the outcome
+  before any writes. A save therefore only ever removes a directory that it
+  created itself.
+  """
+  created = True
+  if jax.process_index() == 0:
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    try:
+      directory.mkdir()
+    except FileExistsError:
+      created = False
+  if jax.process_count() > 1:
+    created = bool(multihost_utils.broadcast_one_to_all(np.int32(created)))
+  if not created:
+    raise FileExistsError(f"{directory} exists; save each checkpoint to a new "
+                          "directory (nothing was written)")
 
 
 def restore(directory: str | Path, like: Any, mesh: Mesh,
