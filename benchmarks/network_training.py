@@ -70,6 +70,9 @@ RUNS = {
     "momentum, variance frozen at 30, onebit": {"form": "momentum", "freeze_after": 30,
                                                 "algorithm": "onebit"},
     "onebit": {"algorithm": "onebit"},
+    **{name: {"algorithm": name} for name in (
+        "quantized_4_8", "quantized_4_4", "quantized_2_8", "quantized_8_8",
+        "quantized_4_8_stochastic", "quantized_4_8_fine")},
     "defaults, buckets split to overlap the backward pass": {
         "backward_seconds": "estimated"},
 }

@@ -6,6 +6,7 @@ shard with plain loops in float64; it shares no code with the library.
 
 from __future__ import annotations
 
+import functools
 import math
 from fractions import Fraction
 
@@ -84,11 +85,24 @@ def topka2a_sparse(buffers: np.ndarray, density: float):
   return sent[:n] / num_devices, unsent[:, :n]
 
 
-def _chunk_codes(values: np.ndarray, bits: int) -> tuple[np.ndarray, float]:
+def lowbias32_dither(values: np.ndarray, salt: int) -> np.ndarray:
+  """Uniform numbers in [0, 1): lowbias32 of each float32's bits, position and salt."""
+  bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
+  position = np.arange(values.size, dtype=np.uint64).reshape(values.shape)
+  mask = np.uint64(0xFFFFFFFF)
+  h = bits ^ ((position * 0x9E3779B9) & mask) ^ np.uint64(salt)
+  h = ((h ^ (h >> np.uint64(16))) * 0x7FEB352D) & mask
+  h = ((h ^ (h >> np.uint64(15))) * 0x846CA68B) & mask
+  h = h ^ (h >> np.uint64(16))
+  return (h >> np.uint64(8)).astype(np.float64) * 2.0 ** -24
+
+
+def _chunk_codes(values: np.ndarray, bits: int, dither=None) -> tuple[np.ndarray, float]:
   """One chunk's decoded values and its scale, rounded to float32 as it travels.
 
   1 bit: the sign (zero counts as positive) times the mean magnitude.
-  b bits: round(x / scale) in [-L, L], L = 2^(b-1) - 1, scale = max |x| / L.
+  b bits: round(x / scale) in [-L, L], L = 2^(b-1) - 1, scale = max |x| / L;
+  with ``dither`` (uniform numbers), floor(x / scale + u) instead.
   """
   if bits == 1:
     scale = float(np.float32(np.abs(values).mean()))
@@ -97,55 +111,86 @@ def _chunk_codes(values: np.ndarray, bits: int) -> tuple[np.ndarray, float]:
   scale = float(np.float32(np.abs(values).max() / levels))
   if scale == 0:
     return np.zeros(len(values)), scale
-  return np.array([min(levels, max(-levels, round(x / scale))) * scale
-                   for x in values]), scale
+  if dither is None:
+    rounded = [round(x / scale) for x in values]
+  else:
+    rounded = [math.floor(x / scale + u) for x, u in zip(values, dither)]
+  return np.array([min(levels, max(-levels, r)) * scale for r in rounded]), scale
 
 
-def _coded(row: np.ndarray, start: int, n: int, bits: int, chunk: int) -> np.ndarray:
+def _coded(row: np.ndarray, start: int, n: int, bits: int, chunk: int,
+           dither=None) -> np.ndarray:
   """A shard's entries decoded chunk by chunk; only positions below ``n`` count."""
   out = np.zeros(len(row))
   for first in range(0, len(row), chunk):
     real = [i for i in range(first, min(first + chunk, len(row))) if start + i < n]
     if real:
-      out[real] = _chunk_codes(row[real], bits)[0]
+      out[real] = _chunk_codes(row[real], bits,
+                               None if dither is None else dither[real])[0]
   return out
 
 
-def onebit(buffers: np.ndarray, density: float, gather_bits: int = 8,
-           chunk: int = 4096):
-  """Signs to the owners, their means back in ``gather_bits`` bits.
+def _chunk_length(shard: int, chunk: int) -> int:
+  """Entries per chunk: the shard split evenly, rounded up to 32 (quantized.layout)."""
+  count = -(-shard // chunk)
+  return -(-(-(-shard // count)) // 32) * 32
 
-  Each shard (``ceil(n / P)`` rounded up to 32 entries) goes from every
-  device as the sign of each entry times its chunk's mean magnitude; the
-  owner adds them up, rounds the mean chunk by chunk to ``gather_bits``
-  bits, and keeps the rounding, times P, in its own residual.
+
+def few_bit(buffers: np.ndarray, density: float, bits: int = 4, gather_bits: int = 8,
+            chunk: int = 4096, stochastic: bool = False):
+  """Codes of ``bits`` bits to the owners, their means back in ``gather_bits`` bits.
+
+  Each shard (``ceil(n / P)`` cut into chunks of at most ``chunk`` entries,
+  each rounded up to 32) goes from every device decoded chunk by chunk; the
+  owner adds them up, rounds the mean chunk by chunk to ``gather_bits`` bits,
+  and keeps the rounding, times P, in its own residual. Stochastic rounding
+  dithers device ``d``'s codes with salt ``2 d`` and its owner's with
+  ``2 d + 1``, each over the device's padded rows in order.
   """
   del density
   buffers = buffers.astype(np.float64)
   num_devices, n = buffers.shape
-  shard = -(-math.ceil(n / num_devices) // 32) * 32
+  shard = math.ceil(n / num_devices)
+  per_chunk = _chunk_length(shard, chunk)
+  shard = -(-shard // per_chunk) * per_chunk
   padded = np.zeros((num_devices, num_devices * shard))
   padded[:, :n] = buffers
   unsent = padded.copy()
   total = np.zeros(num_devices * shard)
   for device in range(num_devices):
+    dither = lowbias32_dither(padded[device], 2 * device) if stochastic else None
     for owner in range(num_devices):
       span = slice(owner * shard, (owner + 1) * shard)
-      sent = _coded(padded[device, span], owner * shard, n, 1, chunk)
+      sent = _coded(padded[device, span], owner * shard, n, bits, per_chunk,
+                    None if dither is None else dither[span])
       total[span] += sent
       unsent[device, span] -= sent
   mean = np.zeros(num_devices * shard)
   for owner in range(num_devices):
     span = slice(owner * shard, (owner + 1) * shard)
-    mean[span] = _coded(total[span] / num_devices, owner * shard, n, gather_bits, chunk)
+    own = total[span] / num_devices
+    dither = lowbias32_dither(own, 2 * owner + 1) if stochastic else None
+    mean[span] = _coded(own, owner * shard, n, gather_bits, per_chunk, dither)
     unsent[owner, span] += total[span] - num_devices * mean[span]
   return mean[:n], unsent[:, :n]
 
 
+def onebit(buffers: np.ndarray, density: float, gather_bits: int = 8,
+           chunk: int = 4096):
+  """Signs to the owners, their means back in ``gather_bits`` bits."""
+  return few_bit(buffers, density, 1, gather_bits, chunk)
+
+
 ALGORITHMS = {"dense": dense, "allgather": allgather, "topka2a": topka2a,
               "topka2a_sparse": topka2a_sparse, "onebit": onebit,
-              "onebit_4": lambda b, d: onebit(b, d, gather_bits=4),
-              "onebit_1": lambda b, d: onebit(b, d, gather_bits=1)}
+              "onebit_4": functools.partial(onebit, gather_bits=4),
+              "onebit_1": functools.partial(onebit, gather_bits=1),
+              **{f"quantized_{up}_{back}": functools.partial(few_bit, bits=up,
+                                                             gather_bits=back)
+                 for up, back in ((4, 8), (4, 4), (2, 8), (8, 8))},
+              "quantized_4_8_stochastic": functools.partial(few_bit, stochastic=True),
+              "quantized_4_8_fine": functools.partial(few_bit, chunk=256)}
+
 
 
 def leafwise(algorithm, grads, residuals, density):

@@ -57,6 +57,30 @@ def test_a_bad_step_under_onebit_is_as_if_it_never_came(mesh, exchange_steps):
     np.testing.assert_array_equal(residuals_of(after)[k], residuals_of(clean[1][1])[k])
 
 
+@pytest.mark.parametrize("algorithm", ["onebit", "quantized_4_8"])
+def test_huge_finite_gradients_are_delivered_or_skipped_never_made_nan(
+    mesh, exchange_steps, algorithm):
+  """Every device's entries near 1e37 (delivered) or 3e38 (their sum overflows)."""
+  tx = optax.chain(topka2a_jax.topka2a(algorithm=algorithm, min_size=0, fusion=1))
+  rng = np.random.default_rng(0)
+  for size, applied in ((1e37, True), (3e38, False)):
+    grads = [{"w": (size * (1 + 0.1 * rng.random((8, 64, 64)))).astype(np.float32)}
+             for _ in range(2)]
+    history = exchange_steps(tx, mesh, grads)
+    for (updates, state), grad in zip(history, grads):
+      assert np.isfinite(updates["w"]).all()
+      assert np.isfinite(residuals_of(state)["w"]).all()
+    (first, state), _ = history
+    if applied:  # the first step's mean plus what is owed is the exact mean
+      owed = residuals_of(state)["w"].astype(np.float64).sum(0) / 8
+      want = grads[0]["w"].astype(np.float64).mean(0)
+      np.testing.assert_allclose(first["w"][0].ravel() + owed, want.ravel(), rtol=1e-6)
+      assert int(history[-1][1][0].nonfinite_steps) == 0
+    else:
+      assert not first["w"].any()
+      assert int(history[-1][1][0].nonfinite_steps) == 2
+
+
 def test_opting_out_lets_the_nan_through(mesh, exchange_steps):
   tx = optax.chain(topka2a_jax.topka2a(1.0, min_size=0, fusion=1,
                                        skip_nonfinite=False))

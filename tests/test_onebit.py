@@ -1,4 +1,4 @@
-"""The one-bit exchange against its float64 NumPy model, its packing, and its bytes."""
+"""The one-bit and few-bit exchanges against their float64 NumPy model, their packing, and their bytes."""
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +16,11 @@ from topka2a_jax._src.collectives.algorithms import ALGORITHMS
 from topka2a_jax.collectives import COLLECTIVES
 
 QUANTIZING = sorted(name for name, entry in ALGORITHMS.items() if entry.quantizes)
-BITS = {"onebit": 8, "onebit_4": 4, "onebit_1": 1}
+WIDTHS = {"onebit": (1, 8, 4096), "onebit_4": (1, 4, 4096), "onebit_1": (1, 1, 4096),
+          "quantized_4_8": (4, 8, 4096), "quantized_4_4": (4, 4, 4096),
+          "quantized_2_8": (2, 8, 4096), "quantized_8_8": (8, 8, 4096),
+          "quantized_4_8_stochastic": (4, 8, 4096), "quantized_4_8_fine": (4, 8, 256)}
+"""Bits per entry to the owners and back, and entries per scale, by exchange."""
 
 
 def exchange(mesh, name, buffers, **options):
@@ -54,8 +58,8 @@ def test_ten_steps_of_error_feedback_match_the_model(mesh, name):
   for grad in grads:
     with jax.enable_x64():
       mean, residual = per_device(step, mesh, grad, residual)
-    want_mean, want_residual = reference.onebit(grad + want_residual, 1.0,
-                                                gather_bits=BITS[name], chunk=128)
+    want_mean, want_residual = reference.ALGORITHMS[name](grad + want_residual, 1.0,
+                                                          chunk=128)
     np.testing.assert_allclose(mean[0], want_mean, rtol=0, atol=1e-11)
     np.testing.assert_allclose(residual, want_residual, rtol=0, atol=1e-11)
   assert np.abs(residual).max() > 0.01  # the test compared something owed
@@ -152,7 +156,8 @@ def test_bytes_on_the_wire_are_the_cost_models(mesh, name):
   sent = topka2a_jax.comm_report(run.lower(buffers)).total_bytes
   model = ALGORITHMS[name].cost(length, 8, 1.0).bytes
   assert sent == pytest.approx(model, rel=0.01)
-  assert model / length == pytest.approx(7 / 8 * (1 + BITS[name] + 2 * 32 / 4096) / 8,
+  up, back, chunk = WIDTHS[name]
+  assert model / length == pytest.approx(7 / 8 * (up + back + 2 * 32 / chunk) / 8,
                                          rel=0.01)
 
 

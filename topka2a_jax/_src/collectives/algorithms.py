@@ -17,6 +17,7 @@ bytes per value and index:
 | topka2a | 2(P-1) | (P-1) · (q(v+i) + s·v) | d | P·q |
 | topka2a_sparse | 2(P-1) | (P-1) · 2q(v+i) | d + s | P·q + q |
 | onebit (b bits back) | 2(P-1) | (P-1) · s'(1 + b + 64/C)/8 | 4d + 2s | 0 |
+| quantized_a_b (a bits up, b back) | 2(P-1) | (P-1) · s'(a + b + 64/C)/8 | 4d + 2s | 0 |
 
 (``s'``: the shard rounded up to whole chunks of ``C`` entries, at most
 ``quantized.CHUNK``; each chunk sends one float32 scale per phase.)
@@ -239,28 +240,37 @@ def _to_owners_then_pairs(c: Counts) -> tuple[Phase, ...]:
   return owners, owners._replace(pattern=RING)
 
 
-def _signs_then(bits: int) -> Callable[[Counts], tuple[Phase, ...]]:
-  """The phases of :func:`onebit <topka2a_jax.collectives.onebit>` with ``bits`` back.
+def _codes_then(bits: int, gather_bits: int, chunk: int
+                ) -> Callable[[Counts], tuple[Phase, ...]]:
+  """The phases of :func:`few_bit <topka2a_jax.collectives.few_bit>`.
 
-  Each device sends every peer its shard's signs and chunk scales, then
-  every peer gets each owner's shard in ``bits`` bits per entry.
+  Each device sends every peer its shard's codes of ``bits`` bits and chunk
+  scales, then every peer gets each owner's shard in ``gather_bits`` bits
+  per entry.
   """
   def traffic(c: Counts) -> tuple[Phase, ...]:
     shard = math.ceil(c.length / c.devices)
-    return (Phase(PAIRS, c.devices - 1, (c.devices - 1) * quantized.wire_bytes(shard, 1)),
+    return (Phase(PAIRS, c.devices - 1,
+                  (c.devices - 1) * quantized.wire_bytes(shard, bits, chunk)),
             Phase(RING, c.devices - 1,
-                  (c.devices - 1) * quantized.wire_bytes(shard, bits)))
+                  (c.devices - 1) * quantized.wire_bytes(shard, gather_bits, chunk)))
   return traffic
 
 
-def _quantized(bits: int) -> Algorithm:
-  name = "onebit" if bits == 8 else f"onebit_{bits}"
+def _quantized(bits: int, gather_bits: int, *, name: str | None = None,
+               chunk: int = quantized.CHUNK, how: str = "") -> Algorithm:
+  if name is None:
+    name = ("onebit" if gather_bits == 8 else f"onebit_{gather_bits}") if bits == 1 else (
+        f"quantized_{bits}_{gather_bits}")
+  what = ("every entry's sign" if bits == 1 else
+          f"every entry in {bits} bits{how}")
   return Algorithm(
-      name=name, title=f"1-bit A2A, {bits}-bit AllGather",
-      summary=(f"every entry's sign to its shard's owner by AlltoAll, the owners' "
-               f"means back in {bits} bit{'s' if bits > 1 else ''} by AllGather"),
+      name=name, title=f"{bits}-bit A2A, {gather_bits}-bit AllGather{how}",
+      summary=(f"{what} to its shard's owner by AlltoAll, the owners' means back "
+               f"in {gather_bits} bit{'s' if gather_bits > 1 else ''} by AllGather"),
       sparse=True, unsent_at="the sender, and the owner for its mean's rounding",
-      compresses_values=False, global_indices=False, traffic=_signs_then(bits),
+      compresses_values=False, global_indices=False,
+      traffic=_codes_then(bits, gather_bits, chunk),
       # Passes over the buffer: its codes, their decoding (the residual), the
       # owner's sum of P shards and the final decoding; over the owner's
       # shard, its codes and their decoding.
@@ -297,18 +307,27 @@ TOPKA2A_SPARSE = Algorithm(
     reads=lambda length, devices: length + ceil_div(length, devices),
     selects=lambda c: (c.devices + 1) * c.per_shard, holds_back=True)
 
-ONEBIT = _quantized(8)
+ONEBIT = _quantized(1, 8)
 """Signs to the owners, 8-bit means back: 1.125 bytes per entry in all."""
 
-ONEBIT_4 = _quantized(4)
+ONEBIT_4 = _quantized(1, 4)
 """Signs to the owners, 4-bit means back: 0.625 bytes per entry."""
 
-ONEBIT_1 = _quantized(1)
+ONEBIT_1 = _quantized(1, 1)
 """Signs both ways (DeepSpeed's compressed all-reduce): 0.25 bytes per entry."""
+
+FEW_BIT = tuple(_quantized(bits, back) for bits, back in ((4, 8), (4, 4), (2, 8), (8, 8)))
+"""Codes of 2 to 8 bits to the owners, 4 or 8 back: the gradient at a few bits."""
+
+FEW_BIT_CANDIDATES = (
+    _quantized(4, 8, name="quantized_4_8_stochastic", how=", rounded stochastically"),
+    _quantized(4, 8, name="quantized_4_8_fine", chunk=256, how=", 256 entries a scale"))
+"""``"quantized_4_8"`` with stochastic rounding, and with finer chunk scales."""
 
 ALGORITHMS: dict[str, Algorithm] = {
     algorithm.name: algorithm for algorithm in (
-        DENSE, ALLGATHER, TOPKA2A, TOPKA2A_SPARSE, ONEBIT, ONEBIT_4, ONEBIT_1)}
+        DENSE, ALLGATHER, TOPKA2A, TOPKA2A_SPARSE, ONEBIT, ONEBIT_4, ONEBIT_1,
+        *FEW_BIT, *FEW_BIT_CANDIDATES)}
 """Every exchange of a flat buffer, by the name ``topka2a(algorithm=...)`` takes."""
 
 

@@ -14,8 +14,9 @@ send, which error feedback keeps for the next step.
   The volume no longer grows with P.
 * :func:`topka2a_sparse`: TopKA2A whose owners re-select the top of their
   summed shard, so the second phase is a sparse AllGather too: O(k) volume.
-* :func:`onebit`: every entry's sign (with one scale per chunk) to the
-  shards' owners by AlltoAll, and the owners' means back in 8 bits (1-bit
+* :func:`few_bit`: every entry in a few bits (with one scale per chunk) to
+  the shards' owners by AlltoAll, and the owners' means back in a few bits,
+  the rounding of both phases fed back; :func:`onebit` sends signs (1-bit
   Adam's compressed all-reduce, with the second phase's precision kept).
 * :func:`two_level`: for clusters, a dense reduce-scatter inside each node,
   one of the above between nodes on one slice per device, and an all-gather
@@ -422,19 +423,113 @@ def topka2a_sparse(
   return ExchangeResult(mean, unsent.reshape(-1)[: layout.length])
 
 
-def _sum_of_decoded_rows(words: jax.Array, scales: jax.Array, valid: jax.Array | None,
-                         dtype: jnp.dtype) -> jax.Array:
-  """The sum over senders of their decoded signs, ``(chunks, chunk)``.
+def _sum_of_decoded_rows(words: jax.Array, scales: jax.Array, bits: int,
+                         valid: jax.Array | None, dtype: jnp.dtype) -> jax.Array:
+  """The sum over senders of their decoded codes, ``(chunks, chunk)``.
 
   One row at a time, in sender order: each row's decoding fuses into the
   addition, where decoding all rows first and reducing over them makes XLA
   write every decoded row out (four times slower on a CPU).
   """
   def decoded(row):
-    return quantized.decode(words[row][None], scales[row][None], 1, valid, dtype)[0]
+    return quantized.decode(words[row][None], scales[row][None], bits, valid, dtype)[0]
 
   return lax.fori_loop(1, words.shape[0], lambda row, total: total + decoded(row),
                        decoded(0))
+
+
+ROUNDINGS = ("nearest", "stochastic")
+"""How :func:`few_bit` rounds codes of 2 bits and more."""
+
+
+def few_bit(
+    buffer: jax.Array, axis_name: Hashable, density: float = 1.0, *,
+    value_dtype: jnp.dtype | None = None, selection: str = "exact",
+    send: jax.Array | None = None, bits: int = 4, gather_bits: int = 8,
+    rounding: str = "nearest", chunk: int = quantized.CHUNK,
+) -> ExchangeResult:
+  """Every entry in ``bits`` bits to its shard's owner, the owners' means back in ``gather_bits``.
+
+  TopKA2A's structure with a quantizer in place of the top-k, and error
+  feedback on both phases (1-bit Adam's compressed all-reduce at
+  ``bits=1``; ZeRO++'s 4-bit AlltoAll with the rounding kept):
+
+  1. Pad the buffer to ``P`` equal shards, each cut into chunks of ``chunk``
+     entries (a shorter shard is one chunk, rounded up to 32 entries).
+     Each chunk goes as one code of ``bits`` bits per entry and one float32
+     scale (``quantized.encode``: signs times the mean magnitude at one
+     bit, symmetric integers up to the largest magnitude above).
+  2. One ``all_to_all`` sends shard ``i``'s codes and scales to device ``i``.
+  3. Each owner decodes and adds the ``P`` pieces: the exact sum of what the
+     devices sent for its shard.
+  4. The owner rounds its shard's mean to ``gather_bits`` bits per entry
+     (chunk scales again), keeps the rounding in its own residual, and one
+     tiled ``all_gather`` gives every device the same mean.
+
+  Every entry is sent every step, at about ``bits + gather_bits`` bits per
+  entry in all; what the rounding leaves out waits in the residuals: each
+  device keeps its buffer minus its decoded codes, and on its own shard
+  also the owners' rounding (times ``P``, as the sum it came from). Each
+  entry's error is therefore bounded by half a quantization step, not
+  carried for many steps as a top-k carries it.
+
+  Args:
+    buffer: this device's 1-D floating buffer of ``n`` elements.
+    axis_name: the mesh axis to average over.
+    density: ignored: every entry is sent.
+    value_dtype: ignored: codes and float32 scales are the wire format.
+    selection: ignored; nothing is selected.
+    send: as in :func:`dense`: False sends nothing.
+    bits: bits per entry of the first phase, 1, 2, 4 or 8.
+    gather_bits: bits per entry of the second phase, 1, 2, 4 or 8.
+    rounding: ``"nearest"``, or ``"stochastic"`` (:func:`quantized.dither`
+      salted with the device's index) for codes of 2 bits and more.
+    chunk: entries per scale, in both phases.
+
+  Returns:
+    The :class:`ExchangeResult`.
+
+  Example:
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> rows = jax.device_put(jnp.ones((8, 40)) * jnp.arange(1.0, 9.0)[:, None],
+    ...                       NamedSharding(mesh, P("data")))  # device i: all i + 1
+    >>> mean = jax.jit(jax.shard_map(lambda row: few_bit(row[0], "data").mean,
+    ...                  mesh=mesh, in_specs=P("data"), out_specs=P()))(rows)
+    >>> mean[:3]  # each device's constant exact in 4 bits; 4.5 in 8 bits
+    Array([4.4999995, 4.4999995, 4.4999995], dtype=float32)
+  """
+  del density, value_dtype, selection
+  _check_buffer(buffer)
+  if rounding not in ROUNDINGS:
+    raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+  num_devices = bound_axis_size(axis_name)
+  length, dtype = buffer.shape[0], jnp.promote_types(buffer.dtype, jnp.float32)
+  cut = quantized.layout(ceil_div(length, num_devices), chunk)
+  shape, total = (num_devices, cut.chunks, cut.chunk), num_devices * cut.padded
+  valid = None if total == length else jnp.arange(total).reshape(shape) < length
+  shards = jnp.pad(buffer.astype(dtype), (0, total - length)).reshape(shape)
+  salt = lax.axis_index(axis_name).astype(jnp.uint32)
+  dither = lambda x, phase: (None if rounding == "nearest" else
+                             quantized.dither(x, 2 * salt + phase))
+  words, scales = quantized.encode(shards, bits, valid, dither(shards, 0))
+  if send is not None:
+    scales = jnp.where(send, scales, jnp.zeros_like(scales))
+  unsent = shards - quantized.decode(words, scales, bits, valid, dtype)
+  received = lax.all_to_all(quantized.message(words, scales), axis_name, 0, 0,
+                            tiled=True)
+  own = (None if valid is None else
+         lax.dynamic_index_in_dim(valid, lax.axis_index(axis_name), keepdims=True))
+  owned = _sum_of_decoded_rows(*quantized.split(received, cut, bits), bits, own, dtype)
+  mean = (owned / num_devices)[None]
+  mean_words, mean_scales = quantized.encode(mean, gather_bits, own, dither(mean, 1))
+  delivered = quantized.decode(mean_words, mean_scales, gather_bits, own, dtype)[0]
+  unsent = add_to_own_row(unsent, axis_name, owned - delivered * num_devices)
+  gathered = lax.all_gather(quantized.message(mean_words, mean_scales), axis_name,
+                            tiled=True, to="invarying")
+  means = quantized.decode(*quantized.split(gathered, cut, gather_bits), gather_bits,
+                           valid, dtype)
+  return ExchangeResult(means.reshape(-1)[:length].astype(buffer.dtype),
+                        unsent.reshape(-1)[:length].astype(buffer.dtype))
 
 
 def onebit(
@@ -445,24 +540,9 @@ def onebit(
 ) -> ExchangeResult:
   """Every entry's sign to its shard's owner, the owners' means back in few bits.
 
-  1-bit Adam's compressed all-reduce (Tang et al. 2021) on TopKA2A's
-  structure, with error feedback on both phases:
-
-  1. Pad the buffer to ``P`` equal shards, each cut into chunks of ``chunk``
-     entries (a shorter shard is one chunk, rounded up to 32 entries).
-     Each chunk goes as its signs,
-     packed 32 to a word, and one scale, its mean magnitude.
-  2. One ``all_to_all`` sends shard ``i``'s signs and scales to device ``i``.
-  3. Each owner decodes and adds the ``P`` pieces: the exact sum of what the
-     devices sent for its shard.
-  4. The owner rounds its shard's mean to ``gather_bits`` bits per entry
-     (chunk scales again), keeps the rounding in its own residual, and one
-     tiled ``all_gather`` gives every device the same mean.
-
-  Every entry is sent every step, at about ``1 + gather_bits`` bits per entry
-  in all; what the signs and the rounding leave out waits in the residuals:
-  each device keeps its buffer minus its decoded signs, and on its own shard
-  also the owners' rounding (times ``P``, as the sum it came from).
+  :func:`few_bit` with ``bits=1``: each chunk goes as its signs, packed 32
+  to a word, and one scale, its mean magnitude (1-bit Adam's compressed
+  all-reduce, Tang et al. 2021, with the second phase's precision kept).
 
   Args:
     buffer: this device's 1-D floating buffer of ``n`` elements.
@@ -487,33 +567,9 @@ def onebit(
     >>> mean[:3]  # 4.5 in 8 bits: 127 steps of 4.5 / 127 in float32
     Array([4.4999995, 4.4999995, 4.4999995], dtype=float32)
   """
-  del density, value_dtype, selection
-  _check_buffer(buffer)
-  num_devices = bound_axis_size(axis_name)
-  length, dtype = buffer.shape[0], jnp.promote_types(buffer.dtype, jnp.float32)
-  cut = quantized.layout(ceil_div(length, num_devices), chunk)
-  shape, total = (num_devices, cut.chunks, cut.chunk), num_devices * cut.padded
-  valid = None if total == length else jnp.arange(total).reshape(shape) < length
-  shards = jnp.pad(buffer.astype(dtype), (0, total - length)).reshape(shape)
-  words, scales = quantized.encode(shards, 1, valid)
-  if send is not None:
-    scales = jnp.where(send, scales, jnp.zeros_like(scales))
-  unsent = shards - quantized.decode(words, scales, 1, valid, dtype)
-  received = lax.all_to_all(quantized.message(words, scales), axis_name, 0, 0,
-                            tiled=True)
-  own = (None if valid is None else
-         lax.dynamic_index_in_dim(valid, lax.axis_index(axis_name), keepdims=True))
-  owned = _sum_of_decoded_rows(*quantized.split(received, cut, 1), own, dtype)
-  mean_words, mean_scales = quantized.encode((owned / num_devices)[None], gather_bits,
-                                             own)
-  delivered = quantized.decode(mean_words, mean_scales, gather_bits, own, dtype)[0]
-  unsent = add_to_own_row(unsent, axis_name, owned - delivered * num_devices)
-  gathered = lax.all_gather(quantized.message(mean_words, mean_scales), axis_name,
-                            tiled=True, to="invarying")
-  means = quantized.decode(*quantized.split(gathered, cut, gather_bits), gather_bits,
-                           valid, dtype)
-  return ExchangeResult(means.reshape(-1)[:length].astype(buffer.dtype),
-                        unsent.reshape(-1)[:length].astype(buffer.dtype))
+  return few_bit(buffer, axis_name, density, value_dtype=value_dtype,
+                 selection=selection, send=send, bits=1, gather_bits=gather_bits,
+                 chunk=chunk)
 
 
 COLLECTIVES: dict[str, Collective] = {
@@ -521,6 +577,11 @@ COLLECTIVES: dict[str, Collective] = {
     "topka2a_sparse": topka2a_sparse, "onebit": onebit,
     "onebit_4": functools.partial(onebit, gather_bits=4),
     "onebit_1": functools.partial(onebit, gather_bits=1),
+    **{f"quantized_{up}_{back}": functools.partial(few_bit, bits=up, gather_bits=back)
+       for up, back in ((4, 8), (4, 4), (2, 8), (8, 8))},
+    "quantized_4_8_stochastic": functools.partial(few_bit, bits=4, gather_bits=8,
+                                                  rounding="stochastic"),
+    "quantized_4_8_fine": functools.partial(few_bit, bits=4, gather_bits=8, chunk=256),
 }
 """The collective of every exchange in :data:`topka2a_jax.collectives.ALGORITHMS`, by name."""
 

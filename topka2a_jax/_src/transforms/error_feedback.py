@@ -370,6 +370,19 @@ def _skipped(options: Options, grads: list, residuals: list,
   return zeros, residuals, count
 
 
+def _may_overflow(options: Options, grads: Sequence[jax.Array]) -> bool:
+  """Whether a step's means can come out non-finite from finite gradients.
+
+  Leaves or wire values narrower than float32 can (:func:`wire_limit`), and
+  so can the exchanges that send few-bit codes: their owners add ``P``
+  decoded shards, whose sum overflows from finite values near float32's
+  largest.
+  """
+  entry = ALGORITHMS.get(options.algorithm)
+  return (any(wire_limit(options, [g.dtype]) is not None for g in grads)
+          or (entry is not None and entry.quantizes))
+
+
 def step(options: Options, grads: list, residuals: list, count: jax.Array,
          nonfinite_steps: jax.Array, bad: jax.Array | None
          ) -> tuple[list, list, jax.Array, jax.Array]:
@@ -383,9 +396,8 @@ def step(options: Options, grads: list, residuals: list, count: jax.Array,
     nonfinite_steps: skipped steps so far.
     bad: whether some device's gradient is non-finite, decided already by
       :func:`topka2a_jax.skip_nonfinite`; None to decide here (when
-      ``options.skip_nonfinite``). With a decision, and leaves or wire
-      values narrower than float32, a step whose means come out non-finite
-      (an overflow) is skipped too.
+      ``options.skip_nonfinite``). With a decision, a step whose means come
+      out non-finite (an overflow, :func:`_may_overflow`) is skipped too.
 
   Returns:
     ``(means, residuals, count, nonfinite_steps)`` after the step.
@@ -399,9 +411,9 @@ def step(options: Options, grads: list, residuals: list, count: jax.Array,
         grads, residuals, count)
   if bad is None:
     return means, new, new_count, nonfinite_steps
-  if all(wire_limit(options, [g.dtype]) is None for g in grads):
+  if not _may_overflow(options, grads):
     return means, new, new_count, nonfinite_steps + bad.astype(jnp.int32)
-  # Narrow dtypes may overflow in the means. The means are identical on every
+  # The means may overflow from finite inputs. They are identical on every
   # device, so every device decides alike.
   broke = jnp.zeros((), bool)
   for mean in means:
