@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from cases import LAUNCHER
 
+from topka2a_jax._src.training.watchdog import STALLED_STATUS
+
 SCRIPT = Path(__file__).parent / "multiprocess_train.py"
 
 
@@ -274,3 +276,59 @@ def test_a_process_that_finishes_while_the_watch_calls_the_runtime_exits_cleanly
   done = run([sys.executable, str(script), str(written)])
   assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
   assert "finished" in done.stdout and written.read_text() == "1"
+
+
+QUEUED_STEPS = """
+import sys, time
+import jax, jax.numpy as jnp
+from topka2a_jax._src.training import watchdog
+
+@jax.jit
+def step(x):  # about a tenth of the timeout on a loaded two-core machine
+  for _ in range(int(sys.argv[2])):
+    x = jnp.tanh(x @ x / 700)
+  return x, jnp.sum(x)
+
+x = jnp.ones((700, 700))
+step(x)[1].block_until_ready()  # compiled before the watch starts
+watchdog.POLL_SECONDS = 0.05
+watchdog.arm(float(sys.argv[1]), 0)
+start = time.monotonic()
+for _ in range(int(sys.argv[3])):  # dispatched ahead, read only at the end
+  x, loss = step(x)
+  watchdog.watch(loss)
+print("dispatched", time.monotonic() - start, flush=True)
+loss.block_until_ready()
+print("finished", time.monotonic() - start, flush=True)
+"""
+
+
+def _step_seconds(tmp_path, script, repeats):
+  """Seconds one step of QUEUED_STEPS takes here, measured alone."""
+  probe = tmp_path / "probe.py"
+  probe.write_text(script.replace("watchdog.arm(float(sys.argv[1]), 0)", ""))
+  done = run([sys.executable, str(probe), "0", str(repeats), "4"])
+  return float(done.stdout.split("finished")[1]) / 4
+
+
+def test_steps_queued_by_asynchronous_dispatch_are_not_a_stall(tmp_path):
+  """Steps dispatched back to back wait their turn: only running counts."""
+  script = tmp_path / "queued.py"
+  script.write_text(QUEUED_STEPS)
+  step = _step_seconds(tmp_path, QUEUED_STEPS, 20)
+  timeout = 10 * step
+  # Forty steps queue for four times the timeout in all.
+  done = run([sys.executable, str(script), str(timeout), "20", "40"])
+  assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+  queued = float(done.stdout.split("finished")[1])
+  assert queued > timeout, (queued, timeout)  # the old watch would have fired
+
+
+def test_a_step_that_runs_past_the_timeout_is_named_as_maybe_slow(tmp_path):
+  script = tmp_path / "slow.py"
+  script.write_text(QUEUED_STEPS)
+  step = _step_seconds(tmp_path, QUEUED_STEPS, 40)
+  done = run([sys.executable, str(script), str(step / 4), "40", "1"])
+  assert done.returncode == STALLED_STATUS, done.stdout + done.stderr
+  assert "takes longer than the timeout" in done.stderr
+

@@ -11,9 +11,11 @@ whole job would hold its machines until someone kills it.
 :class:`StallWatch` watches the steps from the host: every training step
 (:func:`topka2a_jax.train_step`, :func:`topka2a_jax.nnx_train_step`, or a
 user's own step through :func:`watch`) hands it the step's loss right after
-dispatch, and a thread polls whether it is ready. Only the time a dispatched
-step waits counts: compiling, evaluating and saving between steps do not. A
-step that waits longer than the timeout ends this process with
+dispatch, and a thread polls whether it is ready. Only the time a step runs
+counts, from its dispatch or, for a step queued behind others by JAX's
+asynchronous dispatch, from the moment the one before it finished:
+compiling, evaluating and saving between steps do not. A step that runs
+longer than the timeout ends this process with
 :data:`STALLED_STATUS` and a message that names the processes that
 dispatched fewer steps (through JAX's coordination key-value store, which
 every process's watch writes its count to), since those are the ones that
@@ -98,16 +100,23 @@ class StallWatch:
       self._in_flight.append((self._dispatched, time.monotonic(), loss))
 
   def _run(self) -> None:
+    finished = float("-inf")  # when the watch saw the last finished step
     while not self._stopping.wait(POLL_SECONDS):
       with self._lock:
         while self._in_flight and _done(self._in_flight[0][2]):
           self._in_flight.popleft()
+          finished = time.monotonic()
         oldest = self._in_flight[0][:2] if self._in_flight else None
         dispatched = self._dispatched
       if dispatched != self._published:
         self._publish(dispatched)
-      if oldest is not None and time.monotonic() - oldest[1] > self._timeout:
-        print(stall_message(oldest[0], time.monotonic() - oldest[1], self._peers()),
+      if oldest is None:
+        continue
+      # A step queued behind others (asynchronous dispatch) starts to run
+      # when the one before it finishes, not when it was dispatched.
+      waited = time.monotonic() - max(oldest[1], finished)
+      if waited > self._timeout:
+        print(stall_message(oldest[0], waited, self._peers()),
               file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(STALLED_STATUS)
@@ -163,9 +172,12 @@ def stall_message(step: int, waited: float, peers: dict[int, int]) -> str:
             f"while this one reached {step}). Ending this process with status "
             f"{STALLED_STATUS}; raise initialize(stall_timeout_seconds=...) if a "
             f"process may lag this far behind the others.")
-  return (head + "no process is behind in its count of steps, so a collective "
-          "itself hangs (a device or link fault, or processes that dispatch "
-          f"different programs). Ending this process with status {STALLED_STATUS}.")
+  return (head + "no process is behind in its count of steps, so either this "
+          "step's computation takes longer than the timeout (raise "
+          "initialize(stall_timeout_seconds=...) above its longest step) or a "
+          "collective itself hangs (a device or link fault, or processes that "
+          f"dispatch different programs). Ending this process with status "
+          f"{STALLED_STATUS}.")
 
 
 _WATCH: StallWatch | None = None
