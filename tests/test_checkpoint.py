@@ -414,6 +414,48 @@ def test_the_manager_never_lists_a_partial_step(tmp_path, mesh):
     manager.restore(state)
 
 
+def test_a_second_job_on_a_managers_root_is_refused_and_the_first_jobs_steps_kept(
+    tmp_path, mesh):
+  """Job B starts on job A's root (or a run restarts into an old run's root)."""
+  first = resumable.fresh(mesh)
+  second = jax.tree.map(lambda leaf: leaf + 1 if jnp.issubdtype(leaf.dtype, jnp.floating)
+                        else leaf, first)
+  with topka2a_jax.CheckpointManager(tmp_path, mesh) as job_a, \
+       topka2a_jax.CheckpointManager(tmp_path, mesh) as job_b:
+    job_a.save(1, first)
+    job_a.wait_until_finished()
+    with pytest.raises(FileExistsError, match="already holds step 1.*Nothing was "
+                                              "written"):
+      job_b.save(1, second)
+    job_a.save(2, first)
+    job_a.wait_until_finished()
+    with pytest.raises(FileExistsError, match="already holds step 2, later than 0"):
+      job_b.save(0, second)  # nothing older than the root's latest step either
+  with topka2a_jax.CheckpointManager(tmp_path, mesh) as fresh:
+    assert fresh.all_steps() == [1, 2]
+    for step in (1, 2):
+      chex.assert_trees_all_equal(jax.tree.map(np.asarray, fresh.restore(first, step)),
+                                  jax.tree.map(np.asarray, first))
+
+
+def test_the_manager_refuses_steps_and_settings_it_could_not_restore(tmp_path, mesh):
+  state = resumable.fresh(mesh)
+  for keep in (0, -1, 1.5, True):
+    with pytest.raises(ValueError, match=f"max_to_keep={keep!r} keeps no step"):
+      topka2a_jax.CheckpointManager(tmp_path / "root", mesh, max_to_keep=keep)
+  afile = tmp_path / "afile"
+  afile.write_text("")
+  with pytest.raises(NotADirectoryError, match="is a file, not a directory"):
+    topka2a_jax.CheckpointManager(afile, mesh)
+  with topka2a_jax.CheckpointManager(tmp_path / "root", mesh) as manager:
+    for step in (-1, 1.5, "7", None, True):
+      with pytest.raises(ValueError, match="step must be a non-negative int"):
+        manager.save(step, state)
+    manager.save(np.int64(3), state)
+  with topka2a_jax.CheckpointManager(tmp_path / "root", mesh) as fresh:
+    assert fresh.all_steps() == [3]
+
+
 def _manager_layout(directory, step):
   """The layout description a CheckpointManager keeps beside a step's state."""
   found = [p for p in (Path(directory) / str(step) / "layout").rglob("*")

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from topka2a_jax._src.axis import DataAxis
@@ -78,9 +79,18 @@ class CheckpointManager:
 
     self._mesh, self._axis = mesh, DataAxis.parse(axis_name)
     self._axis.check_on(mesh)
+    if max_to_keep is not None and (isinstance(max_to_keep, bool) or not isinstance(
+        max_to_keep, int) or max_to_keep < 1):
+      raise ValueError(f"max_to_keep={max_to_keep!r} keeps no step a restore could "
+                       "read; pass a positive int, or None to keep every step")
+    directory = Path(directory).absolute()
+    if directory.exists() and not directory.is_dir():
+      raise NotADirectoryError(f"{directory} is a file, not a directory of "
+                               "checkpoints; pass a directory (new or the manager's "
+                               "own)")
     self._unsealed: list[int] = []  # steps saved here whose manifest is unwritten
     self._manager = ocp.CheckpointManager(
-        Path(directory).absolute(), item_names=(STATE, LAYOUT),
+        directory, item_names=(STATE, LAYOUT),
         options=ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
             cleanup_tmp_directories=True))
@@ -89,19 +99,49 @@ class CheckpointManager:
     """Saves ``state`` as ``step`` (in the background with ``async_save``).
 
     Returns:
-      Whether Orbax saved it (it skips a step it has already).
+      True: the step is saved (or being saved, with ``async_save``).
+
+    Raises:
+      ValueError: ``step`` is not a non-negative int (a fresh manager lists
+        only such steps).
+      FileExistsError: the root already holds ``step`` or a later one:
+        another job saves to the same root, or an earlier run left its
+        steps there. Nothing is overwritten; save to another root, or
+        restore the latest step and go on from there.
     """
     import orbax.checkpoint as ocp
 
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+      raise ValueError(f"step={step!r}: a checkpoint's step must be a non-negative "
+                       "int (the training step's number), which a later manager "
+                       "can find")
+    step = int(step)
     layout = checkpoint.describe(state, self._mesh, self._axis)
     self.wait_until_finished()  # as Orbax would; the previous step is sealed
+    self._check_after_latest(step)
     saved = self._manager.save(step, args=ocp.args.Composite(**{
         STATE: ocp.args.StandardSave(state), LAYOUT: ocp.args.JsonSave(layout)}))
-    if saved:
-      self._unsealed.append(step)
-      if not self._manager.is_saving_in_progress():  # a synchronous save
-        self._seal()
+    if not saved:  # Orbax skips a step not after the latest it knows
+      self._check_after_latest(step)
+      raise RuntimeError(f"Orbax did not save step {step} in "
+                         f"{self._manager.directory}; nothing was written")
+    self._unsealed.append(step)
+    if not self._manager.is_saving_in_progress():  # a synchronous save
+      self._seal()
     return saved
+
+  def _check_after_latest(self, step: int) -> None:
+    """Raises FileExistsError unless ``step`` is after every step on disk."""
+    self._manager.reload()  # what is on disk now, other jobs' steps included
+    steps = self._manager.all_steps()
+    if steps and step <= max(steps):
+      held = (f"step {step}" if step in steps else
+              f"step {max(steps)}, later than {step}")
+      raise FileExistsError(
+          f"{self._manager.directory} already holds {held}: another job saves "
+          "to this root, or an earlier run left its steps there, and a manager "
+          "only adds steps after its latest. Nothing was written; restore the "
+          "latest step and go on from there, or save to another root")
 
   def step_directory(self, step: int) -> Path:
     """The directory of ``step``, e.g. for :func:`topka2a_jax.integrity.verify`."""
