@@ -3,6 +3,7 @@
 import math
 import os
 import shutil
+import site
 import subprocess
 import sys
 import venv
@@ -155,18 +156,24 @@ def test_the_wheel_installs_both_commands(tmp_path):
        str(source)], capture_output=True, text=True, check=False)
   assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
   [wheel] = (tmp_path / "dist").glob("topka2a_jax-*.whl")
-  # JAX and the rest come from this interpreter; the package only from the wheel.
-  venv.create(tmp_path / "venv", system_site_packages=True, with_pip=True)
+  # JAX and the rest come from the interpreter running the tests (a venv's
+  # too, which a nested venv's system site would miss); the package only
+  # from the wheel, whose site-packages come first.
+  venv.create(tmp_path / "venv", with_pip=True)
   bin_dir = tmp_path / "venv" / "bin"
+  [own_site] = (tmp_path / "venv" / "lib").glob("python*/site-packages")
+  (own_site / "running_interpreter.pth").write_text(
+      "\n".join(site.getsitepackages()) + "\n")
   installed = subprocess.run(
       [str(bin_dir / "python"), "-m", "pip", "install", "--no-deps", str(wheel)],
       capture_output=True, text=True, check=False)
-  assert installed.returncode == 0, installed.stderr[-2000:]
+  assert installed.returncode == 0, installed.stdout[-2000:] + installed.stderr[-2000:]
   env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
   where = subprocess.run(
       [str(bin_dir / "python"), "-c", "import topka2a_jax; print(topka2a_jax.__file__)"],
-      capture_output=True, text=True, cwd=tmp_path, env=env, check=True).stdout
-  assert where.startswith(str(tmp_path / "venv")), where  # not the working tree
+      capture_output=True, text=True, cwd=tmp_path, env=env, check=False)
+  assert where.returncode == 0, where.stderr[-2000:]
+  assert where.stdout.startswith(str(tmp_path / "venv")), where.stdout  # not the tree
   planned = subprocess.run(
       [str(bin_dir / "topka2a-plan"), "--model", "gpt2", "--devices", "8",
        "--density", "0.01", "--network", "eth10"],
