@@ -370,6 +370,35 @@ def test_two_jobs_saving_to_one_directory_keep_the_one_that_reported_success(
       np.asarray, mine if winners == ["mine"] else theirs))
 
 
+def test_a_model_with_an_empty_leaf_is_saved_and_restored_onto_fewer_devices(
+    tmp_path, mesh):
+  small = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+  make = lambda m: optax.chain(topka2a_jax.topka2a(0.1, min_size=0, mesh=m),
+                               optax.sgd(0.1))
+  loss = lambda p, x: jnp.mean((x @ p["w"]) ** 2) + jnp.sum(p["empty"])
+  x = np.random.default_rng(0).normal(size=(64, 64)).astype(np.float32)
+  params = {"w": jnp.ones((64, 16)) / 8, "empty": jnp.zeros((0, 16))}
+  state, step = make(mesh).init(params), topka2a_jax.train_step(loss, make(mesh), mesh)
+  for _ in range(3):
+    params, state, _ = step(params, state, x)
+  topka2a_jax.save(tmp_path / "ckpt", {"params": params, "opt_state": state}, mesh)
+  with topka2a_jax.CheckpointManager(tmp_path / "managed", mesh) as manager:
+    manager.save(3, {"params": params, "opt_state": state})
+  owed_before = np.asarray(state[0].residuals["w"]).reshape(8, 64, 16).sum(0) / 8
+  assert np.abs(owed_before).max() > 0
+  like = {"params": params, "opt_state": make(small).init(params)}
+  with topka2a_jax.CheckpointManager(tmp_path / "managed", small) as manager:
+    managed = manager.restore(like)
+  for restored in (topka2a_jax.restore(tmp_path / "ckpt", like, small), managed):
+    assert restored["params"]["empty"].shape == (0, 16)
+    np.testing.assert_array_equal(restored["params"]["w"], params["w"])
+    owed_after = np.asarray(restored["opt_state"][0].residuals["w"]).reshape(
+        4, 64, 16).sum(0) / 4
+    np.testing.assert_allclose(owed_after, owed_before, rtol=0, atol=1e-6)
+    topka2a_jax.train_step(loss, make(small), small)(
+        restored["params"], restored["opt_state"], x)
+
+
 def test_a_corrupted_layout_file_is_named(tmp_path, mesh):
   state = resumable.fresh(mesh)
   saved = tmp_path / "ckpt"

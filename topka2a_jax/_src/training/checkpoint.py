@@ -139,6 +139,17 @@ def _layout(state: Any, mesh: Mesh, axis: DataAxis) -> dict[str, Any]:
   }
 
 
+def stored_tree(state: Any) -> Any:
+  """``state`` as Orbax stores it: every 0-element leaf as None.
+
+  Orbax refuses arrays without elements; they carry no data, and
+  :func:`restore_laid_out` rebuilds them from ``like``.
+  """
+  leaves, treedef = jax.tree.flatten(state)
+  return treedef.unflatten([None if not math.prod(leaf.shape) else leaf
+                            for leaf in leaves])
+
+
 def save(directory: str | Path, state: Any, mesh: Mesh,
          axis_name: Hashable = "data") -> None:
   """Writes the whole training state, every device's residuals included.
@@ -173,7 +184,7 @@ def save(directory: str | Path, state: Any, mesh: Mesh,
   try:
     layout = describe(state, mesh, axis)
     with ocp.StandardCheckpointer() as checkpointer:
-      checkpointer.save(directory / "state", state)
+      checkpointer.save(directory / "state", stored_tree(state))
     if jax.process_count() > 1:  # every process's files are written
       multihost_utils.sync_global_devices(f"topka2a_jax.save {directory} written")
     if jax.process_index() == 0:
@@ -281,7 +292,9 @@ def restore_laid_out(saved: dict[str, Any], read: Any, like: Any, mesh: Mesh,
   targets = []
   for leaf, described, was in zip(jax.tree.leaves(like), wanted["leaves"],
                                   saved["leaves"]):
-    if described["per_device"] and old != new:
+    if not math.prod(leaf.shape):
+      targets.append(None)  # stored as None: see stored_tree
+    elif described["per_device"] and old != new:
       # Read whole on every device, then resized to the new layout.
       targets.append(jax.ShapeDtypeStruct(tuple(was["shape"]), leaf.dtype,
                                           sharding=NamedSharding(mesh, P())))
@@ -289,7 +302,11 @@ def restore_laid_out(saved: dict[str, Any], read: Any, like: Any, mesh: Mesh,
       targets.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
                                           sharding=leaf.sharding))
   treedef = jax.tree.structure(like)
-  loaded = read(treedef.unflatten(targets))
+  read_back = treedef.flatten_up_to(read(treedef.unflatten(targets)))
+  loaded = treedef.unflatten([
+      jax.device_put(np.zeros(leaf.shape, leaf.dtype), leaf.sharding)
+      if target is None else got
+      for leaf, target, got in zip(jax.tree.leaves(like), targets, read_back)])
   _check_fingerprints(loaded, saved, where)
   if old == new:
     return loaded

@@ -120,7 +120,8 @@ class CheckpointManager:
     self.wait_until_finished()  # as Orbax would; the previous step is sealed
     self._check_after_latest(step)
     saved = self._manager.save(step, args=ocp.args.Composite(**{
-        STATE: ocp.args.StandardSave(state), LAYOUT: ocp.args.JsonSave(layout)}))
+        STATE: ocp.args.StandardSave(checkpoint.stored_tree(state)),
+        LAYOUT: ocp.args.JsonSave(layout)}))
     if not saved:  # Orbax skips a step not after the latest it knows
       self._check_after_latest(step)
       raise RuntimeError(f"Orbax did not save step {step} in "
