@@ -316,7 +316,8 @@ ONEBIT_4 = _quantized(1, 4)
 ONEBIT_1 = _quantized(1, 1)
 """Signs both ways (DeepSpeed's compressed all-reduce): 0.25 bytes per entry."""
 
-FEW_BIT = tuple(_quantized(bits, back) for bits, back in ((4, 8), (4, 4), (2, 8), (8, 8)))
+FEW_BIT = tuple(_quantized(bits, back)
+                for bits, back in ((4, 8), (4, 4), (2, 8), (8, 8), (8, 4)))
 """Codes of 2 to 8 bits to the owners, 4 or 8 back: the gradient at a few bits."""
 
 FEW_BIT_CANDIDATES = (

@@ -585,7 +585,7 @@ COLLECTIVES: dict[str, Collective] = {
     "onebit_4": functools.partial(onebit, gather_bits=4),
     "onebit_1": functools.partial(onebit, gather_bits=1),
     **{f"quantized_{up}_{back}": functools.partial(few_bit, bits=up, gather_bits=back)
-       for up, back in ((4, 8), (4, 4), (2, 8), (8, 8))},
+       for up, back in ((4, 8), (4, 4), (2, 8), (8, 8), (8, 4))},
     "quantized_4_8_stochastic": functools.partial(few_bit, bits=4, gather_bits=8,
                                                   rounding="stochastic"),
     "quantized_4_8_fine": functools.partial(few_bit, bits=4, gather_bits=8, chunk=256),
