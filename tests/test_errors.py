@@ -396,3 +396,54 @@ def test_a_name_that_moved_off_the_top_level_says_where_it_is_now(name, now):
     getattr(topka2a_jax, name)
   with pytest.raises(AttributeError, match="has no attribute 'not_a_name'"):
     topka2a_jax.not_a_name  # noqa: B018
+
+
+@pytest.mark.parametrize("wrap", [
+    lambda inner, mesh: topka2a_jax.compress_updates(inner, mesh=mesh),
+    lambda inner, mesh: topka2a_jax.skip_nonfinite(inner),
+    lambda inner, mesh: topka2a_jax.sharded_optimizer(inner, 0.01, mesh=mesh)])
+def test_an_optimizer_argument_that_is_not_one_says_what_to_pass(mesh, wrap):
+  with pytest.raises(TypeError, match=r"got the function adam itself: call it, e\.g\. "
+                                      r"optax\.adam\(1e-3\)"):
+    wrap(optax.adam, mesh)
+  with pytest.raises(TypeError, match="must be an optax.GradientTransformation such "
+                                      "as optax.adam.*got None"):
+    wrap(None, mesh)
+
+
+def test_no_mesh_where_one_is_needed_says_what_a_mesh_is(tmp_path):
+  for call in (lambda: topka2a_jax.train_step(lambda p, b: 0.0, optax.sgd(0.1), None),
+               lambda: topka2a_jax.save(tmp_path / "ckpt", {"w": jnp.ones(3)}, None)):
+    with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh, e\.g\. "
+                                        r"jax.make_mesh.*got None"):
+      call()
+  assert not (tmp_path / "ckpt").exists()
+
+
+def test_rank_with_a_quantizing_exchange_says_what_it_sends():
+  with pytest.raises(ValueError, match="algorithm='onebit' sends every entry as a "
+                                       "few-bit code. Drop rank="):
+    topka2a_jax.topka2a(algorithm="onebit", rank=2)
+
+
+@pytest.mark.parametrize("freeze_after", [-1, 0, 2.5])
+def test_frozen_variance_names_its_own_option(mesh, freeze_after):
+  with pytest.raises(ValueError, match=f"freeze_after={freeze_after!r}: the variance"):
+    topka2a_jax.frozen_variance_adam(1e-3, 0.01, freeze_after=freeze_after, mesh=mesh)
+
+
+def test_the_planner_and_the_collectives_refuse_what_they_cannot_plan(mesh):
+  with pytest.raises(ValueError, match="num_devices must be at least 1, got 0"):
+    topka2a_jax.plan_fusion([1000], num_devices=0, density=0.01)
+  with pytest.raises(ValueError, match=r"density must be a number in \(0, 1\]"):
+    topka2a_jax.plan_fusion([1000], num_devices=8, density=-0.1)
+  rows = jax.device_put(jnp.ones((8, 100)), NamedSharding(mesh, P("data")))
+  with pytest.raises(ValueError, match=r"density must be a number in \(0, 1\]"):
+    jax.shard_map(lambda r: topka2a_jax.collectives.topka2a(r[0], "data", -0.1).mean,
+                  mesh=mesh, in_specs=P("data"), out_specs=P())(rows)
+
+
+@pytest.mark.parametrize("timeout", ["10", True, 0, -5])
+def test_a_stall_timeout_that_is_not_a_number_of_seconds(timeout):
+  with pytest.raises(ValueError, match="must be a positive number of seconds"):
+    topka2a_jax.distributed.initialize(stall_timeout_seconds=timeout)

@@ -88,8 +88,12 @@ class DataAxis:
     """Raises unless ``mesh`` has every mesh axis it is made of.
 
     Raises:
+      TypeError: ``mesh`` is not a mesh (None, say).
       ValueError: naming the axis, the mesh's axes and the option to pass.
     """
+    if not hasattr(mesh, "axis_names") or not hasattr(mesh, "shape"):
+      raise TypeError(f"mesh must be a jax.sharding.Mesh, e.g. jax.make_mesh((8,), "
+                      f"('data',)), got {mesh!r}")
     if not self.on(mesh):
       raise ValueError(f"mesh has no axis {self.name!r}; its axes are "
                        f"{mesh.axis_names}. Pass the data-parallel axis with "

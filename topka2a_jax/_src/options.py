@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from topka2a_jax._src.axis import DataAxis
 from topka2a_jax._src.collectives import algorithms, low_rank
-from topka2a_jax._src.collectives.selection import check_selection
+from topka2a_jax._src.collectives.selection import check_density, check_selection
 from topka2a_jax._src.planner import cost
 from topka2a_jax._src.planner.cost import AUTO_NETWORK, Cluster, Network, get_network
 
@@ -47,16 +47,6 @@ DEFAULT_MIN_SIZE = cost.DEFAULT_MIN_SIZE
 """Leaves with fewer elements go dense (:data:`cost.DEFAULT_MIN_SIZE`)."""
 
 
-def _density(density: Any) -> float:
-  if (not isinstance(density, numbers.Real) or isinstance(density, bool)
-      or not math.isfinite(density) or not 0.0 < density <= 1.0):
-    raise ValueError(
-        f"density must be a number in (0, 1], the fraction of gradient "
-        f"entries each device sends; got {density!r}. For example "
-        "density=0.01 sends 1%.")
-  return float(density)
-
-
 def checked_count(name: str, value: Any, minimum: int) -> int:
   """``value`` as an int of at least ``minimum``: TypeError if not an int, else ValueError.
 
@@ -70,6 +60,24 @@ def checked_count(name: str, value: Any, minimum: int) -> int:
   if value < minimum:
     raise ValueError(f"{name} must be at least {minimum}, got {value}")
   return int(value)
+
+
+def checked_optimizer(name: str, value: Any) -> Any:
+  """``value`` if it is an optax transform (``init`` and ``update``), else a TypeError.
+
+  Example:
+    >>> checked_optimizer("inner", optax.adam)
+    Traceback (most recent call last):
+    TypeError: inner must be an optax.GradientTransformation, got the function adam itself: call it, e.g. optax.adam(1e-3)
+  """
+  if callable(getattr(value, "init", None)) and callable(getattr(value, "update", None)):
+    return value
+  if callable(value):
+    what = getattr(value, "__name__", repr(value))
+    raise TypeError(f"{name} must be an optax.GradientTransformation, got the "
+                    f"function {what} itself: call it, e.g. optax.{what}(1e-3)")
+  raise TypeError(f"{name} must be an optax.GradientTransformation such as "
+                  f"optax.adam(1e-3), got {value!r}")
 
 
 def _flag(name: str, value: Any) -> bool:
@@ -209,10 +217,13 @@ class Options:
             "sends signs and few-bit codes with float32 scales instead. Drop "
             "value_dtype=.")
       if normalised.get("rank") is not None:
+        sends = ("every entry as a few-bit code" if algorithm in algorithms.ALGORITHMS
+                 and algorithms.ALGORITHMS[algorithm].quantizes else
+                 "a top-k selection of density entries")
         raise ValueError(
             f"rank={normalised['rank']!r} sets the rank of algorithm='powersgd'; "
-            f"algorithm={algorithm!r} sends a top-k selection of density entries. "
-            "Drop rank=, or pass algorithm='powersgd'.")
+            f"algorithm={algorithm!r} sends {sends}. Drop rank=, or pass "
+            "algorithm='powersgd'.")
     for name in ("error_feedback", "skip_nonfinite", "whole_selection"):
       if name in normalised:
         _flag(name, normalised[name])
@@ -234,7 +245,7 @@ class Options:
             f"{', '.join(map(repr, algorithms.IGNORING_DENSITY))} leave it out, "
             "as they ignore it.")
       density = 1.0
-    return cls(_density(density), **normalised)
+    return cls(check_density(density), **normalised)
 
   def cluster(self) -> Cluster | None:
     """The nodes and links of a pair of data axes, inside ``shard_map``; else None.

@@ -18,7 +18,8 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+import numbers
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +49,23 @@ def check_selection(name: str) -> None:
                      f"{', '.join(repr(n) for n in SELECTION_NAMES)}")
 
 
+def check_density(density: Any) -> float:
+  """``density`` as a float in (0, 1], or a ValueError naming the fix.
+
+  Example:
+    >>> check_density(-0.1)
+    Traceback (most recent call last):
+    ValueError: density must be a number in (0, 1], the fraction of gradient entries each device sends; got -0.1. For example density=0.01 sends 1%.
+  """
+  if (not isinstance(density, numbers.Real) or isinstance(density, bool)
+      or not math.isfinite(density) or not 0.0 < density <= 1.0):
+    raise ValueError(
+        f"density must be a number in (0, 1], the fraction of gradient "
+        f"entries each device sends; got {density!r}. For example "
+        "density=0.01 sends 1%.")
+  return float(density)
+
+
 def sparse_count(length: int, density: float) -> int:
   """Returns ``k``, the number of entries sent from ``length`` at ``density``.
 
@@ -58,11 +76,14 @@ def sparse_count(length: int, density: float) -> int:
   Returns:
     ``ceil(density * length)``, at least 1 and at most ``length``.
 
+  Raises:
+    ValueError: ``density`` is not in (0, 1].
+
   Example:
     >>> sparse_count(1000, 0.01)
     10
   """
-  k = math.ceil(density * length * (1.0 - _ROUNDING_SLACK))
+  k = math.ceil(check_density(density) * length * (1.0 - _ROUNDING_SLACK))
   return min(length, max(1, k))
 
 

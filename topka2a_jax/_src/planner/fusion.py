@@ -37,6 +37,7 @@ import jax
 
 from topka2a_jax._src.collectives import algorithms
 from topka2a_jax._src.collectives.algorithms import ALGORITHMS, AUTO, DENSE
+from topka2a_jax._src.collectives.selection import check_density
 from topka2a_jax._src.planner.buckets import Bucket, plan_buckets
 from topka2a_jax._src.planner.cost import (
   DEFAULT_MIN_SIZE,
@@ -47,6 +48,7 @@ from topka2a_jax._src.planner.cost import (
   cluster_cost,
   get_network,
 )
+from topka2a_jax._src.options import checked_count
 from topka2a_jax._src.sizes import ceil_div
 
 DEFAULT_SELECTION_SECONDS_PER_ELEMENT = 1e-10
@@ -359,6 +361,8 @@ def step_model(
   """
   if not sizes or min(sizes) < 1:
     raise ValueError(f"need at least one leaf, all non-empty; got sizes {sizes}")
+  checked_count("num_devices", num_devices, 1)
+  check_density(density)
   if cluster is not None and cluster.devices != num_devices:
     raise ValueError(f"a cluster of {cluster.nodes} nodes x {cluster.per_node} "
                      f"devices has {cluster.devices} devices, not {num_devices}")

@@ -368,6 +368,26 @@ def _check_fingerprints(loaded: Any, saved: dict[str, Any], directory: Any) -> N
           "nothing was returned.")
 
 
+def _first_difference(saved: dict[str, Any], wanted: dict[str, Any]) -> str:
+  """Where two layouts' pytrees part: the leaves only one has, or the first node."""
+  def paths(layout):
+    return [leaf["path"] for leaf in layout["leaves"]]
+
+  def listed(found):
+    return ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+
+  only_saved = [p for p in paths(saved) if p not in set(paths(wanted))]
+  only_wanted = [p for p in paths(wanted) if p not in set(paths(saved))]
+  if only_saved or only_wanted:
+    return (f"leaves only in the checkpoint: {listed(only_saved) or 'none'}; only "
+            f"in the state to restore into: {listed(only_wanted) or 'none'}")
+  old, new = saved["structure"], wanted["structure"]
+  at = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
+  start = max(0, at - 60)
+  return (f"the same leaves in other containers; they part at ...{old[start:at + 60]}... "
+          f"(saved) against ...{new[start:at + 60]}... (wanted)")
+
+
 def _check_same_configuration(saved: dict[str, Any], wanted: dict[str, Any],
                               directory: Any) -> None:
   """Raises unless the saved state is the same pytree as the wanted one."""
@@ -375,8 +395,7 @@ def _check_same_configuration(saved: dict[str, Any], wanted: dict[str, Any],
          "(density aside); nothing was loaded.")
   if saved["structure"] != wanted["structure"]:
     raise ValueError(f"the checkpoint in {directory} holds another pytree: "
-                     f"saved {saved['structure']}, wanted "
-                     f"{wanted['structure']}. {fix}")
+                     f"{_first_difference(saved, wanted)}. {fix}")
   old, new = Devices.of(saved), Devices.of(wanted)
   if (old.per_node is None) != (new.per_node is None):
     def kind(devices):

@@ -21,6 +21,7 @@ already used JAX):
 
 from __future__ import annotations
 
+import numbers
 import os
 import sys
 import threading
@@ -164,14 +165,17 @@ def initialize(*, fail_fast: bool = True,
 
   Raises:
     ValueError: the process count or rank in the environment is malformed,
-      or ``stall_timeout_seconds`` is not positive.
+      or ``stall_timeout_seconds`` is not a positive number.
 
   Example:
     >>> initialize(heartbeat_timeout_seconds=20)  # doctest: +SKIP
     >>> jax.process_count()  # doctest: +SKIP
     4
   """
-  if stall_timeout_seconds is not None and not stall_timeout_seconds > 0:
+  if stall_timeout_seconds is not None and (
+      isinstance(stall_timeout_seconds, bool)
+      or not isinstance(stall_timeout_seconds, numbers.Real)
+      or not stall_timeout_seconds > 0):
     raise ValueError(f"stall_timeout_seconds={stall_timeout_seconds!r} must be a "
                      f"positive number of seconds, or None to turn the watch off")
   jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -33,6 +33,7 @@ References:
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -85,9 +86,10 @@ def scale_by_frozen_rms(b1: float, b2: float = 0.999, eps: float = 1e-8, *,
     >>> jnp.round(step["w"], 4)  # first step: m_hat / sqrt(v_hat), the sign
     Array([ 1., -1.,  0.], dtype=float32)
   """
-  if freeze_after < 1:
-    raise ValueError(f"freeze_after={freeze_after!r}: the variance needs at least "
-                     "one dense step to learn from")
+  if (isinstance(freeze_after, bool) or not isinstance(freeze_after, numbers.Integral)
+      or freeze_after < 1):
+    raise ValueError(f"freeze_after={freeze_after!r}: the variance needs a whole "
+                     "number of dense steps to learn from, at least one")
 
   def init_fn(params: optax.Params) -> FrozenRmsState:
     zeros = lambda: jax.tree.map(jnp.zeros_like, params)  # two buffers: both donated
@@ -143,9 +145,10 @@ def frozen_variance_adam(learning_rate: optax.ScalarOrSchedule,
   if "warmup_steps" in options:
     raise ValueError("frozen_variance_adam exchanges densely for freeze_after "
                      "steps; it takes no warmup_steps= option.")
+  frozen_rms = scale_by_frozen_rms(b1, b2, eps, freeze_after=freeze_after,
+                                   variance_floor=variance_floor)  # checks freeze_after
   return optax.chain(
       compress_updates(optax.ema(b1, debias=False), density,
                        warmup_steps=freeze_after, **options),
-      scale_by_frozen_rms(b1, b2, eps, freeze_after=freeze_after,
-                          variance_floor=variance_floor),
+      frozen_rms,
       optax.scale_by_learning_rate(learning_rate))

@@ -39,6 +39,7 @@ from topka2a_jax._src.axis import (
   tracks_varying_axes,
   varying_axes,
 )
+from topka2a_jax._src.options import checked_optimizer
 
 NONFINITE = "topka2a_nonfinite_step"
 """Extra argument of the update: the decision taken once, for inner transforms
@@ -158,7 +159,7 @@ def skip_nonfinite(
     >>> tx = skip_nonfinite(optax.chain(topka2a_jax.topka2a(0.01), optax.adam(1e-3)))
     >>> opt_state = topka2a_jax.init(tx, {"w": jnp.zeros(4)}, mesh)
   """
-  inner = optax.with_extra_args_support(inner)
+  inner = optax.with_extra_args_support(checked_optimizer("inner", inner))
 
   def init_fn(params: optax.Params) -> SkipNonFiniteState:
     return SkipNonFiniteState(inner.init(params), jnp.zeros((), jnp.int32))

@@ -58,7 +58,12 @@ from topka2a_jax._src.axis import (
 )
 from topka2a_jax._src.collectives import exchanges
 from topka2a_jax._src.collectives.algorithms import AUTO, DENSE, TOPKA2A
-from topka2a_jax._src.options import DEFAULT_MIN_SIZE, DEFAULT_SELECTION, Options
+from topka2a_jax._src.options import (
+  DEFAULT_MIN_SIZE,
+  DEFAULT_SELECTION,
+  Options,
+  checked_optimizer,
+)
 from topka2a_jax._src.planner.cost import AUTO_NETWORK
 from topka2a_jax._src.planner.fusion import step_model
 from topka2a_jax._src.sizes import ceil_div
@@ -174,6 +179,7 @@ def sharded_optimizer(
     >>> opt_state.inner[0].trace["w"].shape  # 256 entries: 32 on each device
     (8, 1, 32)
   """
+  checked_optimizer("inner", inner)
   if algorithm not in OWNER_SHARD_ALGORITHMS:
     raise ValueError(
         f"sharded_optimizer runs the optimizer where TopKA2A's first phase "

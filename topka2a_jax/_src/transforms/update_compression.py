@@ -71,7 +71,12 @@ from topka2a_jax._src.axis import (
   vary_like,
 )
 from topka2a_jax._src.collectives.algorithms import AUTO, ONEBIT_4
-from topka2a_jax._src.options import DEFAULT_MIN_SIZE, DEFAULT_SELECTION, Options
+from topka2a_jax._src.options import (
+  DEFAULT_MIN_SIZE,
+  DEFAULT_SELECTION,
+  Options,
+  checked_optimizer,
+)
 from topka2a_jax._src.planner.cost import AUTO_NETWORK
 from topka2a_jax._src.states import CompressedUpdatesState
 from topka2a_jax._src.transforms.exchange_state import (
@@ -188,7 +193,7 @@ def compress_updates(
       backward_seconds=backward_seconds, value_dtype=value_dtype, selection=selection,
       warmup_steps=warmup_steps, skip_nonfinite=skip_nonfinite, rank=rank,
       whole_selection=True)
-  inner = optax.with_extra_args_support(inner)
+  inner = optax.with_extra_args_support(checked_optimizer("inner", inner))
 
   def init_fn(params: optax.Params) -> CompressedUpdatesState:
     exchange = init_state(opts, params)
