@@ -57,6 +57,29 @@ def test_launcher_stops_everyone_when_one_process_fails(tmp_path):
   assert "[1] giving up" in done.stdout
 
 
+PEER_DIES_AFTER = """
+import os, sys, time
+rank, flag = int(os.environ["TOPKA2A_PROCESS_ID"]), sys.argv[1]
+if rank == 1:
+  open(flag, "w").close()
+  sys.exit(3)
+while not os.path.exists(flag):  # rank 0: the broken connection, found at once
+  time.sleep(0.001)
+time.sleep(0.02)
+sys.exit(1)
+"""
+
+
+def test_launcher_names_the_first_process_to_fail_not_the_lowest_rank(tmp_path):
+  script = tmp_path / "worker.py"
+  script.write_text(PEER_DIES_AFTER)
+  for trial in range(5):  # polling in rank order named rank 0 most of the time
+    flag = tmp_path / f"died{trial}"
+    done = run([sys.executable, *LAUNCHER, "-n", "2", str(script), str(flag)])
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert "process 1 of 2 failed with status 3" in done.stderr
+
+
 def test_launcher_refuses_a_missing_script():
   done = run([sys.executable, *LAUNCHER, "-n", "2", "nowhere.py"])
   assert done.returncode == 2 and "no such script: nowhere.py" in done.stderr

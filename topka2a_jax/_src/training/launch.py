@@ -16,6 +16,7 @@ killed with the launcher too when it is itself killed (SIGKILL).
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -123,8 +124,10 @@ def launch(command: Sequence[str], num_processes: int, devices_per_process: int,
       reach it.
 
   Returns:
-    0 when every process succeeded, else the first failure's status (a
-    process killed by a signal counts as 128 + the signal number).
+    0 when every process succeeded, else the status of the first process
+    to fail in time (a peer that dies of the broken connection afterwards
+    is not blamed; a process killed by a signal counts as 128 + the signal
+    number).
 
   Example:
     >>> launch([sys.executable, "-c", "pass"], 2, 1)
@@ -145,18 +148,23 @@ def launch(command: Sequence[str], num_processes: int, devices_per_process: int,
           env=process_env(rank, num_processes, devices_per_process, port, host),
           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
           preexec_fn=dies_with_launcher))  # noqa: PLW1509 (no thread runs yet)
+    exits: queue.Queue = queue.Queue()  # (rank, status), in the order they ended
     for rank, process in enumerate(processes):
       reader = threading.Thread(target=_forward, args=(rank, process.stdout, lock),
                                 daemon=True)
       reader.start()
       readers.append(reader)
-    while failed_rank is None and any(p.poll() is None for p in processes):
-      failed_rank = next((rank for rank, p in enumerate(processes)
-                          if p.poll() not in (None, 0)), None)
-      time.sleep(0.05)
-    if failed_rank is None:
-      failed_rank = next((rank for rank, p in enumerate(processes) if p.returncode),
-                         None)
+      threading.Thread(target=lambda rank=rank, process=process: exits.put(
+          (rank, process.wait())), daemon=True).start()
+    running = len(processes)
+    while failed_rank is None and running:
+      try:  # a short wait, so that a signal to the launcher is handled
+        rank, returncode = exits.get(timeout=0.05)
+      except queue.Empty:
+        continue
+      running -= 1
+      if returncode:  # the first process to fail in time, not in rank order
+        failed_rank = rank
     status = 0 if failed_rank is None else _status(processes[failed_rank].returncode)
   except _Stopped as stopped:
     status = 128 + stopped.signal
