@@ -127,10 +127,14 @@ def test_a_restart_on_another_device_count_delivers_what_was_owed(
 
 
 @pytest.mark.parametrize("old, new", [(8, 4), (4, 8), (8, 3)])
-def test_signs_after_a_restart_deliver_what_was_owed_and_no_more(tmp_path, old, new):
-  """onebit drains slowly (signs of what is owed): the parameters' moves plus what
-  is still owed equal what was owed at the save, and most of it has arrived."""
-  tx = optax.chain(topka2a_jax.topka2a(algorithm="onebit", min_size=64), optax.sgd(0.1))
+@pytest.mark.parametrize("algorithm", ["onebit", "quantized_4_8"])
+def test_codes_after_a_restart_deliver_what_was_owed_and_no_more(tmp_path, algorithm,
+                                                                 old, new):
+  """The few-bit exchanges drain over several steps (codes of what is owed, both
+  phases' roundings fed back): the parameters' moves plus what is still owed
+  equal what was owed at the save, and most of it has arrived."""
+  tx = optax.chain(topka2a_jax.topka2a(algorithm=algorithm, min_size=64),
+                   optax.sgd(0.1))
   mesh = sub_mesh(old)
   state = resumable.train(resumable.fresh(mesh, tx), mesh, range(3), tx)
   at_save = np.asarray(state["params"]["w"], np.float64).ravel()

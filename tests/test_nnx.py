@@ -173,6 +173,9 @@ EXCHANGE_STATES = {
     # ... or every device's Adam state, whose signs the exchange sends:
     "onebit of adam": lambda mesh: topka2a_jax.compress_updates(
         optax.adam(1e-2), algorithm="onebit", mesh=mesh, min_size=0),
+    # ... or the gradient in 4 bits, both phases' roundings kept per device:
+    "quantized_4_8, then adam": lambda mesh: optax.chain(topka2a_jax.topka2a(
+        algorithm="quantized_4_8", mesh=mesh, min_size=0), optax.adam(1e-2)),
 }
 
 

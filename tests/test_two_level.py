@@ -25,7 +25,9 @@ from topka2a_jax._src.planner import cost
 NODES, LOCAL = 2, 4
 AXES = ("node", "local")
 OUTER = {"topka2a": exchanges.topka2a, "topka2a_sparse": exchanges.topka2a_sparse,
-         "allgather": exchanges.allgather, "dense": exchanges.dense}
+         "allgather": exchanges.allgather, "dense": exchanges.dense,
+         "onebit": exchanges.onebit,
+         "quantized_4_8": exchanges.COLLECTIVES["quantized_4_8"]}
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +138,24 @@ def test_draining_loses_nothing(mesh, algorithm):
   assert not unsent.any()
   np.testing.assert_allclose(NODES * LOCAL * delivered, rows.sum(0), rtol=1e-4,
                              atol=1e-4)
+
+
+@pytest.mark.parametrize("algorithm", ["quantized_4_8", "onebit"])
+def test_few_bits_between_nodes_lose_nothing_and_send_each_node_sum_once(mesh, algorithm):
+  """Codes of each node's sum, not of every device's row: one quantization a boundary."""
+  rows = np.random.default_rng(3).normal(size=(NODES * LOCAL, 203)).astype(np.float32)
+  mean, unsent = exchange(mesh, 1.0, algorithm)(rows)
+  np.testing.assert_allclose(NODES * LOCAL * mean + owed(unsent, 203), rows.sum(0),
+                             rtol=0, atol=1e-5 * np.abs(rows).sum(0).max())
+  # The outer exchange codes each slice of the node sums, across the nodes.
+  node_sums = rows.astype(np.float64).reshape(NODES, LOCAL, -1).sum(1)
+  width = -(-203 // LOCAL)
+  padded = np.zeros((NODES, LOCAL * width))
+  padded[:, :203] = node_sums
+  want = np.concatenate([
+      reference.ALGORITHMS[algorithm](padded[:, j * width:(j + 1) * width], 1.0)[0]
+      for j in range(LOCAL)])[:203] / LOCAL
+  np.testing.assert_allclose(mean, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("algorithm", ["topka2a", "topka2a_sparse"])

@@ -12,10 +12,13 @@ your own.
 * :func:`topka2a`: TopKA2A (Peng et al., ICPP 2024): shard-wise top-k, one
   AlltoAll to the shards' owners, an AllGather of the dense shards.
 * :func:`topka2a_sparse`: TopKA2A whose second phase is sparse too.
-* :func:`onebit`: every entry's sign to its shard's owner, the owners'
-  means back in 8 bits (1-bit Adam's compressed all-reduce); in
-  :data:`COLLECTIVES`, ``"onebit_4"`` and ``"onebit_1"`` send them back in 4
-  bits and 1.
+* :func:`few_bit`: every entry in a few bits (2 to 8, one scale per chunk)
+  to its shard's owner, the owners' means back in a few bits, both
+  roundings fed back; in :data:`COLLECTIVES`, ``"quantized_A_B"`` sends ``A``
+  bits to the owners and ``B`` back.
+* :func:`onebit`: :func:`few_bit` with signs to the owners, the means back
+  in 8 bits (1-bit Adam's compressed all-reduce); in :data:`COLLECTIVES`,
+  ``"onebit_4"`` and ``"onebit_1"`` send them back in 4 bits and 1.
 * :func:`two_level`: over a pair of mesh axes ``(node, local)``: dense
   inside each node, one of the above between nodes.
 * :func:`powersgd`: PowerSGD's rank-r exchange of matrices.
@@ -52,6 +55,7 @@ from topka2a_jax._src.collectives.exchanges import (
   allgather,
   auto_choice,
   dense,
+  few_bit,
   get_selection,
   onebit,
   topka2a,
@@ -83,6 +87,7 @@ __all__ = [
   "allgather",
   "auto_choice",
   "dense",
+  "few_bit",
   "get_selection",
   "initial_factor",
   "onebit",
