@@ -72,7 +72,7 @@ RUNS = {
     "onebit": {"algorithm": "onebit"},
     **{name: {"algorithm": name} for name in (
         "quantized_4_8", "quantized_4_4", "quantized_2_8", "quantized_8_8", "quantized_8_4",
-        "quantized_4_8_stochastic", "quantized_4_8_fine", "quantized_4_8_log")},
+        "quantized_4_8_stochastic", "quantized_4_8_fine")},
     "defaults, buckets split to overlap the backward pass": {
         "backward_seconds": "estimated"},
 }

@@ -97,40 +97,17 @@ def lowbias32_dither(values: np.ndarray, salt: int) -> np.ndarray:
   return (h >> np.uint64(8)).astype(np.float64) * 2.0 ** -24
 
 
-def _log_level(magnitude: int, bits: int) -> float:
-  """Level ``magnitude`` of the log grid: 0, or 2^(-step (L - m)), step = 3 bits / (L - 1)."""
-  levels = 2 ** (bits - 1) - 1
-  return 0.0 if magnitude == 0 else 2.0 ** (-3 * bits / (levels - 1) * (levels - magnitude))
-
-
-def _chunk_codes(values: np.ndarray, bits: int, dither=None,
-                 grid: str = "uniform") -> tuple[np.ndarray, float]:
+def _chunk_codes(values: np.ndarray, bits: int, dither=None) -> tuple[np.ndarray, float]:
   """One chunk's decoded values and its scale, rounded to float32 as it travels.
 
   1 bit: the sign (zero counts as positive) times the mean magnitude.
-  b bits, uniform: round(x / scale) in [-L, L], L = 2^(b-1) - 1,
-  scale = max |x| / L; with ``dither`` (uniform numbers), floor(x / scale + u).
-  b bits, log: scale = max |x|, and |x| / scale goes to the nearer of the two
-  log levels around it (the upper one when the dither is below its share of
-  the gap).
+  b bits: round(x / scale) in [-L, L], L = 2^(b-1) - 1, scale = max |x| / L;
+  with ``dither`` (uniform numbers), floor(x / scale + u) instead.
   """
   if bits == 1:
     scale = float(np.float32(np.abs(values).mean()))
     return np.array([scale if x >= 0 else -scale for x in values]), scale
   levels = 2 ** (bits - 1) - 1
-  if grid == "log":
-    scale = float(np.float32(np.abs(values).max()))
-    if scale == 0:
-      return np.zeros(len(values)), scale
-    out = []
-    for i, x in enumerate(values):
-      share = abs(x) / scale
-      below = max(m for m in range(levels) if _log_level(m, bits) <= share)
-      low, high = _log_level(below, bits), _log_level(below + 1, bits)
-      toss = 0.5 if dither is None else dither[i]
-      magnitude = below + 1 if share - low >= toss * (high - low) else below
-      out.append(math.copysign(_log_level(magnitude, bits) * scale, x))
-    return np.array(out), scale
   scale = float(np.float32(np.abs(values).max() / levels))
   if scale == 0:
     return np.zeros(len(values)), scale
@@ -142,14 +119,14 @@ def _chunk_codes(values: np.ndarray, bits: int, dither=None,
 
 
 def _coded(row: np.ndarray, start: int, n: int, bits: int, chunk: int,
-           dither=None, grid: str = "uniform") -> np.ndarray:
+           dither=None) -> np.ndarray:
   """A shard's entries decoded chunk by chunk; only positions below ``n`` count."""
   out = np.zeros(len(row))
   for first in range(0, len(row), chunk):
     real = [i for i in range(first, min(first + chunk, len(row))) if start + i < n]
     if real:
       out[real] = _chunk_codes(row[real], bits,
-                               None if dither is None else dither[real], grid)[0]
+                               None if dither is None else dither[real])[0]
   return out
 
 
@@ -160,7 +137,7 @@ def _chunk_length(shard: int, chunk: int) -> int:
 
 
 def few_bit(buffers: np.ndarray, density: float, bits: int = 4, gather_bits: int = 8,
-            chunk: int = 4096, stochastic: bool = False, grid: str = "uniform"):
+            chunk: int = 4096, stochastic: bool = False):
   """Codes of ``bits`` bits to the owners, their means back in ``gather_bits`` bits.
 
   Each shard (``ceil(n / P)`` cut into chunks of at most ``chunk`` entries,
@@ -185,7 +162,7 @@ def few_bit(buffers: np.ndarray, density: float, bits: int = 4, gather_bits: int
     for owner in range(num_devices):
       span = slice(owner * shard, (owner + 1) * shard)
       sent = _coded(padded[device, span], owner * shard, n, bits, per_chunk,
-                    None if dither is None else dither[span], grid)
+                    None if dither is None else dither[span])
       total[span] += sent
       unsent[device, span] -= sent
   mean = np.zeros(num_devices * shard)
@@ -193,7 +170,7 @@ def few_bit(buffers: np.ndarray, density: float, bits: int = 4, gather_bits: int
     span = slice(owner * shard, (owner + 1) * shard)
     own = total[span] / num_devices
     dither = lowbias32_dither(own, 2 * owner + 1) if stochastic else None
-    mean[span] = _coded(own, owner * shard, n, gather_bits, per_chunk, dither, grid)
+    mean[span] = _coded(own, owner * shard, n, gather_bits, per_chunk, dither)
     unsent[owner, span] += total[span] - num_devices * mean[span]
   return mean[:n], unsent[:, :n]
 
@@ -212,8 +189,7 @@ ALGORITHMS = {"dense": dense, "allgather": allgather, "topka2a": topka2a,
                                                              gather_bits=back)
                  for up, back in ((4, 8), (4, 4), (2, 8), (8, 8), (8, 4))},
               "quantized_4_8_stochastic": functools.partial(few_bit, stochastic=True),
-              "quantized_4_8_fine": functools.partial(few_bit, chunk=256),
-              "quantized_4_8_log": functools.partial(few_bit, grid="log")}
+              "quantized_4_8_fine": functools.partial(few_bit, chunk=256)}
 
 
 

@@ -322,10 +322,8 @@ FEW_BIT = tuple(_quantized(bits, back)
 
 FEW_BIT_CANDIDATES = (
     _quantized(4, 8, name="quantized_4_8_stochastic", how=", rounded stochastically"),
-    _quantized(4, 8, name="quantized_4_8_fine", chunk=256, how=", 256 entries a scale"),
-    _quantized(4, 8, name="quantized_4_8_log", how=", levels in geometric steps"))
-"""``"quantized_4_8"`` with stochastic rounding, with finer chunk scales, and
-with levels in geometric steps."""
+    _quantized(4, 8, name="quantized_4_8_fine", chunk=256, how=", 256 entries a scale"))
+"""``"quantized_4_8"`` with stochastic rounding, and with finer chunk scales."""
 
 ALGORITHMS: dict[str, Algorithm] = {
     algorithm.name: algorithm for algorithm in (

@@ -424,8 +424,7 @@ def topka2a_sparse(
 
 
 def _sum_of_decoded_rows(words: jax.Array, scales: jax.Array, bits: int,
-                         valid: jax.Array | None, dtype: jnp.dtype,
-                         grid: str) -> jax.Array:
+                         valid: jax.Array | None, dtype: jnp.dtype) -> jax.Array:
   """The sum over senders of their decoded codes, ``(chunks, chunk)``.
 
   One row at a time, in sender order: each row's decoding fuses into the
@@ -433,8 +432,7 @@ def _sum_of_decoded_rows(words: jax.Array, scales: jax.Array, bits: int,
   write every decoded row out (four times slower on a CPU).
   """
   def decoded(row):
-    return quantized.decode(words[row][None], scales[row][None], bits, valid, dtype,
-                            grid)[0]
+    return quantized.decode(words[row][None], scales[row][None], bits, valid, dtype)[0]
 
   return lax.fori_loop(1, words.shape[0], lambda row, total: total + decoded(row),
                        decoded(0))
@@ -448,7 +446,7 @@ def few_bit(
     buffer: jax.Array, axis_name: Hashable, density: float = 1.0, *,
     value_dtype: jnp.dtype | None = None, selection: str = "exact",
     send: jax.Array | None = None, bits: int = 4, gather_bits: int = 8,
-    rounding: str = "nearest", grid: str = "uniform", chunk: int = quantized.CHUNK,
+    rounding: str = "nearest", chunk: int = quantized.CHUNK,
 ) -> ExchangeResult:
   """Every entry in ``bits`` bits to its shard's owner, the owners' means back in ``gather_bits``.
 
@@ -486,8 +484,6 @@ def few_bit(
     gather_bits: bits per entry of the second phase, 1, 2, 4 or 8.
     rounding: ``"nearest"``, or ``"stochastic"`` (:func:`quantized.dither`
       salted with the device's index) for codes of 2 bits and more.
-    grid: the levels of codes of 2 bits and more, in both phases:
-      ``"uniform"``, or ``"log"`` (geometric steps, ``quantized.encode``).
     chunk: entries per scale, in both phases.
 
   Returns:
@@ -515,26 +511,23 @@ def few_bit(
   salt = lax.axis_index(axis_name).astype(jnp.uint32)
   dither = lambda x, phase: (None if rounding == "nearest" else
                              quantized.dither(x, 2 * salt + phase))
-  words, scales = quantized.encode(shards, bits, valid, dither(shards, 0), grid)
+  words, scales = quantized.encode(shards, bits, valid, dither(shards, 0))
   if send is not None:
     scales = jnp.where(send, scales, jnp.zeros_like(scales))
-  unsent = shards - quantized.decode(words, scales, bits, valid, dtype, grid)
+  unsent = shards - quantized.decode(words, scales, bits, valid, dtype)
   received = lax.all_to_all(quantized.message(words, scales), axis_name, 0, 0,
                             tiled=True)
   own = (None if valid is None else
          lax.dynamic_index_in_dim(valid, lax.axis_index(axis_name), keepdims=True))
-  owned = _sum_of_decoded_rows(*quantized.split(received, cut, bits), bits, own, dtype,
-                               grid)
+  owned = _sum_of_decoded_rows(*quantized.split(received, cut, bits), bits, own, dtype)
   mean = (owned / num_devices)[None]
-  mean_words, mean_scales = quantized.encode(mean, gather_bits, own, dither(mean, 1),
-                                             grid)
-  delivered = quantized.decode(mean_words, mean_scales, gather_bits, own, dtype,
-                               grid)[0]
+  mean_words, mean_scales = quantized.encode(mean, gather_bits, own, dither(mean, 1))
+  delivered = quantized.decode(mean_words, mean_scales, gather_bits, own, dtype)[0]
   unsent = add_to_own_row(unsent, axis_name, owned - delivered * num_devices)
   gathered = lax.all_gather(quantized.message(mean_words, mean_scales), axis_name,
                             tiled=True, to="invarying")
   means = quantized.decode(*quantized.split(gathered, cut, gather_bits), gather_bits,
-                           valid, dtype, grid)
+                           valid, dtype)
   return ExchangeResult(means.reshape(-1)[:length].astype(buffer.dtype),
                         unsent.reshape(-1)[:length].astype(buffer.dtype))
 
@@ -589,7 +582,6 @@ COLLECTIVES: dict[str, Collective] = {
     "quantized_4_8_stochastic": functools.partial(few_bit, bits=4, gather_bits=8,
                                                   rounding="stochastic"),
     "quantized_4_8_fine": functools.partial(few_bit, bits=4, gather_bits=8, chunk=256),
-    "quantized_4_8_log": functools.partial(few_bit, bits=4, gather_bits=8, grid="log"),
 }
 """The collective of every exchange in :data:`topka2a_jax.collectives.ALGORITHMS`, by name."""
 

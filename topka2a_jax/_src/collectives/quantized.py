@@ -122,26 +122,8 @@ def dither(values: jax.Array, salt: jax.Array | int) -> jax.Array:
   return (h >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
 
 
-GRIDS = ("uniform", "log")
-"""The levels of codes of 2 bits and more: evenly spaced, or in geometric steps."""
-
-
-def _log_levels(magnitude: jax.Array, bits: int) -> jax.Array:
-  """Level ``magnitude`` (0 .. L) of the log grid as a share of the scale: 0 for 0.
-
-  Levels ``1 .. L`` are ``2**(-step * (L - m))`` with ``L = 2**(bits-1) - 1``
-  and ``step = 3 * bits / (L - 1)`` octaves: 4 bits reach 4**-6 of the
-  scale in factors of 4, 8 bits reach 2**-24 in factors of 1.14.
-  """
-  levels = 2 ** (bits - 1) - 1
-  step = 3 * bits / max(levels - 1, 1)
-  share = jnp.exp2(-step * (levels - magnitude))
-  return jnp.where(magnitude >= 1, share, jnp.zeros((), share.dtype))
-
-
 def encode(chunked: jax.Array, bits: int, valid: jax.Array | None = None,
-           dither: jax.Array | None = None, grid: str = "uniform"
-           ) -> tuple[jax.Array, jax.Array]:
+           dither: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Codes packed into words, and one float32 scale per chunk.
 
   The codes are computed in the values' dtype (at least float32) against the
@@ -156,9 +138,6 @@ def encode(chunked: jax.Array, bits: int, valid: jax.Array | None = None,
     dither: for ``bits`` above 1, uniform numbers in [0, 1) shaped like
       ``chunked`` (:func:`dither`) to round stochastically; None rounds to
       nearest.
-    grid: for ``bits`` above 1, ``"uniform"`` levels (``scale = max |x| / L``)
-      or ``"log"`` levels (``scale = max |x|``, :func:`_log_levels`), whose
-      relative precision is the same for small entries as for large ones.
 
   Returns:
     ``(words, scales)``: ``(R, C, K * bits / 32)`` uint32, ``(R, C)`` float32.
@@ -178,21 +157,6 @@ def encode(chunked: jax.Array, bits: int, valid: jax.Array | None = None,
     scales = (jnp.sum(jnp.abs(x) * shrink, axis=2) / counted / shrink).astype(jnp.float32)
     return pack((x >= 0).astype(jnp.uint32), bits), scales
   levels = 2 ** (bits - 1) - 1
-  if grid == "log":
-    scales = jnp.max(jnp.abs(x), axis=2).astype(jnp.float32)
-    scale = scales.astype(dtype)[..., None]
-    share = jnp.abs(x) / jnp.where(scale > 0, scale, jnp.ones((), dtype))
-    step = 3 * bits / max(levels - 1, 1)
-    below = jnp.floor(levels + jnp.log2(jnp.maximum(share, jnp.finfo(dtype).tiny)) / step)
-    below = jnp.clip(below, 0, levels - 1)
-    low, high = _log_levels(below, bits), _log_levels(below + 1, bits)
-    toss = jnp.full_like(share, 0.5) if dither is None else dither.astype(dtype)
-    up = share - low >= toss * (high - low)
-    magnitude = jnp.where(up, below + 1, below)
-    codes = jnp.where(x < 0, -magnitude, magnitude) + levels
-    return pack(codes.astype(jnp.uint32), bits), scales
-  if grid != "uniform":
-    raise ValueError(f"grid must be one of {GRIDS}, got {grid!r}")
   scales = (jnp.max(jnp.abs(x), axis=2) / levels).astype(jnp.float32)
   scale = scales.astype(dtype)[..., None]
   ratio = x / jnp.where(scale > 0, scale, jnp.ones((), dtype))
@@ -202,17 +166,13 @@ def encode(chunked: jax.Array, bits: int, valid: jax.Array | None = None,
 
 
 def decode(words: jax.Array, scales: jax.Array, bits: int,
-           valid: jax.Array | None = None, dtype: jnp.dtype = jnp.float32,
-           grid: str = "uniform") -> jax.Array:
+           valid: jax.Array | None = None, dtype: jnp.dtype = jnp.float32
+           ) -> jax.Array:
   """The values :func:`encode`'s ``(words, scales)`` stand for, ``(R, C, K)`` of ``dtype``."""
   codes = unpack(words, bits).astype(dtype)  # arithmetic, not a select: faster on CPUs
   scale = scales.astype(dtype)[..., None]
   levels = 2 ** (bits - 1) - 1 if bits > 1 else 0.5  # a sign code is 0 or 1
-  if bits > 1 and grid == "log":
-    signed = codes - levels
-    values = jnp.sign(signed) * _log_levels(jnp.abs(signed), bits) * scale
-  else:
-    values = (codes - levels) * (scale / levels if bits == 1 else scale)
+  values = (codes - levels) * (scale / levels if bits == 1 else scale)
   return values if valid is None else jnp.where(valid, values, jnp.zeros((), dtype))
 
 
