@@ -31,6 +31,7 @@ Run:
   python benchmarks/network_training.py [--rate 1gbit] [--processes 4]
       [--steps 300] [--density 0.01] [--targets 2.6 2.5 2.4] [--runs RUN ...]
       [--seed 0] [--batch 2] [--b1 0.9] [--local] [--json out.json]
+  python benchmarks/network_training.py --from-json a.json b.json [--json out.json]
 """
 
 from __future__ import annotations
@@ -292,13 +293,15 @@ def worker(args: argparse.Namespace) -> None:
 def report(rows: list[dict], targets: list[float]) -> list[dict]:
   """Prints the table; returns the rows with their summary figures.
 
-  For every target: the steps and the training time (the steps' seconds
-  summed up to the first evaluation at or below it) to reach it, and that
-  time as a share of the first row's.
+  For every target, and for the first row's final loss plus 2%: the steps
+  and the training time (the steps' seconds summed up to the first
+  evaluation at or below it) to reach it, and that time as a share of the
+  first row's.
   """
   import numpy as np
 
   dense = rows[0]
+  targets = [*targets, round(dense["evals"][-1][1] * 1.02, 4)]
   for row in rows:
     seconds = np.asarray(row["seconds"])
     row.update(step_s=float(np.median(seconds)), final=row["evals"][-1][1],
@@ -312,7 +315,8 @@ def report(rows: list[dict], targets: list[float]) -> list[dict]:
     for target, figures in row["targets"].items():
       mine, base = figures["seconds"], dense["targets"][target]["seconds"]
       figures["ratio"] = mine / base if mine and base else None
-  head = " ".join(f"{'to ' + str(t):>17s}" for t in targets)
+  head = " ".join(f"{'to ' + str(t):>17s}" for t in targets[:-1]) + (
+      f" {'to dense+2% (' + str(targets[-1]) + ')':>17s}")
   print(f"\n{'run':24s} {'MB/step':>7s} {'s/step':>7s} {'vs dense':>8s} {head}  "
         f"{'final':>7s} {'highest':>7s}")
   print(f"{'':24s} {'':>7s} {'':>7s} {'':>8s} "
@@ -352,6 +356,10 @@ def main() -> int:
   parser.add_argument("--local", action="store_true",
                       help="one process of emulated CPU devices, no link: losses only")
   parser.add_argument("--json", help="also write the rows here")
+  parser.add_argument("--from-json", nargs="+", metavar="JSON",
+                      help="no training: the table of the rows these files hold "
+                           "(of one batch and seed), the first file's first row "
+                           "the baseline, each run named once")
   parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
   args = parser.parse_args()
   for name in args.runs:
@@ -362,6 +370,16 @@ def main() -> int:
   status = 0
   if args.worker:
     worker(args)
+    return 0
+  if args.from_json:
+    saved = [json.loads(Path(name).read_text()) for name in args.from_json]
+    rows, seen = [], set()
+    for table in saved:
+      rows += [row for row in table["rows"] if row["run"] not in seen]
+      seen |= {row["run"] for row in table["rows"]}
+    rows = report(rows, saved[0]["targets"])
+    if args.json:
+      Path(args.json).write_text(json.dumps({**saved[0], "rows": rows}, indent=1))
     return 0
   out = Path(tempfile.mkdtemp()) / "rows.json"
   if args.local:
