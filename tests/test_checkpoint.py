@@ -565,6 +565,72 @@ def test_a_manager_step_is_sealed_and_a_damaged_file_is_named(tmp_path, mesh):
                               jax.tree.map(np.asarray, state))
 
 
+def test_a_seal_cut_short_leaves_the_step_restorable_and_a_damaged_one_points_back(
+    tmp_path, mesh, monkeypatch):
+  """The disk fills up while the manifest is written: the arrays are intact."""
+  state = resumable.train(resumable.fresh(mesh), mesh, range(2))
+  real_replace = os.replace
+
+  def disk_full_at_the_seal(source, target):
+    if Path(target).name == integrity.MANIFEST_FILE:
+      raise OSError(28, "No space left on device")
+    return real_replace(source, target)
+
+  manager = topka2a_jax.CheckpointManager(tmp_path, mesh, async_save=False)
+  manager.save(1, state)
+  monkeypatch.setattr(os, "replace", disk_full_at_the_seal)
+  with pytest.raises(OSError, match="No space left"):
+    manager.save(2, state)
+  with pytest.raises(OSError, match="No space left"):  # still full: sealed again
+    manager.close()
+  monkeypatch.setattr(os, "replace", real_replace)
+  left = sorted(p.name for p in (tmp_path / "2").iterdir())
+  assert "layout" in left and not [name for name in left if "manifest" in name], left
+  with topka2a_jax.CheckpointManager(tmp_path, mesh) as fresh, pytest.warns(
+      UserWarning, match="cannot be checked"):
+    assert fresh.latest_step() == 2
+    restored = fresh.restore(resumable.fresh(mesh))
+  chex.assert_trees_all_equal(jax.tree.map(np.asarray, restored),
+                              jax.tree.map(np.asarray, state))
+  # A manifest left empty (by an older version): the error names the step before.
+  (tmp_path / "2" / integrity.MANIFEST_FILE).write_text("")
+  with topka2a_jax.CheckpointManager(tmp_path, mesh) as fresh, pytest.raises(
+      ValueError, match=r"step 2: .*manifest.* is corrupted.*earlier steps \[1\]: "
+                        r"restore\(like, step=1\)"):
+    fresh.restore(resumable.fresh(mesh))
+
+
+SAVE_INTO_A_READ_ONLY_ROOT = """
+import sys
+import jax, jax.numpy as jnp, topka2a_jax
+mesh = jax.make_mesh((2,), ("data",))
+manager = topka2a_jax.CheckpointManager(sys.argv[1], mesh)  # saves in the background
+try:
+  manager.save(1, {"w": jnp.ones((8, 8))})
+except OSError as error:
+  print("refused:", error, flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a read-only file system")
+def test_a_save_into_a_read_only_root_is_refused_and_the_process_exits(tmp_path):
+  root = tmp_path / "mounted"
+  root.mkdir()
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(root)],
+                    capture_output=True, check=False).returncode:
+    pytest.skip("cannot mount a tmpfs here")
+  try:
+    done = subprocess.run(
+        [sys.executable, "-c", SAVE_INTO_A_READ_ONLY_ROOT, str(root)],
+        capture_output=True, text=True, timeout=120, check=False,
+        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+  finally:
+    subprocess.run(["umount", str(root)], check=False)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert "refused: cannot write to" in done.stdout and "nothing was written" in done.stdout
+
+
 def test_a_mismatch_names_the_shape_each_side_needs(tmp_path, mesh):
   """Saved on 8 devices with a (16, 64) leaf, restored on 4 into a (32, 64) one:
   both residuals are (128, 64) as global arrays, which alone says nothing."""

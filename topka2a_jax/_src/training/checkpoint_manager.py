@@ -35,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
@@ -119,6 +120,12 @@ class CheckpointManager:
     layout = checkpoint.describe(state, self._mesh, self._axis)
     self.wait_until_finished()  # as Orbax would; the previous step is sealed
     self._check_after_latest(step)
+    root = Path(self._manager.directory)
+    if not os.access(root, os.W_OK):  # before Orbax, whose failed background
+      # save of an unwritable root leaves threads that never let the process exit
+      raise PermissionError(f"cannot write to {root} (a read-only file system, or "
+                            "no permission); nothing was written. Save to a "
+                            "writable root.")
     saved = self._manager.save(step, args=ocp.args.Composite(**{
         STATE: ocp.args.StandardSave(checkpoint.stored_tree(state)),
         LAYOUT: ocp.args.JsonSave(layout)}))
@@ -181,7 +188,15 @@ class CheckpointManager:
           f"(complete steps: {steps}); nothing was loaded")
     directory = self.step_directory(step)
     if (directory / integrity.MANIFEST_FILE).is_file():
-      integrity.verify(directory)
+      try:
+        integrity.verify(directory)
+      except ValueError as damaged:
+        earlier = [s for s in steps if s < step]
+        if not earlier:
+          raise
+        raise ValueError(f"step {step}: {damaged} The root holds earlier steps "
+                         f"{earlier}: restore(like, step={earlier[-1]}) reads the "
+                         "latest of them.") from None
     else:
       integrity.listed_files(directory)  # no link, no special file
       warnings.warn(
@@ -213,9 +228,15 @@ class CheckpointManager:
     self._seal()
 
   def close(self) -> None:
-    """Waits for saves in flight, seals them and releases Orbax's resources."""
-    self.wait_until_finished()
-    self._manager.close()
+    """Waits for saves in flight, seals them and releases Orbax's resources.
+
+    Orbax's resources are released even when a save failed (its error is
+    raised after), so that the process can exit.
+    """
+    try:
+      self.wait_until_finished()
+    finally:
+      self._manager.close()
 
   def __enter__(self) -> Self:
     return self

@@ -109,11 +109,22 @@ def listed_files(directory: Path) -> list[str]:
 
 
 def write_manifest(directory: Path) -> None:
-  """Writes the SHA-256 of every file under ``directory`` (last, once all are written)."""
+  """Writes the SHA-256 of every file under ``directory`` (last, once all are written).
+
+  The manifest is written beside its final name and renamed into place, so
+  a seal cut short (a full disk, a killed process) leaves no manifest, never
+  a partial one: the step then restores as an unsealed one does, its
+  arrays still checked against their fingerprints.
+  """
   files = {name: _digest(directory / name) for name in listed_files(directory)}
   listed = json.dumps(files, sort_keys=True)
-  (directory / MANIFEST_FILE).write_text(json.dumps(
-      {"files": files, "self": hashlib.sha256(listed.encode()).hexdigest()}))
+  partial = directory / f".{MANIFEST_FILE}.partial"
+  try:
+    partial.write_text(json.dumps(
+        {"files": files, "self": hashlib.sha256(listed.encode()).hexdigest()}))
+    os.replace(partial, directory / MANIFEST_FILE)
+  finally:
+    partial.unlink(missing_ok=True)
 
 
 def read_json(path: Path, what: str) -> Any:
