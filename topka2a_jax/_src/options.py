@@ -21,6 +21,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from topka2a_jax._src.arguments import checked_count
 from topka2a_jax._src.axis import DataAxis
 from topka2a_jax._src.collectives import algorithms, low_rank
 from topka2a_jax._src.collectives.selection import check_density, check_selection
@@ -45,39 +46,6 @@ is a pair ``(outer, inner)``."""
 
 DEFAULT_MIN_SIZE = cost.DEFAULT_MIN_SIZE
 """Leaves with fewer elements go dense (:data:`cost.DEFAULT_MIN_SIZE`)."""
-
-
-def checked_count(name: str, value: Any, minimum: int) -> int:
-  """``value`` as an int of at least ``minimum``: TypeError if not an int, else ValueError.
-
-  Example:
-    >>> checked_count("micro_batches", 0, 1)
-    Traceback (most recent call last):
-    ValueError: micro_batches must be at least 1, got 0
-  """
-  if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-    raise TypeError(f"{name} must be an int, got {value!r}")
-  if value < minimum:
-    raise ValueError(f"{name} must be at least {minimum}, got {value}")
-  return int(value)
-
-
-def checked_optimizer(name: str, value: Any) -> Any:
-  """``value`` if it is an optax transform (``init`` and ``update``), else a TypeError.
-
-  Example:
-    >>> checked_optimizer("inner", optax.adam)
-    Traceback (most recent call last):
-    TypeError: inner must be an optax.GradientTransformation, got the function adam itself: call it, e.g. optax.adam(1e-3)
-  """
-  if callable(getattr(value, "init", None)) and callable(getattr(value, "update", None)):
-    return value
-  if callable(value):
-    what = getattr(value, "__name__", repr(value))
-    raise TypeError(f"{name} must be an optax.GradientTransformation, got the "
-                    f"function {what} itself: call it, e.g. optax.{what}(1e-3)")
-  raise TypeError(f"{name} must be an optax.GradientTransformation such as "
-                  f"optax.adam(1e-3), got {value!r}")
 
 
 def _flag(name: str, value: Any) -> bool:

@@ -35,6 +35,7 @@ from typing import Any
 
 import jax
 
+from topka2a_jax._src.arguments import checked_count
 from topka2a_jax._src.collectives import algorithms
 from topka2a_jax._src.collectives.algorithms import ALGORITHMS, AUTO, DENSE
 from topka2a_jax._src.collectives.selection import check_density
@@ -48,7 +49,6 @@ from topka2a_jax._src.planner.cost import (
   cluster_cost,
   get_network,
 )
-from topka2a_jax._src.options import checked_count
 from topka2a_jax._src.sizes import ceil_div
 
 DEFAULT_SELECTION_SECONDS_PER_ELEMENT = 1e-10

@@ -37,8 +37,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from topka2a_jax._src import layout
+from topka2a_jax._src.arguments import checked_count
 from topka2a_jax._src.axis import DataAxis
-from topka2a_jax._src.options import checked_count
 from topka2a_jax._src.planner import compute
 from topka2a_jax._src.training import placement, watchdog
 from topka2a_jax._src.transforms.clipping import warn_if_clipped_before_exchange

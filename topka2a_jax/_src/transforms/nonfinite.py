@@ -33,13 +33,13 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from topka2a_jax._src.arguments import checked_optimizer
 from topka2a_jax._src.axis import (
   DataAxis,
   is_varying,
   tracks_varying_axes,
   varying_axes,
 )
-from topka2a_jax._src.options import checked_optimizer
 
 NONFINITE = "topka2a_nonfinite_step"
 """Extra argument of the update: the decision taken once, for inner transforms

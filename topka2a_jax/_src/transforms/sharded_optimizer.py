@@ -47,6 +47,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from topka2a_jax._src.arguments import checked_optimizer
 from topka2a_jax._src import layout
 from topka2a_jax._src.axis import (
   DataAxis,
@@ -58,12 +59,7 @@ from topka2a_jax._src.axis import (
 )
 from topka2a_jax._src.collectives import exchanges
 from topka2a_jax._src.collectives.algorithms import AUTO, DENSE, TOPKA2A
-from topka2a_jax._src.options import (
-  DEFAULT_MIN_SIZE,
-  DEFAULT_SELECTION,
-  Options,
-  checked_optimizer,
-)
+from topka2a_jax._src.options import DEFAULT_MIN_SIZE, DEFAULT_SELECTION, Options
 from topka2a_jax._src.planner.cost import AUTO_NETWORK
 from topka2a_jax._src.planner.fusion import step_model
 from topka2a_jax._src.sizes import ceil_div

@@ -63,6 +63,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from topka2a_jax._src.arguments import checked_optimizer
 from topka2a_jax._src import layout
 from topka2a_jax._src.axis import (
   as_varying,
@@ -71,12 +72,7 @@ from topka2a_jax._src.axis import (
   vary_like,
 )
 from topka2a_jax._src.collectives.algorithms import AUTO, ONEBIT_4
-from topka2a_jax._src.options import (
-  DEFAULT_MIN_SIZE,
-  DEFAULT_SELECTION,
-  Options,
-  checked_optimizer,
-)
+from topka2a_jax._src.options import DEFAULT_MIN_SIZE, DEFAULT_SELECTION, Options
 from topka2a_jax._src.planner.cost import AUTO_NETWORK
 from topka2a_jax._src.states import CompressedUpdatesState
 from topka2a_jax._src.transforms.exchange_state import (
