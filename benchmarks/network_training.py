@@ -73,7 +73,7 @@ RUNS = {
     "onebit": {"algorithm": "onebit"},
     **{name: {"algorithm": name} for name in (
         "quantized_4_8", "quantized_4_4", "quantized_2_8", "quantized_8_8", "quantized_8_4",
-        "quantized_4_8_stochastic", "quantized_4_8_fine")},
+        "quantized_4_8_stochastic")},
     "defaults, buckets split to overlap the backward pass": {
         "backward_seconds": "estimated"},
 }
@@ -360,6 +360,11 @@ def main() -> int:
                       help="no training: the table of the rows these files hold "
                            "(of one batch and seed), the first file's first row "
                            "the baseline, each run named once")
+  parser.add_argument("--link-seconds", metavar="JSON",
+                      help="with --from-json: a shorter run of the same runs on "
+                           "the link (same batch); each step of a row is timed "
+                           "at that run's median seconds a step on the link, and "
+                           "its bytes are the link's")
   parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
   args = parser.parse_args()
   for name in args.runs:
@@ -377,6 +382,21 @@ def main() -> int:
     for table in saved:
       rows += [row for row in table["rows"] if row["run"] not in seen]
       seen |= {row["run"] for row in table["rows"]}
+    if args.link_seconds:
+      import numpy as np
+
+      link = json.loads(Path(args.link_seconds).read_text())
+      timed = {row["run"]: row for row in link["rows"]}
+      missing = [row["run"] for row in rows if row["run"] not in timed]
+      if missing:
+        parser.error(f"{args.link_seconds} has no run {', '.join(missing)}")
+      for row in rows:
+        step = float(np.median(timed[row["run"]]["seconds"]))
+        row.update(seconds=[step] * len(row["seconds"]),
+                   bytes=timed[row["run"]]["bytes"])
+      print(f"steps and losses from {', '.join(args.from_json)}; each step timed at "
+            f"its run's median on the link ({args.link_seconds}, "
+            f"{len(link['rows'][0]['seconds'])} steps a run, {link['rate']})")
     rows = report(rows, saved[0]["targets"])
     if args.json:
       Path(args.json).write_text(json.dumps({**saved[0], "rows": rows}, indent=1))

@@ -188,8 +188,7 @@ ALGORITHMS = {"dense": dense, "allgather": allgather, "topka2a": topka2a,
               **{f"quantized_{up}_{back}": functools.partial(few_bit, bits=up,
                                                              gather_bits=back)
                  for up, back in ((4, 8), (4, 4), (2, 8), (8, 8), (8, 4))},
-              "quantized_4_8_stochastic": functools.partial(few_bit, stochastic=True),
-              "quantized_4_8_fine": functools.partial(few_bit, chunk=256)}
+              "quantized_4_8_stochastic": functools.partial(few_bit, stochastic=True)}
 
 
 

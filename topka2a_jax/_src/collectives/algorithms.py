@@ -240,8 +240,7 @@ def _to_owners_then_pairs(c: Counts) -> tuple[Phase, ...]:
   return owners, owners._replace(pattern=RING)
 
 
-def _codes_then(bits: int, gather_bits: int, chunk: int
-                ) -> Callable[[Counts], tuple[Phase, ...]]:
+def _codes_then(bits: int, gather_bits: int) -> Callable[[Counts], tuple[Phase, ...]]:
   """The phases of :func:`few_bit <topka2a_jax.collectives.few_bit>`.
 
   Each device sends every peer its shard's codes of ``bits`` bits and chunk
@@ -251,14 +250,14 @@ def _codes_then(bits: int, gather_bits: int, chunk: int
   def traffic(c: Counts) -> tuple[Phase, ...]:
     shard = math.ceil(c.length / c.devices)
     return (Phase(PAIRS, c.devices - 1,
-                  (c.devices - 1) * quantized.wire_bytes(shard, bits, chunk)),
+                  (c.devices - 1) * quantized.wire_bytes(shard, bits)),
             Phase(RING, c.devices - 1,
-                  (c.devices - 1) * quantized.wire_bytes(shard, gather_bits, chunk)))
+                  (c.devices - 1) * quantized.wire_bytes(shard, gather_bits)))
   return traffic
 
 
 def _quantized(bits: int, gather_bits: int, *, name: str | None = None,
-               chunk: int = quantized.CHUNK, how: str = "") -> Algorithm:
+               how: str = "") -> Algorithm:
   if name is None:
     name = ("onebit" if gather_bits == 8 else f"onebit_{gather_bits}") if bits == 1 else (
         f"quantized_{bits}_{gather_bits}")
@@ -270,7 +269,7 @@ def _quantized(bits: int, gather_bits: int, *, name: str | None = None,
                f"in {gather_bits} bit{'s' if gather_bits > 1 else ''} by AllGather"),
       sparse=True, unsent_at="the sender, and the owner for its mean's rounding",
       compresses_values=False, global_indices=False,
-      traffic=_codes_then(bits, gather_bits, chunk),
+      traffic=_codes_then(bits, gather_bits),
       # Passes over the buffer: its codes, their decoding (the residual), the
       # owner's sum of P shards and the final decoding; over the owner's
       # shard, its codes and their decoding.
@@ -321,9 +320,8 @@ FEW_BIT = tuple(_quantized(bits, back)
 """Codes of 2 to 8 bits to the owners, 4 or 8 back: the gradient at a few bits."""
 
 FEW_BIT_CANDIDATES = (
-    _quantized(4, 8, name="quantized_4_8_stochastic", how=", rounded stochastically"),
-    _quantized(4, 8, name="quantized_4_8_fine", chunk=256, how=", 256 entries a scale"))
-"""``"quantized_4_8"`` with stochastic rounding, and with finer chunk scales."""
+    _quantized(4, 8, name="quantized_4_8_stochastic", how=", rounded stochastically"),)
+"""``"quantized_4_8"`` with stochastic rounding."""
 
 ALGORITHMS: dict[str, Algorithm] = {
     algorithm.name: algorithm for algorithm in (

@@ -581,7 +581,6 @@ COLLECTIVES: dict[str, Collective] = {
        for up, back in ((4, 8), (4, 4), (2, 8), (8, 8), (8, 4))},
     "quantized_4_8_stochastic": functools.partial(few_bit, bits=4, gather_bits=8,
                                                   rounding="stochastic"),
-    "quantized_4_8_fine": functools.partial(few_bit, bits=4, gather_bits=8, chunk=256),
 }
 """The collective of every exchange in :data:`topka2a_jax.collectives.ALGORITHMS`, by name."""
 
