@@ -364,7 +364,7 @@ def main() -> int:
                       help="with --from-json: a shorter run of the same runs on "
                            "the link (same batch); each step of a row is timed "
                            "at that run's median seconds a step on the link, and "
-                           "its bytes are the link's")
+                           "its bytes are the link's (rows it lacks are left out)")
   parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
   args = parser.parse_args()
   for name in args.runs:
@@ -388,8 +388,11 @@ def main() -> int:
       link = json.loads(Path(args.link_seconds).read_text())
       timed = {row["run"]: row for row in link["rows"]}
       missing = [row["run"] for row in rows if row["run"] not in timed]
+      if rows[0]["run"] in missing:
+        parser.error(f"{args.link_seconds} has no run {rows[0]['run']!r}, the baseline")
       if missing:
-        parser.error(f"{args.link_seconds} has no run {', '.join(missing)}")
+        print(f"left out, not timed on the link: {', '.join(missing)}")
+      rows = [row for row in rows if row["run"] in timed]
       for row in rows:
         step = float(np.median(timed[row["run"]]["seconds"]))
         row.update(seconds=[step] * len(row["seconds"]),
@@ -398,8 +401,11 @@ def main() -> int:
             f"its run's median on the link ({args.link_seconds}, "
             f"{len(link['rows'][0]['seconds'])} steps a run, {link['rate']})")
     rows = report(rows, saved[0]["targets"])
+    timing = ({"rate": link["rate"], "seconds": "each step at its run's median on "
+               f"the link, {Path(args.link_seconds).name}"} if args.link_seconds else {})
     if args.json:
-      Path(args.json).write_text(json.dumps({**saved[0], "rows": rows}, indent=1))
+      Path(args.json).write_text(json.dumps({**saved[0], **timing, "rows": rows},
+                                            indent=1))
     return 0
   out = Path(tempfile.mkdtemp()) / "rows.json"
   if args.local:

@@ -1,6 +1,7 @@
 """A NaN or an infinity on one device skips the step on every device alike."""
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -205,3 +206,29 @@ def test_float16_parameters_survive_error_feedbacks_bursts(mesh, exchange_steps)
     assert updates["w"].dtype == np.float16
     assert np.isfinite(updates["w"].astype(np.float32)).all(), f"step {step}"
     assert state[0].residuals["w"].dtype == jnp.float32  # accumulates in float32
+
+
+@pytest.mark.parametrize("algorithm", [None, "dense"])
+def test_a_non_finite_step_from_finite_gradients_is_skipped_by_every_exchange(
+    mesh, train_steps, algorithm):
+  """float16 parameters: Adam's eps is 0 there, so a step can be infinite or
+  huge (m / sqrt(v) with v rounded to 0) from finite gradients."""
+  options = {} if algorithm is None else {"algorithm": algorithm}
+  tx = topka2a_jax.compress_updates(optax.adam(1e-2), min_size=0, **options)
+  rng = np.random.default_rng(0)
+  params = {"w1": (rng.normal(size=(16, 64)) / 4).astype(np.float16),
+            "w2": (rng.normal(size=(64, 4)) / 16).astype(np.float16)}
+
+  def loss(p, batch):
+    x, y = batch
+    w1, w2 = p["w1"].astype(jnp.float32), p["w2"].astype(jnp.float32)
+    return jnp.mean((jnp.tanh(x @ w1) @ w2 - y) ** 2)
+
+  x = rng.normal(size=(64, 16)).astype(np.float32)
+  history = train_steps(tx, mesh, loss, params, [(x, np.sin(x[:, :4]))] * 3)
+  last_params, state, _ = history[-1]
+  for key in params:  # nothing applied
+    np.testing.assert_array_equal(last_params[key], params[key])
+  assert int(state.exchange.nonfinite_steps) == 3 and int(state.exchange.count) == 0
+  assert all(np.isfinite(np.asarray(leaf, np.float32)).all()
+             for leaf in jax.tree.leaves(state))

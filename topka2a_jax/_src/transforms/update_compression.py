@@ -85,6 +85,7 @@ from topka2a_jax._src.transforms.leaves import check_per_device, leaves_of
 from topka2a_jax._src.transforms.nonfinite import (
   NONFINITE,
   applied_or_skipped,
+  nonfinite_on_any_device,
   step_is_bad,
 )
 
@@ -268,8 +269,14 @@ def _update(opts: Options, inner: optax.GradientTransformationExtraArgs,
     return jax.tree.map(lambda x: vary_like(jnp.zeros(x.shape, x.dtype), x),
                         updates), own
 
-  steps, own = applied_or_skipped(bad, applied, skipped, updates, own)
+  steps, new_own = applied_or_skipped(bad, applied, skipped, updates, own)
   if bad is not None:
+    # Finite gradients can still give a non-finite step (Adam in float16,
+    # whose eps is 0 there): such a step is skipped too, inner state and all.
+    broke = nonfinite_on_any_device(leaves_of(steps).values, opts.axis_name)
+    new_own = jax.tree.map(lambda old, made: jnp.where(broke, old, made), own, new_own)
+    bad = bad | broke
     extra_args = {**extra_args, NONFINITE: bad}  # the exchange takes the same decision
+  own = new_own
   means, exchange = update_state(opts, steps, state.exchange, extra_args)
   return means, CompressedUpdatesState(exchange, _per_device(own, opts.axis_name))
