@@ -72,8 +72,7 @@ RUNS = {
                                                 "algorithm": "onebit"},
     "onebit": {"algorithm": "onebit"},
     **{name: {"algorithm": name} for name in (
-        "quantized_4_8", "quantized_4_4", "quantized_2_8", "quantized_8_8", "quantized_8_4",
-        "quantized_4_8_stochastic")},
+        "quantized_4_8", "quantized_4_4", "quantized_2_8", "quantized_8_8", "quantized_8_4")},
     "defaults, buckets split to overlap the backward pass": {
         "backward_seconds": "estimated"},
 }

@@ -85,24 +85,11 @@ def topka2a_sparse(buffers: np.ndarray, density: float):
   return sent[:n] / num_devices, unsent[:, :n]
 
 
-def lowbias32_dither(values: np.ndarray, salt: int) -> np.ndarray:
-  """Uniform numbers in [0, 1): lowbias32 of each float32's bits, position and salt."""
-  bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
-  position = np.arange(values.size, dtype=np.uint64).reshape(values.shape)
-  mask = np.uint64(0xFFFFFFFF)
-  h = bits ^ ((position * 0x9E3779B9) & mask) ^ np.uint64(salt)
-  h = ((h ^ (h >> np.uint64(16))) * 0x7FEB352D) & mask
-  h = ((h ^ (h >> np.uint64(15))) * 0x846CA68B) & mask
-  h = h ^ (h >> np.uint64(16))
-  return (h >> np.uint64(8)).astype(np.float64) * 2.0 ** -24
-
-
-def _chunk_codes(values: np.ndarray, bits: int, dither=None) -> tuple[np.ndarray, float]:
+def _chunk_codes(values: np.ndarray, bits: int) -> tuple[np.ndarray, float]:
   """One chunk's decoded values and its scale, rounded to float32 as it travels.
 
   1 bit: the sign (zero counts as positive) times the mean magnitude.
-  b bits: round(x / scale) in [-L, L], L = 2^(b-1) - 1, scale = max |x| / L;
-  with ``dither`` (uniform numbers), floor(x / scale + u) instead.
+  b bits: round(x / scale) in [-L, L], L = 2^(b-1) - 1, scale = max |x| / L.
   """
   if bits == 1:
     scale = float(np.float32(np.abs(values).mean()))
@@ -111,22 +98,17 @@ def _chunk_codes(values: np.ndarray, bits: int, dither=None) -> tuple[np.ndarray
   scale = float(np.float32(np.abs(values).max() / levels))
   if scale == 0:
     return np.zeros(len(values)), scale
-  if dither is None:
-    rounded = [round(x / scale) for x in values]
-  else:
-    rounded = [math.floor(x / scale + u) for x, u in zip(values, dither)]
-  return np.array([min(levels, max(-levels, r)) * scale for r in rounded]), scale
+  return np.array([min(levels, max(-levels, round(x / scale))) * scale
+                   for x in values]), scale
 
 
-def _coded(row: np.ndarray, start: int, n: int, bits: int, chunk: int,
-           dither=None) -> np.ndarray:
+def _coded(row: np.ndarray, start: int, n: int, bits: int, chunk: int) -> np.ndarray:
   """A shard's entries decoded chunk by chunk; only positions below ``n`` count."""
   out = np.zeros(len(row))
   for first in range(0, len(row), chunk):
     real = [i for i in range(first, min(first + chunk, len(row))) if start + i < n]
     if real:
-      out[real] = _chunk_codes(row[real], bits,
-                               None if dither is None else dither[real])[0]
+      out[real] = _chunk_codes(row[real], bits)[0]
   return out
 
 
@@ -137,15 +119,13 @@ def _chunk_length(shard: int, chunk: int) -> int:
 
 
 def few_bit(buffers: np.ndarray, density: float, bits: int = 4, gather_bits: int = 8,
-            chunk: int = 4096, stochastic: bool = False):
+            chunk: int = 4096):
   """Codes of ``bits`` bits to the owners, their means back in ``gather_bits`` bits.
 
   Each shard (``ceil(n / P)`` cut into chunks of at most ``chunk`` entries,
   each rounded up to 32) goes from every device decoded chunk by chunk; the
   owner adds them up, rounds the mean chunk by chunk to ``gather_bits`` bits,
-  and keeps the rounding, times P, in its own residual. Stochastic rounding
-  dithers device ``d``'s codes with salt ``2 d`` and its owner's with
-  ``2 d + 1``, each over the device's padded rows in order.
+  and keeps the rounding, times P, in its own residual.
   """
   del density
   buffers = buffers.astype(np.float64)
@@ -158,19 +138,16 @@ def few_bit(buffers: np.ndarray, density: float, bits: int = 4, gather_bits: int
   unsent = padded.copy()
   total = np.zeros(num_devices * shard)
   for device in range(num_devices):
-    dither = lowbias32_dither(padded[device], 2 * device) if stochastic else None
     for owner in range(num_devices):
       span = slice(owner * shard, (owner + 1) * shard)
-      sent = _coded(padded[device, span], owner * shard, n, bits, per_chunk,
-                    None if dither is None else dither[span])
+      sent = _coded(padded[device, span], owner * shard, n, bits, per_chunk)
       total[span] += sent
       unsent[device, span] -= sent
   mean = np.zeros(num_devices * shard)
   for owner in range(num_devices):
     span = slice(owner * shard, (owner + 1) * shard)
     own = total[span] / num_devices
-    dither = lowbias32_dither(own, 2 * owner + 1) if stochastic else None
-    mean[span] = _coded(own, owner * shard, n, gather_bits, per_chunk, dither)
+    mean[span] = _coded(own, owner * shard, n, gather_bits, per_chunk)
     unsent[owner, span] += total[span] - num_devices * mean[span]
   return mean[:n], unsent[:, :n]
 
@@ -187,8 +164,7 @@ ALGORITHMS = {"dense": dense, "allgather": allgather, "topka2a": topka2a,
               "onebit_1": functools.partial(onebit, gather_bits=1),
               **{f"quantized_{up}_{back}": functools.partial(few_bit, bits=up,
                                                              gather_bits=back)
-                 for up, back in ((4, 8), (4, 4), (2, 8), (8, 8), (8, 4))},
-              "quantized_4_8_stochastic": functools.partial(few_bit, stochastic=True)}
+                 for up, back in ((4, 8), (4, 4), (2, 8), (8, 8), (8, 4))}}
 
 
 

@@ -319,14 +319,10 @@ FEW_BIT = tuple(_quantized(bits, back)
                 for bits, back in ((4, 8), (4, 4), (2, 8), (8, 8), (8, 4)))
 """Codes of 2 to 8 bits to the owners, 4 or 8 back: the gradient at a few bits."""
 
-FEW_BIT_CANDIDATES = (
-    _quantized(4, 8, name="quantized_4_8_stochastic", how=", rounded stochastically"),)
-"""``"quantized_4_8"`` with stochastic rounding."""
-
 ALGORITHMS: dict[str, Algorithm] = {
     algorithm.name: algorithm for algorithm in (
         DENSE, ALLGATHER, TOPKA2A, TOPKA2A_SPARSE, ONEBIT, ONEBIT_4, ONEBIT_1,
-        *FEW_BIT, *FEW_BIT_CANDIDATES)}
+        *FEW_BIT)}
 """Every exchange of a flat buffer, by the name ``topka2a(algorithm=...)`` takes."""
 
 

@@ -438,15 +438,11 @@ def _sum_of_decoded_rows(words: jax.Array, scales: jax.Array, bits: int,
                        decoded(0))
 
 
-ROUNDINGS = ("nearest", "stochastic")
-"""How :func:`few_bit` rounds codes of 2 bits and more."""
-
-
 def few_bit(
     buffer: jax.Array, axis_name: Hashable, density: float = 1.0, *,
     value_dtype: jnp.dtype | None = None, selection: str = "exact",
     send: jax.Array | None = None, bits: int = 4, gather_bits: int = 8,
-    rounding: str = "nearest", chunk: int = quantized.CHUNK,
+    chunk: int = quantized.CHUNK,
 ) -> ExchangeResult:
   """Every entry in ``bits`` bits to its shard's owner, the owners' means back in ``gather_bits``.
 
@@ -482,8 +478,6 @@ def few_bit(
     send: as in :func:`dense`: False sends nothing.
     bits: bits per entry of the first phase, 1, 2, 4 or 8.
     gather_bits: bits per entry of the second phase, 1, 2, 4 or 8.
-    rounding: ``"nearest"``, or ``"stochastic"`` (:func:`quantized.dither`
-      salted with the device's index) for codes of 2 bits and more.
     chunk: entries per scale, in both phases.
 
   Returns:
@@ -500,18 +494,13 @@ def few_bit(
   """
   del density, value_dtype, selection
   _check_buffer(buffer)
-  if rounding not in ROUNDINGS:
-    raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
   num_devices = bound_axis_size(axis_name)
   length, dtype = buffer.shape[0], jnp.promote_types(buffer.dtype, jnp.float32)
   cut = quantized.layout(ceil_div(length, num_devices), chunk)
   shape, total = (num_devices, cut.chunks, cut.chunk), num_devices * cut.padded
   valid = None if total == length else jnp.arange(total).reshape(shape) < length
   shards = jnp.pad(buffer.astype(dtype), (0, total - length)).reshape(shape)
-  salt = lax.axis_index(axis_name).astype(jnp.uint32)
-  dither = lambda x, phase: (None if rounding == "nearest" else
-                             quantized.dither(x, 2 * salt + phase))
-  words, scales = quantized.encode(shards, bits, valid, dither(shards, 0))
+  words, scales = quantized.encode(shards, bits, valid)
   if send is not None:
     scales = jnp.where(send, scales, jnp.zeros_like(scales))
   unsent = shards - quantized.decode(words, scales, bits, valid, dtype)
@@ -521,7 +510,7 @@ def few_bit(
          lax.dynamic_index_in_dim(valid, lax.axis_index(axis_name), keepdims=True))
   owned = _sum_of_decoded_rows(*quantized.split(received, cut, bits), bits, own, dtype)
   mean = (owned / num_devices)[None]
-  mean_words, mean_scales = quantized.encode(mean, gather_bits, own, dither(mean, 1))
+  mean_words, mean_scales = quantized.encode(mean, gather_bits, own)
   delivered = quantized.decode(mean_words, mean_scales, gather_bits, own, dtype)[0]
   unsent = add_to_own_row(unsent, axis_name, owned - delivered * num_devices)
   gathered = lax.all_gather(quantized.message(mean_words, mean_scales), axis_name,
@@ -579,8 +568,6 @@ COLLECTIVES: dict[str, Collective] = {
     "onebit_1": functools.partial(onebit, gather_bits=1),
     **{f"quantized_{up}_{back}": functools.partial(few_bit, bits=up, gather_bits=back)
        for up, back in ((4, 8), (4, 4), (2, 8), (8, 8), (8, 4))},
-    "quantized_4_8_stochastic": functools.partial(few_bit, bits=4, gather_bits=8,
-                                                  rounding="stochastic"),
 }
 """The collective of every exchange in :data:`topka2a_jax.collectives.ALGORITHMS`, by name."""
 

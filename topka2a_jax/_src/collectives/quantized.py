@@ -10,10 +10,7 @@ broadcasting, with no pass to spread it (:func:`layout` picks the chunks).
   ``+scale`` or ``-scale``, with ``scale`` the mean magnitude of the chunk's
   entries (the ``c`` that makes ``c * sign(x)`` closest to ``x``).
 * ``bits`` of 2, 4 or 8: symmetric integers ``-L .. L`` with
-  ``L = 2**(bits-1) - 1``, ``scale = max |x| / L``, rounded to nearest, or
-  stochastically given a ``dither`` (:func:`dither`): ``floor(x / scale + u)``
-  with ``u`` uniform in [0, 1), which rounds up with probability the
-  fraction, so the code is unbiased.
+  ``L = 2**(bits-1) - 1``, rounded to nearest, ``scale = max |x| / L``.
 
 Entries that ``valid`` marks False (padding) count in no scale and decode
 to zero; ``valid=None`` means every entry is real.
@@ -100,30 +97,8 @@ def _check(chunked: jax.Array, bits: int) -> None:
                      f"{WORD}, got shape {chunked.shape}")
 
 
-def dither(values: jax.Array, salt: jax.Array | int) -> jax.Array:
-  """Uniform numbers in [0, 1) for stochastic rounding, one per entry of ``values``.
-
-  A hash of each entry's float32 bits, its position and ``salt`` (e.g. the
-  device's index): no random state to carry, and the numbers change from
-  step to step because the values do. The hash is the 32-bit mixer
-  "lowbias32" (Wellons, 2018); the top 24 bits give the fraction.
-
-  Example:
-    >>> u = dither(jnp.arange(4096.0), 0)
-    >>> bool((u >= 0).all() & (u < 1).all()), round(float(u.mean()), 1)
-    (True, 0.5)
-  """
-  bits_of = lax.bitcast_convert_type(values.astype(jnp.float32), jnp.uint32)
-  position = jnp.arange(values.size, dtype=jnp.uint32).reshape(values.shape)
-  h = bits_of ^ (position * jnp.uint32(0x9E3779B9)) ^ jnp.asarray(salt, jnp.uint32)
-  h = (h ^ (h >> 16)) * jnp.uint32(0x7FEB352D)
-  h = (h ^ (h >> 15)) * jnp.uint32(0x846CA68B)
-  h = h ^ (h >> 16)
-  return (h >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
-
-
-def encode(chunked: jax.Array, bits: int, valid: jax.Array | None = None,
-           dither: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def encode(chunked: jax.Array, bits: int, valid: jax.Array | None = None
+           ) -> tuple[jax.Array, jax.Array]:
   """Codes packed into words, and one float32 scale per chunk.
 
   The codes are computed in the values' dtype (at least float32) against the
@@ -135,9 +110,6 @@ def encode(chunked: jax.Array, bits: int, valid: jax.Array | None = None,
     bits: code width, one of :data:`BITS`.
     valid: booleans broadcastable to ``chunked``, False for padding; None
       when every entry is real.
-    dither: for ``bits`` above 1, uniform numbers in [0, 1) shaped like
-      ``chunked`` (:func:`dither`) to round stochastically; None rounds to
-      nearest.
 
   Returns:
     ``(words, scales)``: ``(R, C, K * bits / 32)`` uint32, ``(R, C)`` float32.
@@ -160,8 +132,7 @@ def encode(chunked: jax.Array, bits: int, valid: jax.Array | None = None,
   scales = (jnp.max(jnp.abs(x), axis=2) / levels).astype(jnp.float32)
   scale = scales.astype(dtype)[..., None]
   ratio = x / jnp.where(scale > 0, scale, jnp.ones((), dtype))
-  rounded = jnp.round(ratio) if dither is None else jnp.floor(ratio + dither)
-  codes = jnp.clip(rounded, -levels, levels) + levels
+  codes = jnp.clip(jnp.round(ratio), -levels, levels) + levels
   return pack(codes.astype(jnp.uint32), bits), scales
 
 
