@@ -447,3 +447,16 @@ def test_the_planner_and_the_collectives_refuse_what_they_cannot_plan(mesh):
 def test_a_stall_timeout_that_is_not_a_number_of_seconds(timeout):
   with pytest.raises(ValueError, match="must be a positive number of seconds"):
     topka2a_jax.distributed.initialize(stall_timeout_seconds=timeout)
+
+
+def test_calling_a_step_again_on_inputs_it_donated_names_donation(mesh):
+  tx = optax.chain(topka2a_jax.topka2a(0.1, min_size=0, mesh=mesh), optax.sgd(0.1))
+  step = topka2a_jax.train_step(lambda p, x: jnp.mean((x @ p["w"]) ** 2), tx, mesh)
+  params = {"w": jnp.ones((16, 4))}
+  state = tx.init(params)
+  x = jnp.ones((8, 16))
+  new_params, new_state, _ = step(params, state, x)
+  with pytest.raises(ValueError, match=r"parameter \['w'\] was donated to an earlier "
+                                       r"call of this step.*donate=False"):
+    step(params, state, x)
+  step(new_params, new_state, x)  # the arrays it returned go on

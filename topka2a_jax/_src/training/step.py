@@ -413,6 +413,7 @@ class TrainStep(DataParallelStep):
   def __call__(self, params: Any, opt_state: Any, batch: Any,
                key: jax.Array | None = None) -> tuple[Any, ...]:
     """One step: ``(params, opt_state, loss)``, plus the metrics with ``has_aux``."""
+    _check_not_donated(params, opt_state)
     inputs, static = self._prepare(params, opt_state, batch, key)
     new_params, _, new_opt_state, *out = self._jitted(*inputs, **static)
     watchdog.watch(out[0])
@@ -423,6 +424,21 @@ class TrainStep(DataParallelStep):
     """The lowered step, e.g. for :func:`topka2a_jax.comm_report`."""
     inputs, static = self._prepare(params, opt_state, batch, key)
     return self._jitted.lower(*inputs, **static)
+
+
+def _check_not_donated(params: Any, opt_state: Any) -> None:
+  """Raises, naming donation, if an input's buffer was given to an earlier step."""
+  for what, tree in (("parameter", params), ("optimizer state", opt_state)):
+    if not any(isinstance(leaf, jax.Array) and leaf.is_deleted()
+               for leaf in jax.tree.leaves(tree)):
+      continue
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      if isinstance(leaf, jax.Array) and leaf.is_deleted():
+        raise ValueError(
+            f"{what} {jax.tree_util.keystr(path)} was donated to an earlier call "
+            "of this step (train_step donates its inputs by default, so that "
+            "the new state can reuse their memory): pass the arrays that call "
+            "returned, or build the step with donate=False to keep the inputs")
 
 
 def train_step(
