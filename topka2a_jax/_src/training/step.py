@@ -426,14 +426,19 @@ class TrainStep(DataParallelStep):
     return self._jitted.lower(*inputs, **static)
 
 
+def _deleted(leaf: Any) -> bool:
+  """Whether ``leaf`` is an array whose buffer is gone (traced values have none)."""
+  return (isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
+          and leaf.is_deleted())
+
+
 def _check_not_donated(params: Any, opt_state: Any) -> None:
   """Raises, naming donation, if an input's buffer was given to an earlier step."""
   for what, tree in (("parameter", params), ("optimizer state", opt_state)):
-    if not any(isinstance(leaf, jax.Array) and leaf.is_deleted()
-               for leaf in jax.tree.leaves(tree)):
+    if not any(map(_deleted, jax.tree.leaves(tree))):
       continue
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-      if isinstance(leaf, jax.Array) and leaf.is_deleted():
+      if _deleted(leaf):
         raise ValueError(
             f"{what} {jax.tree_util.keystr(path)} was donated to an earlier call "
             "of this step (train_step donates its inputs by default, so that "
