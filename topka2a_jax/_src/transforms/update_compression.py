@@ -86,7 +86,6 @@ from topka2a_jax._src.transforms.nonfinite import (
   NONFINITE,
   applied_or_skipped,
   nonfinite_on_any_device,
-  step_is_bad,
 )
 
 DEFAULT_ALGORITHM = ONEBIT_4.name
@@ -258,7 +257,7 @@ def _update(opts: Options, inner: optax.GradientTransformationExtraArgs,
   tree = leaves_of(updates)
   paths, grads = tree.paths, tree.values
   check_per_device(grads, paths, opts.axis_name)
-  bad = step_is_bad(extra_args.get(NONFINITE), grads, opts.axis_name, opts.skip_nonfinite)
+  decided = extra_args.get(NONFINITE)  # by skip_nonfinite around this transform
   own = jax.tree.map(lambda x: x[0], state.inner)
 
   def applied(updates, own):
@@ -269,13 +268,18 @@ def _update(opts: Options, inner: optax.GradientTransformationExtraArgs,
     return jax.tree.map(lambda x: vary_like(jnp.zeros(x.shape, x.dtype), x),
                         updates), own
 
-  steps, new_own = applied_or_skipped(bad, applied, skipped, updates, own)
+  if decided is None and opts.skip_nonfinite:
+    # One check, after the inner step, of the gradients and of the steps:
+    # finite gradients can still give a non-finite step (Adam in float16,
+    # whose eps is 0 there), which is skipped too, inner state and all.
+    steps, new_own = applied(updates, own)
+    bad = nonfinite_on_any_device([*grads, *leaves_of(steps).values], opts.axis_name)
+    new_own = jax.tree.map(lambda old, made: jnp.where(bad, old, made), own, new_own)
+    steps = jax.tree.map(lambda step: jnp.where(bad, jnp.zeros_like(step), step), steps)
+  else:
+    bad = decided
+    steps, new_own = applied_or_skipped(bad, applied, skipped, updates, own)
   if bad is not None:
-    # Finite gradients can still give a non-finite step (Adam in float16,
-    # whose eps is 0 there): such a step is skipped too, inner state and all.
-    broke = nonfinite_on_any_device(leaves_of(steps).values, opts.axis_name)
-    new_own = jax.tree.map(lambda old, made: jnp.where(broke, old, made), own, new_own)
-    bad = bad | broke
     extra_args = {**extra_args, NONFINITE: bad}  # the exchange takes the same decision
   own = new_own
   means, exchange = update_state(opts, steps, state.exchange, extra_args)
