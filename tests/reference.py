@@ -114,8 +114,8 @@ def _coded(row: np.ndarray, start: int, n: int, bits: int, chunk: int) -> np.nda
 
 def _chunk_length(shard: int, chunk: int) -> int:
   """Entries per chunk: the shard split evenly, rounded up to 32 (quantized.layout)."""
-  count = -(-shard // chunk)
-  return -(-(-(-shard // count)) // 32) * 32
+  count = math.ceil(shard / chunk)
+  return math.ceil(math.ceil(shard / count) / 32) * 32
 
 
 def few_bit(buffers: np.ndarray, density: float, bits: int = 4, gather_bits: int = 8,

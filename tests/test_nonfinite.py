@@ -227,8 +227,8 @@ def test_a_non_finite_step_from_finite_gradients_is_skipped_by_every_exchange(
   x = rng.normal(size=(64, 16)).astype(np.float32)
   history = train_steps(tx, mesh, loss, params, [(x, np.sin(x[:, :4]))] * 3)
   last_params, state, _ = history[-1]
-  for key in params:  # nothing applied
-    np.testing.assert_array_equal(last_params[key], params[key])
+  for key, before in params.items():  # nothing applied
+    np.testing.assert_array_equal(last_params[key], before)
   assert int(state.exchange.nonfinite_steps) == 3 and int(state.exchange.count) == 0
   assert all(np.isfinite(np.asarray(leaf, np.float32)).all()
              for leaf in jax.tree.leaves(state))

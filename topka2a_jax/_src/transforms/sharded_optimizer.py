@@ -47,8 +47,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from topka2a_jax._src.arguments import checked_optimizer
 from topka2a_jax._src import layout
+from topka2a_jax._src.arguments import checked_optimizer
 from topka2a_jax._src.axis import (
   DataAxis,
   as_varying,

@@ -63,8 +63,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from topka2a_jax._src.arguments import checked_optimizer
 from topka2a_jax._src import layout
+from topka2a_jax._src.arguments import checked_optimizer
 from topka2a_jax._src.axis import (
   as_varying,
   bound_axis_size,
