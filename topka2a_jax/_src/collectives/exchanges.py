@@ -534,19 +534,8 @@ def onebit(
   to a word, and one scale, its mean magnitude (1-bit Adam's compressed
   all-reduce, Tang et al. 2021, with the second phase's precision kept).
 
-  Args:
-    buffer: this device's 1-D floating buffer of ``n`` elements.
-    axis_name: the mesh axis to average over.
-    density: ignored: every entry is sent.
-    value_dtype: ignored: codes and float32 scales are the wire format.
-    selection: ignored; nothing is selected.
-    send: as in :func:`dense`: False sends nothing.
-    gather_bits: bits per entry of the second phase, 1, 2, 4 or 8 (1 is
-      DeepSpeed's; 8 keeps what the first phase sent, see the Adam guide).
-    chunk: entries per scale, in both phases.
-
-  Returns:
-    The :class:`ExchangeResult`.
+  Its arguments are :func:`few_bit`'s without ``bits``; ``gather_bits=1`` is
+  DeepSpeed's, 8 keeps what the first phase sent (see the Adam guide).
 
   Example:
     >>> mesh = jax.make_mesh((8,), ("data",))
