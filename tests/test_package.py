@@ -1,9 +1,12 @@
 """The package's shape: a curated face over private code, shallow imports, one step core."""
 
 import ast
+import os
 import functools
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -83,6 +86,21 @@ def test_the_public_face_is_small_and_every_name_resolves():
       assert getattr(namespace, name) is not None, (namespace.__name__, name)
 
 
+def test_a_star_import_works_without_flax_and_the_flax_names_say_what_they_need():
+  script = ("import sys; sys.modules['flax'] = None\n"
+            "from topka2a_jax import *\n"
+            "assert callable(train_step) and callable(topka2a)\n"
+            "import topka2a_jax\n"
+            "try:\n"
+            "  topka2a_jax.nnx_train_step\n"
+            "except ImportError as error:\n"
+            "  print(error)\n")
+  done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        check=False, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert done.returncode == 0, done.stderr
+  assert "needs Flax: pip install 'topka2a-jax[nnx]'" in done.stdout
+
+
 def test_the_only_public_modules_are_the_four_namespaces_and_the_tools():
   public = {path.stem for path in PACKAGE.glob("*.py")} - {"__init__"}
   assert public == set(PUBLIC_NAMESPACES)
@@ -134,5 +152,6 @@ def test_what_users_read_uses_only_the_public_face(pattern):
     text = path.read_text()
     assert "topka2a_jax._src" not in text, f"{path.relative_to(ROOT)} reaches into private code"
     for module in re.findall(r"topka2a_jax\.([a-z_0-9]+)", text):
-      assert module in (*topka2a_jax.__all__, *PUBLIC_NAMESPACES, "tools"), (
+      assert module in (*topka2a_jax.__all__, *topka2a_jax.NEEDS_FLAX,
+                        *PUBLIC_NAMESPACES, "tools"), (
           f"{path.relative_to(ROOT)} names topka2a_jax.{module}, not public")

@@ -7,7 +7,9 @@ averages the sparse pieces with the TopKA2A algorithm (Peng, Li, Shi, Li,
 ICPP 2024, doi:10.1145/3673038.3673140), whose volume does not grow with the
 number of devices.
 
-The public face is this module (:data:`__all__`) and four namespaces:
+The public face is this module (:data:`__all__`, and ``nnx_train_step`` and
+``NnxTrainStep``, imported on first use because they need Flax) and four
+namespaces:
 :mod:`topka2a_jax.collectives` (the exchanges, for your own shard_map),
 :mod:`topka2a_jax.cost` (the α-β cost model), :mod:`topka2a_jax.checkpoint`
 and :mod:`topka2a_jax.distributed` (several processes). The code lives in
@@ -59,7 +61,6 @@ __all__ = [
   "CommReport",
   "CompressedUpdatesState",
   "FusionPlan",
-  "NnxTrainStep",
   "ShardedOptimizerState",
   "SkipNonFiniteState",
   "TopKA2AState",
@@ -68,7 +69,6 @@ __all__ = [
   "compress_updates",
   "frozen_variance_adam",
   "init",
-  "nnx_train_step",
   "plan_fusion",
   "restore",
   "save",
@@ -81,6 +81,10 @@ __all__ = [
   "tune_fusion",
 ]
 
+
+NEEDS_FLAX = ("NnxTrainStep", "nnx_train_step")
+"""Public names imported on first use, as they import Flax; not in ``__all__``,
+so that ``from topka2a_jax import *`` works without Flax."""
 
 _MOVED = {
     "Exchange": "topka2a_jax.collectives.ExchangeResult",
@@ -96,7 +100,7 @@ _MOVED = {
 
 def __getattr__(name: str):
   """``nnx_train_step`` and ``NnxTrainStep`` import Flax, so only on first use."""
-  if name in ("nnx_train_step", "NnxTrainStep"):
+  if name in NEEDS_FLAX:
     try:
       from topka2a_jax._src.training import nnx_step
     except ImportError as error:
