@@ -3,6 +3,7 @@
 import ast
 import os
 import functools
+import importlib
 import pathlib
 import re
 import subprocess
@@ -155,3 +156,29 @@ def test_what_users_read_uses_only_the_public_face(pattern):
       assert module in (*topka2a_jax.__all__, *topka2a_jax.NEEDS_FLAX,
                         *PUBLIC_NAMESPACES, "tools"), (
           f"{path.relative_to(ROOT)} names topka2a_jax.{module}, not public")
+
+
+def named_public_object(dotted: str) -> bool:
+  """Whether ``topka2a_jax.a.b`` names something: attributes, or modules below."""
+  parts, found = dotted.split(".")[1:], topka2a_jax
+  for i, part in enumerate(parts):
+    try:
+      found = getattr(found, part)
+    except AttributeError:
+      try:
+        found = importlib.import_module(".".join(["topka2a_jax", *parts[:i + 1]]))
+      except ImportError:
+        return False
+  return True
+
+
+def test_every_public_name_the_code_mentions_exists():
+  """Docstrings and error messages send users only to names they can import."""
+  missing = set()
+  for path in PACKAGE.rglob("*.py"):
+    for found in re.finditer(r"(?<![\w.])topka2a_jax(?:\.[A-Za-z_]\w*)+", path.read_text()):
+      if ".".join(found.group(0).split(".")[:2]) != "topka2a_jax._src" and not (
+          named_public_object(found.group(0))):
+        missing.add((str(path.relative_to(ROOT)), found.group(0)))
+  assert not missing
+  assert not named_public_object("topka2a_jax.integrity.verify")

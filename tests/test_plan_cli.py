@@ -70,6 +70,16 @@ def test_bad_arguments_exit_with_a_message(capsys):
   assert "unknown network 'wifi'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("threshold", ["abc", "0", "1.5"])
+def test_a_threshold_that_is_not_a_size_exits_with_a_message(capsys, threshold):
+  with pytest.raises(SystemExit):
+    plan.main(["--params", "10", "--devices", "8", "--density", "0.1",
+               "--threshold", threshold])
+  err = capsys.readouterr().err
+  assert f"{threshold!r} is not a bucket size" in err
+  assert "Traceback" not in err
+
+
 @pytest.mark.parametrize("network, want", [("nvlink", {"dense"}),
                                            ("eth10", {"topka2a_sparse"})])
 def test_resnet50_on_8_gpus_goes_dense_on_nvlink_and_sparse_on_ethernet(

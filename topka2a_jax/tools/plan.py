@@ -82,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--rank", type=int,
                       help="also price PowerSGD at this rank (algorithm='powersgd'); "
                            "needs --model, whose layer shapes it compresses")
-  parser.add_argument("--threshold", default="auto",
+  parser.add_argument("--threshold", default="auto", type=_threshold,
                       help="bucket size in elements, or auto (default)")
   parser.add_argument("--backward-ms", type=float,
                       help="backward pass time; default: from --model's FLOPs on "
@@ -92,6 +92,21 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--batch-per-device", type=int, default=32,
                       help="samples per device per step (default 32)")
   return parser
+
+
+def _threshold(text: str) -> int | str:
+  """``--threshold``: ``auto``, or a whole number of elements of at least 1."""
+  if text == "auto":
+    return text
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a bucket size: give a whole number of elements of at "
+        "least 1, e.g. 1000000, or auto")
+  return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,11 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     _parser().error("--rank prices PowerSGD on a model's layer shapes over one data "
                     "axis: give a rank of at least 1 and --model, without "
                     "--devices-per-node")
-  threshold = args.threshold if args.threshold == "auto" else int(args.threshold)
   try:
     plan = plan_fusion(
         sizes, args.devices, args.density, names=names, network=network,
-        algorithm=args.algorithm, threshold=threshold, cluster=cluster,
+        algorithm=args.algorithm, threshold=args.threshold, cluster=cluster,
         **_backward(args))
   except ValueError as error:
     _parser().error(str(error))

@@ -10,7 +10,7 @@ to read it onto another number of devices (each array's fingerprint
 included, checked at restore). Once a step's save has completed, the
 manager seals it with the same SHA-256 manifest as :func:`topka2a_jax.save`
 (at the next save, :meth:`~CheckpointManager.wait_until_finished` or
-closing), so that :func:`topka2a_jax.integrity.verify` checks it and a
+closing), so that :func:`topka2a_jax.checkpoint.verify` checks it and a
 restore refuses a damaged step naming its file.
 
 When is plain Orbax enough? When every restart has the same mesh: then
@@ -152,7 +152,7 @@ class CheckpointManager:
           "latest step and go on from there, or save to another root")
 
   def step_directory(self, step: int) -> Path:
-    """The directory of ``step``, e.g. for :func:`topka2a_jax.integrity.verify`."""
+    """The directory of ``step``, e.g. for :func:`topka2a_jax.checkpoint.verify`."""
     return Path(self._manager.directory) / str(step)
 
   def _seal(self) -> None:
@@ -173,7 +173,7 @@ class CheckpointManager:
     Raises:
       FileNotFoundError: no complete step, or not ``step``.
       ValueError: a file of the step is missing, added or corrupted (naming
-        it, :func:`topka2a_jax.integrity.verify`), or Orbax cannot read
+        it, :func:`topka2a_jax.checkpoint.verify`), or Orbax cannot read
         it; another model or configuration; an array that reads back other
         bytes than were saved (naming it). Nothing is returned.
     """
@@ -255,7 +255,7 @@ def _naming(directory: Path, read: Callable[..., Any]) -> Callable[..., Any]:
       first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
       raise ValueError(
           f"{directory} cannot be read: {type(error).__name__}: {first}. A file "
-          "of the step is missing or damaged (topka2a_jax.integrity.verify names "
+          "of the step is missing or damaged (topka2a_jax.checkpoint.verify names "
           "it when the step has its manifest); restore another step or an intact "
           "copy. Nothing was loaded.") from error
 
