@@ -1,10 +1,14 @@
 """Dense warm-up: pmean for the first steps, then sparse, in one compiled step."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 import reference
 from cases import random_grads, residuals_of
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import topka2a_jax
 
@@ -75,3 +79,31 @@ def test_warmup_zero_is_sparse_from_the_first_step(mesh, exchange_steps):
 def test_bad_warmup_steps_are_refused(bad):
   with pytest.raises((TypeError, ValueError), match="warmup_steps"):
     topka2a_jax.topka2a(0.1, warmup_steps=bad)
+
+
+def test_after_the_counts_largest_value_the_warmup_does_not_come_back(mesh):
+  """A run past 2**31 applied steps stays sparse: ``count`` holds at its largest."""
+  tx = topka2a_jax.topka2a(0.1, algorithm="topka2a", min_size=0, fusion=1,
+                           warmup_steps=2)
+  grads = random_grads(66)
+  params = jax.tree.map(lambda g: jax.ShapeDtypeStruct(g.shape[1:], g.dtype), grads)
+  state = topka2a_jax.init(tx, params, mesh)
+  largest = np.iinfo(np.int32).max
+  state = state._replace(count=jax.device_put(jnp.int32(largest - 1), state.count.sharding))
+  specs = topka2a_jax.state_specs(state)
+
+  def step(grads, state):
+    updates, state = tx.update(jax.tree.map(lambda g: g[0], grads), state)
+    return jax.tree.map(lambda u: u[None], updates), state
+
+  run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("data"), specs),
+                              out_specs=(P("data"), specs)))
+  stacked = jax.device_put(grads, NamedSharding(mesh, P("data")))
+  counts = []
+  for _ in range(3):
+    updates, state = run(stacked, state)
+    counts.append(int(state.count))
+    dense = {k: g.mean(0) for k, g in grads.items()}
+    assert any(not np.allclose(np.asarray(updates[k])[0], dense[k], atol=1e-6)
+               for k in grads)  # sparse, not the warm-up's pmean
+  assert counts == [largest] * 3

@@ -57,7 +57,7 @@ from topka2a_jax._src.options import Options
 from topka2a_jax._src.planner import buckets
 from topka2a_jax._src.planner.cost import TWO_LEVEL
 from topka2a_jax._src.planner.fusion import step_model
-from topka2a_jax._src.transforms.nonfinite import applied_or_skipped, step_is_bad
+from topka2a_jax._src.transforms.nonfinite import applied_or_skipped, counted, step_is_bad
 
 
 def pack_bucket(leaves: Sequence[jax.Array], dtype: jnp.dtype) -> jax.Array:
@@ -342,7 +342,7 @@ def _applied(options: Options, grads: list, residuals: list,
   """The exchange, dense while ``count < warmup_steps``; one more applied step."""
   run = functools.partial(exchange_buckets, options)
   means, new = dense_while_warming_up(options, count, run, grads, residuals)
-  return means, new, count + 1
+  return means, new, optax.safe_increment(count)
 
 
 def _applied_or_held(options: Options, bad: jax.Array, grads: list, residuals: list,
@@ -360,7 +360,7 @@ def _applied_or_held(options: Options, bad: jax.Array, grads: list, residuals: l
   live = [jnp.where(bad, jnp.zeros_like(g), g) for g in grads]
   run = functools.partial(exchange_buckets, options, send=jnp.logical_not(bad))
   means, new = dense_while_warming_up(options, count, run, live, residuals)
-  return means, new, count + jnp.where(bad, 0, 1).astype(count.dtype)
+  return means, new, counted(count, jnp.logical_not(bad))
 
 
 def _skipped(options: Options, grads: list, residuals: list,
@@ -412,7 +412,7 @@ def step(options: Options, grads: list, residuals: list, count: jax.Array,
   if bad is None:
     return means, new, new_count, nonfinite_steps
   if not _may_overflow(options, grads):
-    return means, new, new_count, nonfinite_steps + bad.astype(jnp.int32)
+    return means, new, new_count, counted(nonfinite_steps, bad)
   # The means may overflow from finite inputs. They are identical on every
   # device, so every device decides alike.
   broke = jnp.zeros((), bool)
@@ -424,5 +424,5 @@ def step(options: Options, grads: list, residuals: list, count: jax.Array,
     broke = jax.lax.pmax(broke.astype(jnp.int32), shards) > 0
   keep = lambda old, made: jax.tree.map(lambda o, m: jnp.where(broke, o, m), old, made)
   means = [jnp.where(broke, jnp.zeros_like(m), m) for m in means]
-  skipped = (bad | broke).astype(jnp.int32)
-  return means, keep(residuals, new), keep(count, new_count), nonfinite_steps + skipped
+  return (means, keep(residuals, new), keep(count, new_count),
+          counted(nonfinite_steps, bad | broke))

@@ -98,7 +98,7 @@ def scale_by_frozen_rms(b1: float, b2: float = 0.999, eps: float = 1e-8, *,
   def update_fn(momenta: optax.Updates, state: FrozenRmsState,
                 params: optax.Params | None = None) -> tuple[Any, FrozenRmsState]:
     del params
-    count = state.count + 1
+    count = optax.safe_increment(state.count)
     learning = count <= freeze_after
 
     def moment(m, previous, nu):

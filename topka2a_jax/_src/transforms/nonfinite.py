@@ -108,6 +108,16 @@ def step_is_bad(decided: jax.Array | None, tree: Any, axis_name: Hashable,
   return decided
 
 
+def counted(count: jax.Array, happened: jax.Array) -> jax.Array:
+  """``count`` plus one where ``happened``, held at its largest value, never wrapped.
+
+  Example:
+    >>> int(counted(jnp.int32(2**31 - 1), jnp.bool_(True)))
+    2147483647
+  """
+  return jnp.where(happened, optax.safe_increment(count), count)
+
+
 def applied_or_skipped(bad: jax.Array | None, applied: Any, skipped: Any, *args: Any) -> Any:
   """``applied(*args)``, or ``skipped(*args)`` where ``bad``, chosen at run time.
 
@@ -178,7 +188,7 @@ def skip_nonfinite(
         jax.tree.map(lambda u: jnp.where(bad, jnp.zeros_like(u), u), new_updates),
         SkipNonFiniteState(
             jax.tree.map(keep, state.inner_state, new_inner),
-            state.nonfinite_steps + bad.astype(jnp.int32)),
+            counted(state.nonfinite_steps, bad)),
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

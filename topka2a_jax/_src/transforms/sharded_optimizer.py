@@ -385,7 +385,7 @@ def _step(opts: Options, inner: optax.GradientTransformation, treedef: Any,
     own_params = None if param_leaves is None else treedef.unflatten(
         [_own_shard(p, num_devices, opts.axis_name) for p in param_leaves])
     out, inner_state = inner.update(mean, inner_state, own_params)
-    return treedef.flatten_up_to(out), new, count + 1, inner_state
+    return treedef.flatten_up_to(out), new, optax.safe_increment(count), inner_state
 
   def skipped(grads, residuals, count, inner_state):
     zeros = [vary_like(_present(jnp.zeros(shard_length(g.size, num_devices), g.dtype),
