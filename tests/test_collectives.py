@@ -8,19 +8,22 @@ import reference
 from jax import lax
 from sharded import per_device
 
+import topka2a_jax
 from topka2a_jax._src.collectives import exchanges
 from topka2a_jax._src.collectives.algorithms import ALGORITHMS as ENTRIES
 from topka2a_jax._src.collectives.exchanges import COLLECTIVES
-from topka2a_jax._src.collectives.selection import SELECTION_NAMES
 
 ALGORITHMS = sorted(ENTRIES)
 SELECTING = sorted(name for name, entry in ENTRIES.items() if not entry.quantizes)
 """The exchanges of a density's selection; the quantizing ones are in test_onebit.py."""
 
 
-def test_every_algorithm_has_its_collective_and_every_selection_its_function():
+def test_every_algorithm_has_its_collective_and_the_transform_takes_every_selection():
   assert sorted(COLLECTIVES) == ALGORITHMS
-  assert tuple(exchanges.SELECTIONS) == SELECTION_NAMES
+  assert sorted(topka2a_jax.collectives.SELECTIONS) == ["approx", "auto", "exact",
+                                                         "threshold"]
+  for name in topka2a_jax.collectives.SELECTIONS:
+    topka2a_jax.topka2a(0.01, selection=name)
 LENGTHS = [1, 5, 8, 13, 64, 1001]
 DENSITIES = [0.01, 0.1, 0.3, 1.0]
 

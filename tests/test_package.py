@@ -1,9 +1,9 @@
 """The package's shape: a curated face over private code, shallow imports, one step core."""
 
 import ast
-import os
 import functools
 import importlib
+import os
 import pathlib
 import re
 import subprocess

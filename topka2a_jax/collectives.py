@@ -49,20 +49,20 @@ Example:
 
 from topka2a_jax._src.collectives import algorithms as _algorithms
 from topka2a_jax._src.collectives import exchanges as _exchanges
+from topka2a_jax._src.collectives import selection as _selection
 from topka2a_jax._src.collectives.algorithms import Algorithm
 from topka2a_jax._src.collectives.exchanges import (
   ExchangeResult,
   allgather,
-  auto_choice,
   dense,
   few_bit,
-  get_selection,
   onebit,
   topka2a,
   topka2a_sparse,
   two_level,
 )
 from topka2a_jax._src.collectives.low_rank import initial_factor, powersgd
+from topka2a_jax._src.collectives.selection import auto_choice, get_selection
 
 ALGORITHMS = _algorithms.ALGORITHMS
 """Every exchange of a flat buffer by the name ``topka2a(algorithm=...)`` takes:
@@ -72,7 +72,7 @@ COLLECTIVES = _exchanges.COLLECTIVES
 """The collective of every name in :data:`ALGORITHMS`: ``COLLECTIVES["topka2a"]``
 is :func:`topka2a`."""
 
-SELECTIONS = _exchanges.SELECTIONS
+SELECTIONS = _selection.SELECTIONS
 """The ways of choosing which entries to send, by the name ``selection=``
 takes: ``"exact"`` (``lax.top_k``), ``"threshold"`` (a magnitude bound found
 without a sort), ``"approx"`` (``lax.approx_max_k``) and ``"auto"`` (the

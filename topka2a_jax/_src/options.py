@@ -38,7 +38,7 @@ slow network, dense on a fast one)."""
 
 DEFAULT_SELECTION = "auto"
 """``topka2a(density)`` with no ``selection=``: the fastest for the backend
-(``exchanges.auto_magnitudes``)."""
+(:func:`topka2a_jax.collectives.auto_choice`)."""
 
 INNER_NETWORK = "nvlink"
 """The link inside a node that a pair of data axes assumes, unless ``network``

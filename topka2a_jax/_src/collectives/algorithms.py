@@ -134,9 +134,11 @@ class Algorithm:
     holds_back: whether owners hold back part of the summed selection (it
       waits in their residuals), so that the mean lacks some of what the
       devices selected.
-    quantizes: whether it sends every entry as a few-bit code rather than a
-      selection. ``"auto"`` never picks one: it trades what is sent, not
-      only time, against the top-k exchanges; it is named explicitly.
+    codes: for the exchanges that send every entry as a few-bit code
+      rather than a selection, ``(bits to the owners, bits back)``: their
+      collective is :func:`few_bit <topka2a_jax.collectives.few_bit>` with
+      those widths. None for the others, whose collective is the function
+      of their name.
   """
 
   name: str
@@ -150,7 +152,16 @@ class Algorithm:
   reads: Callable[[int, int], int]
   selects: Callable[[Counts], float]
   holds_back: bool = False
-  quantizes: bool = False
+  codes: tuple[int, int] | None = None
+
+  @property
+  def quantizes(self) -> bool:
+    """Whether it sends codes, not a selection; ``"auto"`` never picks one.
+
+    It trades what is sent, not only time, against the top-k exchanges, so
+    it is named explicitly.
+    """
+    return self.codes is not None
 
   def index_bytes(self, length: float, devices: int) -> int:
     """Bytes of one index on the wire, as the collective sends it."""
@@ -274,7 +285,7 @@ def _quantized(bits: int, gather_bits: int, *, name: str | None = None,
       # owner's sum of P shards and the final decoding; over the owner's
       # shard, its codes and their decoding.
       reads=lambda length, devices: 4 * length + 2 * ceil_div(length, devices),
-      selects=lambda c: 0, holds_back=True, quantizes=True)
+      selects=lambda c: 0, holds_back=True, codes=(bits, gather_bits))
 
 
 DENSE = Algorithm(

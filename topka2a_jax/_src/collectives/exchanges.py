@@ -66,18 +66,24 @@ import jax.numpy as jnp
 from jax import lax
 
 from topka2a_jax._src.axis import bound_axis_size
-from topka2a_jax._src.collectives import quantized
+from topka2a_jax._src.collectives import algorithms, quantized
 from topka2a_jax._src.collectives.received import top_of_received
 from topka2a_jax._src.collectives.selection import (
+  Selection,
   ShardLayout,
-  approx_magnitudes,
-  check_selection,
+  get_selection,
   sparse_count,
-  top_magnitudes,
 )
-from topka2a_jax._src.collectives.threshold import threshold_magnitudes
 from topka2a_jax._src.collectives.wire import WireFormat
 from topka2a_jax._src.sizes import ceil_div
+
+
+class Collective(Protocol):
+  """The signature every exchange shares."""
+
+  def __call__(self, buffer: jax.Array, axis_name: Hashable, density: float, *,
+               value_dtype: jnp.dtype | None = None, selection: str = "exact",
+               send: jax.Array | None = None) -> ExchangeResult: ...
 
 
 class ExchangeResult(NamedTuple):
@@ -111,52 +117,6 @@ class OwnedShard(NamedTuple):
   owned: jax.Array
   unsent: jax.Array
   received: jax.Array
-
-
-Selection = Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]
-
-
-def auto_choice() -> str:
-  """The selection ``"auto"`` runs on this backend; see :func:`auto_magnitudes`."""
-  return "approx" if jax.default_backend() == "tpu" else "threshold"
-
-
-def auto_magnitudes(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-  """The selection for this backend and row size: ``selection="auto"``.
-
-  * TPU: ``approx_max_k``, the one backend its documentation says it is
-    optimised for (unmeasured here: the repo has no TPU runs).
-  * Other backends: the threshold search (``selection="threshold"``). On
-    a CPU, ``benchmarks/selection.py`` measures it 2 to 22 times faster than
-    the exact sort on rows of 1M to 100M entries (5 to 22 from 25M up),
-    and ``approx_max_k`` no faster than the sort. On GPUs it is the choice
-    until ``benchmarks/gpu.py`` measures otherwise. Rows too short for it
-    to gain, and selections of more than a quarter of a row, sort
-    exactly (it falls back by itself).
-
-  Args:
-    rows: ``(R, n)`` floating array.
-    k: entries per row.
-
-  Returns:
-    ``(values, indices)`` as every selection returns them.
-  """
-  return SELECTIONS[auto_choice()](rows, k)
-
-
-SELECTIONS: dict[str, Selection] = {
-    "auto": auto_magnitudes,
-    "exact": top_magnitudes,
-    "threshold": threshold_magnitudes,
-    "approx": approx_magnitudes,
-}
-"""How the sparse collectives pick entries: ``(rows, k) -> (values, indices)``."""
-
-
-def get_selection(name: str) -> Selection:
-  """The selection called ``name``, or a ValueError listing the choices."""
-  check_selection(name)
-  return SELECTIONS[name]
 
 
 def _check_buffer(buffer: jax.Array) -> None:
@@ -227,7 +187,7 @@ def dense(
     return ExchangeResult(lax.pmean(buffer, axis_name), jnp.zeros_like(buffer))
   zeros = jnp.zeros_like(buffer)
   return ExchangeResult(lax.pmean(jnp.where(send, buffer, zeros), axis_name),
-                  jnp.where(send, zeros, buffer))
+                        jnp.where(send, zeros, buffer))
 
 
 def allgather(
@@ -247,7 +207,7 @@ def allgather(
     axis_name: the mesh axis to average over.
     density: fraction of entries to send, in (0, 1].
     value_dtype: dtype of the values on the wire; None sends them as they are.
-    selection: a key of :data:`SELECTIONS` (``"auto"``, ``"exact"``,
+    selection: a key of :data:`topka2a_jax.collectives.SELECTIONS` (``"auto"``, ``"exact"``,
       ``"threshold"`` or ``"approx"``).
     send: as in :func:`dense`: False sends nothing.
 
@@ -342,7 +302,7 @@ def topka2a(
     axis_name: the mesh axis to average over.
     density: fraction of entries to send, in (0, 1].
     value_dtype: dtype of the values on the wire; None sends them as they are.
-    selection: a key of :data:`SELECTIONS` (``"auto"``, ``"exact"``,
+    selection: a key of :data:`topka2a_jax.collectives.SELECTIONS` (``"auto"``, ``"exact"``,
       ``"threshold"`` or ``"approx"``).
     send: as in :func:`dense`: False sends nothing.
 
@@ -390,7 +350,7 @@ def topka2a_sparse(
     axis_name: the mesh axis to average over.
     density: fraction of entries to send, in (0, 1], in each phase.
     value_dtype: dtype of the values on the wire; None sends them as they are.
-    selection: a key of :data:`SELECTIONS` (``"auto"``, ``"exact"``,
+    selection: a key of :data:`topka2a_jax.collectives.SELECTIONS` (``"auto"``, ``"exact"``,
       ``"threshold"`` or ``"approx"``).
     send: as in :func:`dense`: False sends nothing.
 
@@ -551,15 +511,24 @@ def onebit(
                  chunk=chunk)
 
 
+_SELECTING: dict[str, Collective] = {
+    algorithms.DENSE.name: dense, algorithms.ALLGATHER.name: allgather,
+    algorithms.TOPKA2A.name: topka2a, algorithms.TOPKA2A_SPARSE.name: topka2a_sparse}
+"""The collectives that send a selection (or everything), by their registry names."""
+
+
+def _collective(entry: algorithms.Algorithm) -> Collective:
+  if entry.codes is None:
+    return _SELECTING[entry.name]
+  bits, gather_bits = entry.codes
+  return functools.partial(few_bit, bits=bits, gather_bits=gather_bits)
+
+
 COLLECTIVES: dict[str, Collective] = {
-    "dense": dense, "allgather": allgather, "topka2a": topka2a,
-    "topka2a_sparse": topka2a_sparse, "onebit": onebit,
-    "onebit_4": functools.partial(onebit, gather_bits=4),
-    "onebit_1": functools.partial(onebit, gather_bits=1),
-    **{f"quantized_{up}_{back}": functools.partial(few_bit, bits=up, gather_bits=back)
-       for up, back in ((4, 8), (4, 4), (2, 8), (8, 8), (8, 4))},
-}
-"""The collective of every exchange in :data:`topka2a_jax.collectives.ALGORITHMS`, by name."""
+    name: _collective(entry) for name, entry in algorithms.ALGORITHMS.items()}
+"""The collective of every exchange in :data:`topka2a_jax.collectives.ALGORITHMS`, by name.
+
+Read from the registry: a few-bit row is :func:`few_bit` at its widths."""
 
 
 def two_level(
@@ -593,7 +562,7 @@ def two_level(
     density: fraction of each slice sent over the outer axis, in (0, 1].
     value_dtype: dtype of the values on the outer wire; None sends them as
       they are.
-    selection: a key of :data:`SELECTIONS`.
+    selection: a key of :data:`topka2a_jax.collectives.SELECTIONS`.
     outer: the exchange over the outer axis: :func:`topka2a` (the default),
       :func:`topka2a_sparse`, :func:`allgather` or :func:`dense`.
     send: as in :func:`dense`, for the exchange between nodes: False makes
@@ -634,11 +603,3 @@ def two_level(
   mean = lax.all_gather(result.mean / per_node, inner_axis, tiled=True, to="invarying")
   unsent = result.unsent if limit is None else result.unsent + (node_sum - sent)
   return ExchangeResult(mean[:length], unsent)
-
-
-class Collective(Protocol):
-  """The signature every exchange shares."""
-
-  def __call__(self, buffer: jax.Array, axis_name: Hashable, density: float, *,
-               value_dtype: jnp.dtype | None = None, selection: str = "exact",
-               send: jax.Array | None = None) -> ExchangeResult: ...

@@ -1,4 +1,4 @@
-"""How many entries to send, and which: top-k by magnitude.
+"""How many entries to send, and which: top-k by magnitude, by the name ``selection=`` takes.
 
 The counts are static Python ints computed from static shapes, so every
 exchange has fixed shapes and compiles once.
@@ -8,6 +8,11 @@ exchange has fixed shapes and compiles once.
 * TopKA2A splits the buffer into ``P`` contiguous shards of
   ``ceil(n / P)`` elements and takes ``ceil(k / P)`` from each
   (:class:`ShardLayout`).
+
+One registry, :data:`SELECTIONS`, maps every name to ``(rows, k) ->
+(values, indices)``; ``"auto"`` is the one for the backend
+(:func:`auto_choice`), and the evidence page "Selection"
+(``benchmarks/selection.py``) has the measurements behind it.
 
 Example:
   >>> layout = ShardLayout.create(length=10, num_shards=4, density=0.5)
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -29,24 +35,6 @@ from jax import lax
 # a hair above it in floating point (0.07 * 100 = 7.000000000000001); this
 # relative slack keeps ceil() from counting one entry too many.
 _ROUNDING_SLACK = 1e-12
-
-
-SELECTION_NAMES = ("auto", "exact", "threshold", "approx")
-"""The names ``topka2a(selection=...)`` takes; each is a function of
-:data:`topka2a_jax.collectives.SELECTIONS`."""
-
-
-def check_selection(name: str) -> None:
-  """Raises a ValueError listing the choices unless ``name`` is a selection.
-
-  Example:
-    >>> check_selection("top")
-    Traceback (most recent call last):
-    ValueError: unknown selection 'top'; choose one of 'auto', 'exact', 'threshold', 'approx'
-  """
-  if name not in SELECTION_NAMES:
-    raise ValueError(f"unknown selection {name!r}; choose one of "
-                     f"{', '.join(repr(n) for n in SELECTION_NAMES)}")
 
 
 def check_density(density: Any) -> float:
@@ -168,3 +156,68 @@ def top_magnitudes(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   """
   _, indices = lax.top_k(jnp.abs(rows), k)
   return jnp.take_along_axis(rows, indices, axis=-1), indices
+
+
+Selection = Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]
+
+
+def _threshold_magnitudes(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """``selection="threshold"``: :func:`threshold.threshold_magnitudes`.
+
+  Imported on call: the threshold search falls back to this module's exact
+  sort, so it imports this module.
+  """
+  from topka2a_jax._src.collectives import threshold
+  return threshold.threshold_magnitudes(rows, k)
+
+
+def auto_choice() -> str:
+  """The selection ``"auto"`` runs on this backend.
+
+  ``approx_max_k`` on a TPU, the backend its documentation says it is made
+  for; the threshold search elsewhere, which falls back to the exact sort
+  by itself on rows too short for it to gain and for selections of more
+  than a quarter of a row.
+  """
+  return "approx" if jax.default_backend() == "tpu" else "threshold"
+
+
+def auto_magnitudes(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """``selection="auto"``: :data:`SELECTIONS` of :func:`auto_choice`.
+
+  Args:
+    rows: ``(R, n)`` floating array.
+    k: entries per row.
+
+  Returns:
+    ``(values, indices)`` as every selection returns them.
+  """
+  return SELECTIONS[auto_choice()](rows, k)
+
+
+SELECTIONS: dict[str, Selection] = {
+    "auto": auto_magnitudes,
+    "exact": top_magnitudes,
+    "threshold": _threshold_magnitudes,
+    "approx": approx_magnitudes,
+}
+"""How the sparse collectives pick entries: ``(rows, k) -> (values, indices)``."""
+
+
+def check_selection(name: str) -> None:
+  """Raises a ValueError listing the choices unless ``name`` is a selection.
+
+  Example:
+    >>> check_selection("top")
+    Traceback (most recent call last):
+    ValueError: unknown selection 'top'; choose one of 'auto', 'exact', 'threshold', 'approx'
+  """
+  if name not in SELECTIONS:
+    raise ValueError(f"unknown selection {name!r}; choose one of "
+                     f"{', '.join(repr(n) for n in SELECTIONS)}")
+
+
+def get_selection(name: str) -> Selection:
+  """The selection called ``name``, or a ValueError listing the choices."""
+  check_selection(name)
+  return SELECTIONS[name]

@@ -42,7 +42,7 @@ from topka2a_jax._src.axis import DataAxis
 from topka2a_jax._src.planner import compute
 from topka2a_jax._src.training import placement, watchdog
 from topka2a_jax._src.transforms.clipping import warn_if_clipped_before_exchange
-from topka2a_jax._src.transforms.exchange_state import BACKWARD_SECONDS, PARAM_SPECS
+from topka2a_jax._src.transforms.extra_args import BACKWARD_SECONDS, PARAM_SPECS
 from topka2a_jax._src.transforms.leaves import leaves_of
 
 LossFn = Callable[..., Any]

@@ -57,7 +57,11 @@ from topka2a_jax._src.options import Options
 from topka2a_jax._src.planner import buckets
 from topka2a_jax._src.planner.cost import TWO_LEVEL
 from topka2a_jax._src.planner.fusion import step_model
-from topka2a_jax._src.transforms.nonfinite import applied_or_skipped, counted, step_is_bad
+from topka2a_jax._src.transforms.nonfinite import (
+  applied_or_skipped,
+  counted,
+  step_is_bad,
+)
 
 
 def pack_bucket(leaves: Sequence[jax.Array], dtype: jnp.dtype) -> jax.Array:

@@ -33,6 +33,11 @@ from topka2a_jax._src.collectives import low_rank
 from topka2a_jax._src.options import Options
 from topka2a_jax._src.states import TopKA2AState
 from topka2a_jax._src.transforms import error_feedback
+from topka2a_jax._src.transforms.extra_args import (
+  BACKWARD_SECONDS,
+  NONFINITE,
+  PARAM_SPECS,
+)
 from topka2a_jax._src.transforms.leaves import (
   check_floating,
   check_per_device,
@@ -41,21 +46,6 @@ from topka2a_jax._src.transforms.leaves import (
   local_shapes,
   shard_specs,
 )
-from topka2a_jax._src.transforms.nonfinite import NONFINITE
-
-PARAM_SPECS = "topka2a_param_specs"
-"""Extra argument of the update: the parameters' ``PartitionSpec`` pytree.
-
-:func:`topka2a_jax.train_step` passes it where the partitioner lays the
-parameters out over other mesh axes and their types do not say how."""
-
-
-BACKWARD_SECONDS = "topka2a_backward_seconds"
-"""Extra argument of the update: the backward pass's estimated duration.
-
-:func:`topka2a_jax.train_step` passes it, from XLA's cost analysis of the
-compiled gradient (``_src/planner/compute.py``); an explicit
-``backward_seconds=`` option wins over it."""
 
 
 def holds_exchange(state: Any) -> bool:

@@ -11,7 +11,7 @@ were without a branch (``_src/transforms/error_feedback.py``). Optimizers, whose
 state would move on zero updates, are switched by :func:`applied_or_skipped`.
 :func:`skip_nonfinite` wraps a whole optax chain, so that a stateful optimizer
 after it (momentum, Adam) skips the step too; it hands its decision to the
-chain as the extra argument :data:`NONFINITE`, so a ``topka2a`` inside takes
+chain as the extra argument :data:`extra_args.NONFINITE`, so a ``topka2a`` inside takes
 it instead of checking again.
 
 Example:
@@ -40,11 +40,7 @@ from topka2a_jax._src.axis import (
   tracks_varying_axes,
   varying_axes,
 )
-
-NONFINITE = "topka2a_nonfinite_step"
-"""Extra argument of the update: the decision taken once, for inner transforms
-(prefixed like the other extra arguments the library passes, so that no
-user transform's own argument of that name is taken for it)."""
+from topka2a_jax._src.transforms.extra_args import NONFINITE
 
 
 def _holds_nonfinite(leaf: jax.Array) -> jax.Array:
@@ -94,7 +90,7 @@ def step_is_bad(decided: jax.Array | None, tree: Any, axis_name: Hashable,
   """Whether this step is skipped: the decision given, else this transform's own.
 
   Args:
-    decided: :func:`skip_nonfinite`'s decision, handed down as :data:`NONFINITE`,
+    decided: :func:`skip_nonfinite`'s decision, handed down as :data:`extra_args.NONFINITE`,
       or None.
     tree: this device's gradients.
     axis_name: the data axis.

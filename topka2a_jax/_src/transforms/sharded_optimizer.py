@@ -59,6 +59,7 @@ from topka2a_jax._src.axis import (
 )
 from topka2a_jax._src.collectives import exchanges
 from topka2a_jax._src.collectives.algorithms import AUTO, DENSE, TOPKA2A
+from topka2a_jax._src.collectives.selection import get_selection
 from topka2a_jax._src.options import DEFAULT_MIN_SIZE, DEFAULT_SELECTION, Options
 from topka2a_jax._src.planner.cost import AUTO_NETWORK
 from topka2a_jax._src.planner.fusion import step_model
@@ -67,12 +68,12 @@ from topka2a_jax._src.states import ShardedOptimizerState, TopKA2AState
 from topka2a_jax._src.transforms import error_feedback
 from topka2a_jax._src.transforms.clipping import transform_names
 from topka2a_jax._src.transforms.exchange_state import (
-  PARAM_SPECS,
   holds_exchange,
   init_state,
   layout_mesh,
   matching_residuals,
 )
+from topka2a_jax._src.transforms.extra_args import NONFINITE, PARAM_SPECS
 from topka2a_jax._src.transforms.leaves import (
   check_per_device,
   given_specs,
@@ -80,7 +81,6 @@ from topka2a_jax._src.transforms.leaves import (
   shard_specs,
 )
 from topka2a_jax._src.transforms.nonfinite import (
-  NONFINITE,
   applied_or_skipped,
   step_is_bad,
 )
@@ -354,7 +354,7 @@ def owner_phase(opts: Options, grads: Sequence[jax.Array], residuals: Sequence[A
     if sparse and _sparse(opts, grad.size, num_devices):
       first_phase = exchanges.to_owners(
           acc, opts.axis_name, opts.density, opts.value_dtype,
-          exchanges.get_selection(opts.selection))
+          get_selection(opts.selection))
       shards[i] = first_phase.owned / num_devices
       if opts.keeps_residual(grad.size):
         new[i] = first_phase.unsent.reshape(-1)[: grad.size].reshape(residuals[i].shape)

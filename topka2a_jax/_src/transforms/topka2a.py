@@ -139,7 +139,7 @@ def topka2a(
       in the residual. None sends float32. Indices always travel in the
       narrowest unsigned type that fits (uint16 for shards of up to 65,536).
     selection: ``"auto"`` (the default: the fastest for the backend,
-      ``exchanges.auto_magnitudes``), ``"exact"`` top-k (a
+      :func:`topka2a_jax.collectives.auto_choice`), ``"exact"`` top-k (a
       sort), ``"threshold"`` (a magnitude threshold found in a few passes,
       many times faster on large buckets; where it may keep less than 99%
       of exact top-k's magnitude mass, or miss a nonzero entry over a

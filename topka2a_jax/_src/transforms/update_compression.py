@@ -81,9 +81,9 @@ from topka2a_jax._src.transforms.exchange_state import (
   layout_mesh,
   update_state,
 )
+from topka2a_jax._src.transforms.extra_args import NONFINITE
 from topka2a_jax._src.transforms.leaves import check_per_device, leaves_of
 from topka2a_jax._src.transforms.nonfinite import (
-  NONFINITE,
   applied_or_skipped,
   nonfinite_on_any_device,
 )

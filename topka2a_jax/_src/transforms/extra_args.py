@@ -1,0 +1,32 @@
+"""The keys the library passes through optax's extra arguments, in one place.
+
+optax hands every ``GradientTransformationExtraArgs`` in a chain the keyword
+arguments of ``update(updates, state, params, **extra_args)``. The training
+steps and :func:`topka2a_jax.skip_nonfinite` pass these; each has a default
+when absent, since a hand-written ``shard_map`` step passes none. They are
+prefixed so that no user transform's own argument is taken for one.
+
+Example:
+  >>> tx = topka2a_jax.topka2a(0.01)
+  >>> extra = {PARAM_SPECS: None, BACKWARD_SECONDS: 0.05}  # as train_step passes them
+  >>> sorted(extra)
+  ['topka2a_backward_seconds', 'topka2a_param_specs']
+"""
+
+PARAM_SPECS = "topka2a_param_specs"
+"""The parameters' ``PartitionSpec`` pytree, read by the exchange's update.
+
+:func:`topka2a_jax.train_step` passes it where the partitioner lays the
+parameters out over other mesh axes and their types do not say how."""
+
+BACKWARD_SECONDS = "topka2a_backward_seconds"
+"""The backward pass's estimated duration, read by the planner.
+
+:func:`topka2a_jax.train_step` passes it, from XLA's cost analysis of the
+compiled gradient (``_src/planner/compute.py``); an explicit
+``backward_seconds=`` option wins over it."""
+
+NONFINITE = "topka2a_nonfinite_step"
+"""Whether some device's gradient is non-finite, decided once by
+:func:`topka2a_jax.skip_nonfinite` (or :func:`topka2a_jax.compress_updates`)
+for the transforms inside, which then do not decide again."""
