@@ -1,8 +1,8 @@
 """Gradient exchanges on a real, bandwidth-limited link, against the cost model.
 
 Makes a network namespace whose loopback is shaped with ``tc`` (a token
-bucket at a rate, default 1 Gbit/s, and optionally netem's added delay), starts P processes inside it
-with ``topka2a-launch`` (one CPU device each, gloo collectives
+bucket at a rate, default 1 Gbit/s, and optionally netem's added delay), starts P processes
+inside it with ``topka2a-launch`` (one CPU device each, gloo collectives
 over TCP), and times one gradient exchange per algorithm, size and density:
 the median of repeated runs after a warm-up, each run started together on
 every process. All the traffic of the P processes crosses the one shaped

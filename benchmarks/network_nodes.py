@@ -13,8 +13,8 @@ of ``--size`` elements per device three ways: flat over all N x L devices
 as over one data axis (``one axis``); flat as the transform runs it over the
 pair (``flat``: then its unsent reduce-scattered inside each node onto the
 slice every device keeps); and by :func:`topka2a_jax.collectives.two_level`
-(dense inside each node, sparse between nodes). It counts the bytes each node's card sent (its interface
-counters). Beside each row: :func:`topka2a_jax.cost.cluster_cost`'s bytes and
+(dense inside each node, sparse between nodes). It counts the bytes each node's card sent (its
+interface counters). Beside each row: :func:`topka2a_jax.cost.cluster_cost`'s bytes and
 seconds, with each link's α and bandwidth fitted from two all-reduces over
 its axis alone (a reduce-scatter then an all-gather, the collectives
 ``two_level`` runs inside a node) and the selection's cost fitted over the

@@ -9,8 +9,8 @@ Python versions; the table records the version.) Data-parallel over 8
 emulated CPU devices, from the same seed: dense ``lax.pmean``, TopKA2A at 1%
 and 5% density, TopKA2A without error feedback, the TopkA allgather
 baseline, and Adam's updates compressed at 1% with the defaults
-(:func:`topka2a_jax.compress_updates`). Prints final validation loss (nats per byte), bytes per step and
-time; writes a PNG of validation and training loss against step, and JSON.
+(:func:`topka2a_jax.compress_updates`). Prints final validation loss (nats per byte), bytes per
+step and time; writes a PNG of validation and training loss against step, and JSON.
 
 Run:
   python examples/train_charlm.py [--steps 600] [--seeds 0] [--quick]

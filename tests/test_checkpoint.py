@@ -436,6 +436,28 @@ def test_the_manager_keeps_the_last_steps_and_restores_onto_fewer_devices(tmp_pa
                               jax.tree.map(np.asarray, state["params"]))
 
 
+def test_the_manager_takes_orbaxs_policies_and_skips_the_steps_they_skip(tmp_path, mesh):
+  import orbax.checkpoint as ocp
+
+  state = resumable.fresh(mesh)
+  options = ocp.CheckpointManagerOptions(save_interval_steps=2, max_to_keep=2)
+  with topka2a_jax.CheckpointManager(tmp_path, mesh, options=options) as manager:
+    saved = [manager.save(step, state) for step in range(6)]
+    manager.wait_until_finished()
+    assert saved == [True, False, True, False, True, False]
+    assert manager.all_steps() == [2, 4]
+    restored = manager.restore(resumable.fresh(mesh))
+  for step in (2, 4):  # every kept step is sealed and verifies
+    topka2a_jax.checkpoint.verify(tmp_path / str(step))
+  chex.assert_trees_all_equal(jax.tree.map(np.asarray, restored["params"]),
+                              jax.tree.map(np.asarray, state["params"]))
+  with pytest.raises(ValueError, match="max_to_keep=3 and options.max_to_keep=2 both"):
+    topka2a_jax.CheckpointManager(tmp_path / "other", mesh, max_to_keep=3,
+                                  options=options)
+  with pytest.raises(TypeError, match="CheckpointManagerOptions, got dict"):
+    topka2a_jax.CheckpointManager(tmp_path / "other", mesh, options={"max_to_keep": 2})
+
+
 def test_the_manager_never_lists_a_partial_step(tmp_path, mesh):
   state = resumable.fresh(mesh)
   with topka2a_jax.CheckpointManager(tmp_path, mesh, async_save=False) as manager:

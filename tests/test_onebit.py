@@ -1,4 +1,4 @@
-"""The one-bit and few-bit exchanges against their float64 NumPy model, their packing, and their bytes."""
+"""The one-bit and few-bit exchanges against their float64 NumPy model: packing and bytes."""
 
 import jax
 import jax.numpy as jnp

@@ -12,8 +12,8 @@ Read it top-down, in four parts and a few shared records:
   a stalled one ended).
 * ``transforms/``: the optax transforms. ``topka2a.py`` (the transform),
   ``exchange_state.py`` (its state made and updated, shared by every
-  transform), ``leaves.py`` (pytrees taken apart), ``error_feedback.py`` (one device's step: residuals, buckets, one
-  collective per bucket, the warm-up and non-finite switches),
+  transform), ``leaves.py`` (pytrees taken apart), ``error_feedback.py`` (one device's step:
+  residuals, buckets, one collective per bucket, the warm-up and non-finite switches),
   ``update_compression.py``, ``frozen_variance.py``,
   ``sharded_optimizer.py``, ``nonfinite.py``, ``clipping.py``.
 * ``planner/``: which exchange each bucket takes. ``cost.py`` (α-β costs),

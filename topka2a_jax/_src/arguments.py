@@ -35,7 +35,8 @@ def checked_optimizer(name: str, value: Any) -> Any:
   Example:
     >>> checked_optimizer("inner", optax.adam)
     Traceback (most recent call last):
-    TypeError: inner must be an optax.GradientTransformation, got the function adam itself: call it, e.g. optax.adam(1e-3)
+    TypeError: inner must be an optax.GradientTransformation, got the function adam itself: call
+    it, e.g. optax.adam(1e-3)
   """
   if callable(getattr(value, "init", None)) and callable(getattr(value, "update", None)):
     return value

@@ -1,8 +1,8 @@
 """Every exchange the library implements, and everything it knows about each.
 
 One :class:`Algorithm` per exchange: the name ``topka2a(algorithm=...)``
-takes (its collective is :data:`.collectives.COLLECTIVES` of that name), where the entries it does not
-send wait, and its cost terms, from which the cost model, the planner, the
+takes (its collective is :data:`.collectives.COLLECTIVES` of that name), where the entries it
+does not send wait, and its cost terms, from which the cost model, the planner, the
 command-line planner and the benchmarks all read. Adding an exchange is one
 entry here plus its collective and tests.
 

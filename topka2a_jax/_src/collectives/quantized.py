@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from topka2a_jax._src.sizes import ceil_div, round_up
+
 CHUNK = 4096
 """Entries that share one scale, at most: 4 bytes of scale per 4,096 codes
 (0.8% of a 1-bit message)."""
@@ -47,7 +49,7 @@ WORD = 32
 
 def padded_length(length: int) -> int:
   """``length`` rounded up to whole words of any code width: a multiple of 32."""
-  return -(-length // WORD) * WORD
+  return round_up(length, WORD)
 
 
 class Layout(NamedTuple):
@@ -79,8 +81,8 @@ def layout(length: int, chunk: int = CHUNK) -> Layout:
   if chunk < WORD or chunk % WORD:
     raise ValueError(f"chunk must be a positive multiple of {WORD}, got {chunk!r}")
   length = max(int(length), 1)
-  count = -(-length // chunk)
-  return Layout(count, padded_length(-(-length // count)))
+  count = ceil_div(length, chunk)
+  return Layout(count, padded_length(ceil_div(length, count)))
 
 
 def wire_bytes(length: int, bits: int, chunk: int = CHUNK) -> int:

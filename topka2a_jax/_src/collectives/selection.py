@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from topka2a_jax._src.sizes import ceil_div
+
 # A density times a length that is an integer in exact arithmetic may come out
 # a hair above it in floating point (0.07 * 100 = 7.000000000000001); this
 # relative slack keeps ceil() from counting one entry too many.
@@ -43,7 +45,8 @@ def check_density(density: Any) -> float:
   Example:
     >>> check_density(-0.1)
     Traceback (most recent call last):
-    ValueError: density must be a number in (0, 1], the fraction of gradient entries each device sends; got -0.1. For example density=0.01 sends 1%.
+    ValueError: density must be a number in (0, 1], the fraction of gradient entries each device
+    sends; got -0.1. For example density=0.01 sends 1%.
   """
   if (not isinstance(density, numbers.Real) or isinstance(density, bool)
       or not math.isfinite(density) or not 0.0 < density <= 1.0):
@@ -104,8 +107,8 @@ class ShardLayout(NamedTuple):
     Returns:
       The layout.
     """
-    shard_length = -(-length // num_shards)
-    per_shard = -(-sparse_count(length, density) // num_shards)
+    shard_length = ceil_div(length, num_shards)
+    per_shard = ceil_div(sparse_count(length, density), num_shards)
     # ceil(ceil(d*n)/P) <= ceil(n/P) for d <= 1, so shards always hold enough.
     return cls(length, num_shards, shard_length, per_shard)
 

@@ -74,6 +74,9 @@ LAYOUT_FILE = "topka2a_layout.json"
 """Written beside Orbax's files: devices, axis, pytree structure, shapes, and
 each leaf's fingerprint (``integrity.fingerprint``)."""
 
+LAYOUT_VERSION = 2
+"""The layout description's format: devices, axis, structure, and every leaf's
+path, shape, dtype, per-device kind and fingerprint."""
 
 
 def _per_device(state: Any) -> list[str | bool]:
@@ -105,17 +108,13 @@ def _pieces(leaf: Any, axis: DataAxis) -> int:
                    if a is not None and a not in axis.names)
 
 
-LAYOUT_VERSION = 2
-"""The layout description's format: 2 since it always holds fingerprints."""
-
-
 def describe(state: Any, mesh: Mesh, axis_name: Hashable | DataAxis = "data"
              ) -> dict[str, Any]:
   """What :func:`restore` needs to read ``state`` onto another mesh, as JSON.
 
   The devices along the data axis, the pytree's structure, every leaf's
   path, shape, dtype and layout (per device or replicated), and every
-  leaf's :func:`fingerprint`.
+  leaf's :func:`integrity.fingerprint`.
   """
   layout = _layout(state, mesh, DataAxis.parse(axis_name))
   layout["fingerprints"] = leaf_fingerprints(jax.tree.leaves(state))
@@ -154,7 +153,7 @@ def save(directory: str | Path, state: Any, mesh: Mesh,
          axis_name: Hashable = "data") -> None:
   """Writes the whole training state, every device's residuals included.
 
-  Each leaf's :func:`fingerprint` goes into the layout description, and a
+  Each leaf's :func:`integrity.fingerprint` goes into the layout description, and a
   manifest of every file's SHA-256 is written last, so :func:`restore`
   refuses a corrupted or partial copy. A save that fails removes what it
   wrote, so that it can be retried into the same directory.

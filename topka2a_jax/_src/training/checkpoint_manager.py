@@ -35,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Callable, Hashable, Sequence
@@ -56,6 +57,35 @@ STATE, LAYOUT = "state", "layout"
 layout description (JSON)."""
 
 
+def _merged(options: Any, *, max_to_keep: int | None, async_save: bool) -> Any:
+  """Orbax's manager options: the user's, with this manager's settings and clean-up.
+
+  Raises:
+    TypeError: ``options`` is not an ``ocp.CheckpointManagerOptions``.
+    ValueError: a setting given both here and in ``options``.
+  """
+  import orbax.checkpoint as ocp
+
+  if options is None:
+    return ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
+        cleanup_tmp_directories=True)
+  if not isinstance(options, ocp.CheckpointManagerOptions):
+    raise TypeError(f"options must be an orbax.checkpoint.CheckpointManagerOptions, "
+                    f"got {type(options).__name__}")
+  default = ocp.CheckpointManagerOptions()
+  for name, value, field in (("max_to_keep", max_to_keep, "max_to_keep"),
+                             ("async_save", async_save, "enable_async_checkpointing")):
+    ours = {"max_to_keep": None, "async_save": True}[name]
+    if value != ours and getattr(options, field) != getattr(default, field):
+      raise ValueError(f"{name}={value!r} and options.{field}="
+                       f"{getattr(options, field)!r} both set it; give it once")
+  return dataclasses.replace(
+      options, cleanup_tmp_directories=True,
+      max_to_keep=max_to_keep if max_to_keep is not None else options.max_to_keep,
+      enable_async_checkpointing=async_save and options.enable_async_checkpointing)
+
+
 class CheckpointManager:
   """Saves the training state every step asked, keeps the last few, restores anywhere.
 
@@ -66,6 +96,11 @@ class CheckpointManager:
     max_to_keep: how many of the latest steps to keep (None: all).
     async_save: write in the background (Orbax's asynchronous checkpointing);
       :meth:`wait_until_finished` or closing waits for it.
+    options: Orbax's ``ocp.CheckpointManagerOptions``, for its policies
+      (``save_interval_steps``, ``keep_period``, ``preservation_policy``, ...);
+      give ``max_to_keep`` and asynchronous saving either there or as the
+      arguments above, not both. A step its policy skips is not saved:
+      :meth:`save` returns False.
 
   Example:
     >>> manager = CheckpointManager("/ckpt", mesh, max_to_keep=3)  # doctest: +SKIP
@@ -75,7 +110,7 @@ class CheckpointManager:
 
   def __init__(self, directory: str | Path, mesh: Mesh, *,
                axis_name: Hashable = "data", max_to_keep: int | None = None,
-               async_save: bool = True):
+               async_save: bool = True, options: Any = None):
     import orbax.checkpoint as ocp
 
     self._mesh, self._axis = mesh, DataAxis.parse(axis_name)
@@ -92,15 +127,14 @@ class CheckpointManager:
     self._unsealed: list[int] = []  # steps saved here whose manifest is unwritten
     self._manager = ocp.CheckpointManager(
         directory, item_names=(STATE, LAYOUT),
-        options=ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
-            cleanup_tmp_directories=True))
+        options=_merged(options, max_to_keep=max_to_keep, async_save=async_save))
 
   def save(self, step: int, state: Any) -> bool:
     """Saves ``state`` as ``step`` (in the background with ``async_save``).
 
     Returns:
-      True: the step is saved (or being saved, with ``async_save``).
+      True: the step is saved (or being saved, with ``async_save``); False:
+      the policy of ``options=`` skips this step, and nothing was written.
 
     Raises:
       ValueError: ``step`` is not a non-negative int (a fresh manager lists
@@ -126,6 +160,8 @@ class CheckpointManager:
       raise PermissionError(f"cannot write to {root} (a read-only file system, or "
                             "no permission); nothing was written. Save to a "
                             "writable root.")
+    if not self._manager.should_save(step):  # Orbax's policy (options=) skips it
+      return False
     saved = self._manager.save(step, args=ocp.args.Composite(**{
         STATE: ocp.args.StandardSave(checkpoint.stored_tree(state)),
         LAYOUT: ocp.args.JsonSave(layout)}))

@@ -16,7 +16,8 @@ Example:
   >>> _ = (directory / "state.bin").write_bytes(b"0124")
   >>> verify(directory)
   Traceback (most recent call last):
-  ValueError: checkpoint file .../state.bin is corrupted: its SHA-256 differs from the one saved. Restore an intact copy; nothing was loaded.
+  ValueError: checkpoint file .../state.bin is corrupted: its SHA-256 differs from the one
+  saved. Restore an intact copy; nothing was loaded.
 """
 
 from __future__ import annotations
@@ -158,7 +159,8 @@ def verify(directory: str | Path) -> None:
     ...   _ = f.write(b"X")
     >>> verify(directory)
     Traceback (most recent call last):
-    ValueError: checkpoint file .../topka2a_layout.json is corrupted: its SHA-256 differs from the one saved. Restore an intact copy; nothing was loaded.
+    ValueError: checkpoint file .../topka2a_layout.json is corrupted: its SHA-256 differs from
+    the one saved. Restore an intact copy; nothing was loaded.
   """
   directory = Path(directory).absolute()
   found = listed_files(directory)  # first: no link is followed, the manifest's included

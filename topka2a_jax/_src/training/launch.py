@@ -36,6 +36,9 @@ FAILURE_GRACE_SECONDS = 1.0
 """How long the others get when a process failed: their collectives wait for
 it, so there is nothing left for them to finish."""
 
+PR_SET_PDEATHSIG = 1
+"""``prctl``'s option: the signal a process gets when its parent dies."""
+
 
 def free_port() -> int:
   """A TCP port on loopback that nothing listens on right now."""
@@ -105,10 +108,6 @@ def _dies_with(parent: int):
   return set_up
 
 
-PR_SET_PDEATHSIG = 1
-"""``prctl``'s option: the signal a process gets when its parent dies."""
-
-
 def launch(command: Sequence[str], num_processes: int, devices_per_process: int, *,
            prefixes: Sequence[Sequence[str]] | None = None,
            host: str = "127.0.0.1") -> int:
@@ -175,7 +174,7 @@ def launch(command: Sequence[str], num_processes: int, devices_per_process: int,
     for number, handler in previous.items():
       signal.signal(number, handler)
   if failed_rank is not None:
-    others = sum(1 for rank in range(len(processes)) if rank != failed_rank)
+    others = len(processes) - 1
     why = (" (a step waited past the stall timeout: its message names the "
            "process that stopped)" if status == STALLED_STATUS else "")
     print(f"launch: process {failed_rank} of {len(processes)} failed "

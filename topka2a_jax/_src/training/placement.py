@@ -93,7 +93,8 @@ def check_chain(opt_state: Any, *, require_exchange: bool = False) -> None:
     >>> late = optax.chain(optax.adam(1e-3), topka2a_jax.topka2a(0.01, mesh=mesh))
     >>> check_chain(late.init({"w": jnp.zeros(4)}))
     Traceback (most recent call last):
-    ValueError: the optimizer keeps per-parameter state (ScaleByAdamState, at [0][0].mu['w']) before the topka2a exchange ...
+    ValueError: the optimizer keeps per-parameter state (ScaleByAdamState, at [0][0].mu['w'])
+    before the topka2a exchange ...
   """
   fix = ("Put the exchange first: optax.chain(topka2a_jax.topka2a(...), "
          "<the other transforms>); or, to exchange the optimizer's updates "

@@ -59,7 +59,8 @@ def check_batch(batch: Any, num_devices: int, micro_batches: int,
     >>> check_batch({"x": jnp.zeros((64, 3))}, 8, 4, "data")  # 64 = 8 * 4 * 2
     >>> check_batch({"x": jnp.zeros((60, 3))}, 8, 1, "data")
     Traceback (most recent call last):
-    ValueError: batch leaf ['x'] has leading axis 60, which does not split evenly over 8 devices of 'data': it needs a multiple of 8. Drop or pad the remainder of the batch.
+    ValueError: batch leaf ['x'] has leading axis 60, which does not split evenly over 8 devices
+    of 'data': it needs a multiple of 8. Drop or pad the remainder of the batch.
   """
   parts = num_devices * micro_batches
   for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
@@ -86,7 +87,8 @@ def check_step_options(mesh: Mesh, axis_name: Hashable, micro_batches: int) -> D
   Example:
     >>> check_step_options(jax.make_mesh((8,), ("data",)), "batch", 1)
     Traceback (most recent call last):
-    ValueError: mesh has no axis 'batch'; its axes are ('data',). Pass the data-parallel axis with axis_name=...
+    ValueError: mesh has no axis 'batch'; its axes are ('data',). Pass the data-parallel axis
+    with axis_name=...
   """
   checked_count("micro_batches", micro_batches, 1)
   axis = DataAxis.parse(axis_name)
@@ -108,7 +110,9 @@ def check_inputs(checked: set[Any], opt_state: Any, batch: Any, mesh: Mesh,
     >>> mesh = jax.make_mesh((1,), ("data",))
     >>> check_inputs(set(), (), {"x": jnp.zeros((4, 3))}, mesh, DataAxis("data"), 2)
     Traceback (most recent call last):
-    ValueError: the optimizer holds no topka2a exchange, so nothing would average the gradients across devices. Chain one first: optax.chain(topka2a_jax.topka2a(density), ...) (algorithm='dense' for a dense baseline).
+    ValueError: the optimizer holds no topka2a exchange, so nothing would average the gradients
+    across devices. Chain one first: optax.chain(topka2a_jax.topka2a(density), ...)
+    (algorithm='dense' for a dense baseline).
   """
   structure = jax.tree.structure(opt_state)
   if structure not in checked:
@@ -203,10 +207,10 @@ def resolve_param_specs(params: Any, mesh: Mesh, axis: DataAxis,
   paths, leaves, treedef = tree.paths, tree.values, tree.structure
   given_leaves = ([None] * len(leaves) if given is None
                   else treedef.flatten_up_to(given))
-  others = {n: s for n, s in mesh.shape.items() if n not in axis.names}
+  others = layout.automatic_axes(mesh, axis)
   specs = []
-  for path, leaf, spec in zip(paths, leaves, given_leaves):
-    spec = spec if spec is not None else layout.param_spec_of(leaf, mesh)
+  for path, leaf, given_spec in zip(paths, leaves, given_leaves):
+    spec = given_spec if given_spec is not None else layout.param_spec_of(leaf, mesh)
     layout.check_not_over_data(spec, axis, path)
     specs.append(None if spec is None else layout.restrict_spec(spec, leaf.shape,
                                                                 others))
@@ -266,7 +270,7 @@ class DataParallelStep:
     self._mesh, self._axis = mesh, axis
     self._has_aux, self._micro_batches = has_aux, micro_batches
     self._checked: set[Any] = set()  # state structures whose chain was checked
-    self._warned: set[int] = set()  # ids of the transforms checked for clipping
+    self._warned: list[Any] = []  # the transforms checked for clipping, held
     self._backward: dict[Any, float] = {}
     # What the exchanges can hide behind: nothing where collectives run in line.
     self._overlaps = compute.device_of(mesh.devices.flat[0]).overlaps
@@ -319,8 +323,8 @@ class DataParallelStep:
     """The jitted step's inputs, checked and (when concrete) placed, and its static args."""
     check_inputs(self._checked, opt_state, batch, self._mesh, self._axis,
                  self._micro_batches)
-    if id(tx) not in self._warned:
-      self._warned.add(id(tx))
+    if not any(seen is tx for seen in self._warned):
+      self._warned.append(tx)
       warn_if_clipped_before_exchange(tx, stacklevel=4)
     specs = resolve_param_specs(params, self._mesh, self._axis, given_specs)
     specs = tuple(P() if s is None else s for s in specs)  # unknown: whole
@@ -373,7 +377,7 @@ class TrainStep(DataParallelStep):
     super().__init__(mesh, axis=axis, has_aux=has_aux,
                      micro_batches=micro_batches, donate=donate)
     warn_if_clipped_before_exchange(tx, stacklevel=3)
-    self._warned.add(id(tx))
+    self._warned.append(tx)
     self._loss_fn, self._tx, self._param_specs = loss_fn, tx, param_specs
 
   def _value_and_grad(self, params, carry, batch, key):

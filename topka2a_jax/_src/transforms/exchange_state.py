@@ -354,10 +354,10 @@ def _checked_residuals(options: Options, treedef: Any, state: TopKA2AState,
     if options.keeps_residual(math.prod(shape), shape):
       expected = residual_block_shape(options, grad.shape)
       if getattr(residual, "shape", None) != expected:
-        shape = getattr(residual, "shape", None)
-        whole = (shape is not None and len(shape) == len(expected) and expected
-                 and shape[0] == expected[0] * options.axis.size()
-                 and shape[1:] == expected[1:])
+        got = getattr(residual, "shape", None)
+        whole = (got is not None and len(got) == len(expected) and expected
+                 and got[0] == expected[0] * options.axis.size()
+                 and got[1:] == expected[1:])
         raise ValueError(
             f"residual for leaf {path} has shape "
             f"{getattr(residual, 'shape', type(residual).__name__)}, expected "

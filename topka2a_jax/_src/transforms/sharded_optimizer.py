@@ -189,7 +189,7 @@ def sharded_optimizer(
         "for the two-level exchange.")
   check_element_wise(inner)
   opts = Options.create(
-      density, axis_name=axis, mesh=mesh, algorithm=algorithm, fusion=1,
+      density, axis_name=axis, mesh=mesh, algorithm=algorithm,
       error_feedback=error_feedback, min_size=min_size, network=network,
       value_dtype=value_dtype, selection=selection, warmup_steps=warmup_steps,
       skip_nonfinite=skip_nonfinite)
