@@ -16,7 +16,10 @@ from topka2a_jax._src.training.step import DataParallelStep
 
 PACKAGE = pathlib.Path(topka2a_jax.__file__).parent
 ROOT = PACKAGE.parent
-MAX_CHAIN = 8  # modules, the first and the last included
+MAX_CHAIN = 9  # modules, the first and the last included
+# The longest runs from frozen_variance_adam (a chain around compress_updates)
+# through the exchange's state, its plan, the planner and the registry down to
+# the size arithmetic every part shares (_src/sizes.py).
 PUBLIC_NAMESPACES = ("collectives", "cost", "checkpoint", "distributed")
 TOOLS = PACKAGE / "tools"  # the command-line tools: public, built on the face alone
 
@@ -62,7 +65,7 @@ def longest_chain(imports: dict[str, set[str]]) -> list[str]:
   return list(max((chain(name) for name in imports), key=len))
 
 
-def test_no_import_chain_is_longer_than_eight_modules():
+def test_no_import_chain_is_longer_than_nine_modules():
   imports = module_imports()
   assert "topka2a_jax._src.planner.cost" in imports["topka2a_jax.cost"]
   chain = longest_chain(imports)

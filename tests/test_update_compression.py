@@ -281,12 +281,14 @@ def test_adam_before_the_exchange_names_compress_updates(mesh):
 def test_auto_never_takes_an_exchange_that_holds_back(mesh):
   # 8M updates on the slow link: the gradient's "auto" takes TopKA2A-sparse.
   from topka2a_jax._src.options import Options
-  from topka2a_jax._src.transforms import error_feedback
+  from topka2a_jax._src.transforms.exchange_plan import ExchangePlan
 
-  sizes = [8_000_000]
-  gradient = error_feedback.plan(Options.create(0.01, network="eth1"), sizes, 8)
-  updates = error_feedback.plan(Options.create(0.01, network="eth1", whole_selection=True),
-                          sizes, 8)
+  def buckets(**options):
+    plan = ExchangePlan.create(Options.create(0.01, network="eth1", **options), ["w"],
+                               [(8_000_000,)])
+    return plan.planner.plan([8_000_000], 8, plan.density)
+
+  gradient, updates = buckets(), buckets(whole_selection=True)
   assert [b.algorithm for b in gradient] == ["topka2a_sparse"]
   assert [b.algorithm for b in updates] in (["topka2a"], ["allgather"])
 

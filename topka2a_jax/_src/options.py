@@ -24,9 +24,10 @@ from jax.sharding import Mesh
 from topka2a_jax._src.arguments import checked_count
 from topka2a_jax._src.axis import DataAxis
 from topka2a_jax._src.collectives import algorithms, low_rank
-from topka2a_jax._src.collectives.selection import check_density, check_selection
+from topka2a_jax._src.collectives.selection import check_selection
 from topka2a_jax._src.planner import cost
 from topka2a_jax._src.planner.cost import AUTO_NETWORK, Cluster, Network, get_network
+from topka2a_jax._src.sizes import check_density
 
 DEFAULT_AXIS = DataAxis("data")
 """``topka2a(density)`` with no ``axis_name=``: the mesh axis named ``"data"``."""

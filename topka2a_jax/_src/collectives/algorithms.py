@@ -45,9 +45,8 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from topka2a_jax._src.collectives import quantized
-from topka2a_jax._src.collectives.selection import ShardLayout, sparse_count
 from topka2a_jax._src.collectives.wire import index_dtype
-from topka2a_jax._src.sizes import ceil_div
+from topka2a_jax._src.sizes import ShardLayout, ceil_div, sparse_count
 
 AUTO = "auto"
 """``algorithm=AUTO``: each bucket takes the cheapest entry under the cost model."""

@@ -68,14 +68,9 @@ from jax import lax
 from topka2a_jax._src.axis import bound_axis_size
 from topka2a_jax._src.collectives import algorithms, quantized
 from topka2a_jax._src.collectives.received import top_of_received
-from topka2a_jax._src.collectives.selection import (
-  Selection,
-  ShardLayout,
-  get_selection,
-  sparse_count,
-)
+from topka2a_jax._src.collectives.selection import Selection, get_selection
 from topka2a_jax._src.collectives.wire import WireFormat
-from topka2a_jax._src.sizes import ceil_div
+from topka2a_jax._src.sizes import ShardLayout, ceil_div, sparse_count
 
 
 class Collective(Protocol):

@@ -38,7 +38,6 @@ import jax
 from topka2a_jax._src.arguments import checked_count
 from topka2a_jax._src.collectives import algorithms
 from topka2a_jax._src.collectives.algorithms import ALGORITHMS, AUTO, DENSE
-from topka2a_jax._src.collectives.selection import check_density
 from topka2a_jax._src.planner.buckets import Bucket, plan_buckets
 from topka2a_jax._src.planner.cost import (
   DEFAULT_MIN_SIZE,
@@ -49,7 +48,7 @@ from topka2a_jax._src.planner.cost import (
   cluster_cost,
   get_network,
 )
-from topka2a_jax._src.sizes import ceil_div
+from topka2a_jax._src.sizes import ceil_div, check_density
 
 DEFAULT_SELECTION_SECONDS_PER_ELEMENT = 1e-10
 """Selection cost: 10 G elements/s, a few passes over accelerator memory.

@@ -16,7 +16,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -28,11 +27,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from topka2a_jax._src import layout
-from topka2a_jax._src.axis import bound_axis_size, is_bound
+from topka2a_jax._src.axis import DataAxis, bound_axis_size, is_bound
 from topka2a_jax._src.collectives import low_rank
 from topka2a_jax._src.options import Options
 from topka2a_jax._src.states import TopKA2AState
 from topka2a_jax._src.transforms import error_feedback
+from topka2a_jax._src.transforms.exchange_plan import ExchangePlan
 from topka2a_jax._src.transforms.extra_args import (
   BACKWARD_SECONDS,
   NONFINITE,
@@ -89,7 +89,7 @@ def init_state(options: Options, params: optax.Params) -> TopKA2AState:
   zero = jnp.zeros((), jnp.int32)
   if is_bound(options.axis_name):
     residuals = [
-        jnp.zeros(residual_block_shape(options, leaf.shape),
+        jnp.zeros(residual_block_shape(options.axis, leaf.shape),
                   error_feedback.residual_dtype(leaf.dtype))
         if options.keeps_residual(leaf.size, leaf.shape) else optax.MaskedNode()
         for leaf in leaves]
@@ -121,13 +121,13 @@ def initial_factors(options: Options, leaves: Sequence[Any], treedef: Any) -> An
       for position, leaf in enumerate(leaves)])
 
 
-def residual_block_shape(options: Options, shape: Sequence[int]) -> tuple[int, ...]:
+def residual_block_shape(axis: DataAxis, shape: Sequence[int]) -> tuple[int, ...]:
   """One device's residual for its ``shape``-d shard, inside ``shard_map``.
 
   Shaped like the shard (``(1,)`` for a scalar) over one data axis; over a
   pair, the device's slice of it (``layout.residual_slice``).
   """
-  per_node = options.axis.per_node()
+  per_node = axis.per_node()
   if per_node is not None:
     return (layout.residual_slice(math.prod(shape), per_node),)
   return tuple(shape) or (1,)
@@ -219,39 +219,66 @@ def update_state(options: Options, updates: optax.Updates, state: TopKA2AState,
     TypeError: non-floating gradients or a state of another transform.
   """
   bound_axis_size(options.axis_name)
-  if options.backward_seconds is None and BACKWARD_SECONDS in extra_args:
-    options = dataclasses.replace(options,
-                                  backward_seconds=extra_args[BACKWARD_SECONDS])
   tree = leaves_of(updates)
   paths, grads, treedef = tree.paths, tree.values, tree.structure
   check_floating(grads, paths, "gradient")
   given = given_specs(treedef, extra_args.get(PARAM_SPECS))
-  others = layout.automatic_axes(jax.sharding.get_abstract_mesh(), options.axis)
-  shapes = local_shapes(grads, given, others)
-  residuals = _checked_residuals(options, treedef, state, grads, paths, shapes)
+  plan, residuals, factors = planned(options, treedef, state, grads, paths, given,
+                                     extra_args.get(BACKWARD_SECONDS))
   check_per_device(grads, paths, options.axis_name)
   if not any(g.size for g in grads):
     return updates, state
   bad = extra_args.get(NONFINITE)  # decided already by skip_nonfinite(...)
-  carries = with_factors(options, treedef, state, grads, paths, residuals, shapes)
+  others = layout.automatic_axes(jax.sharding.get_abstract_mesh(), options.axis)
   if not others:
-    means, new, count, skipped = error_feedback.step(
-        options, grads, carries, state.count, state.nonfinite_steps, bad)
+    means, new, factors, count, skipped = error_feedback.step(
+        plan, grads, residuals, factors, state.count, state.nonfinite_steps, bad)
   else:
-    means, new, count, skipped = _step_on_shards(
-        options, others, grads, carries, state, bad, given)
-  new, factors = without_factors(options, treedef, new)
-  return tree.full.unflatten(means), TopKA2AState(treedef.unflatten(new), count,
-                                                  skipped, factors)
+    means, new, factors, count, skipped = _step_on_shards(
+        plan, others, grads, residuals, factors, state, bad, given)
+  return tree.full.unflatten(means), TopKA2AState(
+      treedef.unflatten(new), count, skipped,
+      None if factors is None else treedef.unflatten(factors))
 
 
-def with_factors(options: Options, treedef: Any, state: TopKA2AState,
-                 grads: Sequence[jax.Array], paths: Sequence[str], residuals: list[Any],
-                 local_shapes: Sequence[tuple[int, ...]]) -> list[Any]:
-  """Every low-rank leaf's residual and ``Q`` as one :class:`low_rank.Carry`.
+def planned(options: Options, treedef: Any, state: TopKA2AState,
+            grads: Sequence[jax.Array], paths: Sequence[str], given: Sequence[P | None],
+            backward_seconds: float | None = None
+            ) -> tuple[ExchangePlan, list[Any], list[Any] | None]:
+  """The trace's plan, and the state's residuals and factors checked against it.
 
-  A leaf split over other mesh axes is a matrix per shard (its
-  ``local_shapes``), with one ``Q`` block per shard.
+  Args:
+    options: the transform's options.
+    treedef: the gradients' structure.
+    state: the exchange's state.
+    grads: the gradient leaves.
+    paths: their paths.
+    given: the parameters' specs passed through extra arguments, per leaf.
+    backward_seconds: the step's estimate of its backward pass, or None.
+
+  Returns:
+    ``(plan, residuals, factors)``: one residual per leaf
+    (``optax.MaskedNode()`` where none is kept), and for PowerSGD one factor
+    per leaf (None otherwise).
+
+  Raises:
+    TypeError: a state of another transform.
+    ValueError: a state made for other options, another model or another
+      mesh, or not split per device.
+  """
+  others = layout.automatic_axes(jax.sharding.get_abstract_mesh(), options.axis)
+  shapes = local_shapes(grads, given, others)
+  plan = ExchangePlan.create(options, paths, shapes, backward_seconds)
+  residuals = _checked_residuals(plan, treedef, state, grads)
+  return plan, residuals, _checked_factors(plan, treedef, state, grads)
+
+
+def _checked_factors(plan: ExchangePlan, treedef: Any, state: TopKA2AState,
+                     grads: Sequence[jax.Array]) -> list[Any] | None:
+  """The state's PowerSGD factors, one per leaf, checked against the plan; None unless PowerSGD.
+
+  A leaf split over other mesh axes is a matrix per shard (its local shape),
+  with one ``Q`` block per shard.
 
   Raises:
     ValueError: the state's factors do not match ``algorithm="powersgd"``
@@ -259,49 +286,34 @@ def with_factors(options: Options, treedef: Any, state: TopKA2AState,
   """
   fix = ("The state was made with other options; re-create it with "
          "tx.init(params) for this transform.")
-  if not options.is_low_rank:
+  if plan.rank is None:
     if state.factors is not None:
-      raise ValueError(f"the state holds PowerSGD factors but algorithm="
-                       f"{options.algorithm!r}. {fix}")
-    return residuals
+      raise ValueError(f"the state holds PowerSGD factors but the transform is not "
+                       f"algorithm='powersgd'. {fix}")
+    return None
   if state.factors is None:
     raise ValueError(f"algorithm='powersgd' needs the factors its init makes; the "
                      f"state has none. {fix}")
   factors = treedef.flatten_up_to(state.factors)
-  carries = []
-  for grad, path, residual, factor, shape in zip(grads, paths, residuals, factors,
-                                                 local_shapes):
-    if not options.sends_low_rank(shape):
+  for grad, leaf, factor in zip(grads, plan.leaves, factors):
+    if not leaf.low_rank:
       if not isinstance(factor, optax.MaskedNode):
-        raise ValueError(f"the state holds a PowerSGD factor for leaf {path}, which "
-                         f"goes dense with these options. {fix}")
-      carries.append(residual)
+        raise ValueError(f"the state holds a PowerSGD factor for leaf {leaf.path}, "
+                         f"which goes dense with these options. {fix}")
       continue
-    m, n = low_rank.matrix_shape(shape)
-    pieces = grad.size // math.prod(shape)  # shards seen whole here (automatic axes)
-    expected = (pieces * n, low_rank.leaf_rank(shape, options.rank))
+    m, n = low_rank.matrix_shape(leaf.local_shape)
+    pieces = grad.size // math.prod(leaf.local_shape)  # shards seen whole here
+    expected = (pieces * n, low_rank.leaf_rank(leaf.local_shape, plan.rank))
     if getattr(factor, "shape", None) != expected:
       raise ValueError(
-          f"PowerSGD factor for leaf {path} has shape "
+          f"PowerSGD factor for leaf {leaf.path} has shape "
           f"{getattr(factor, 'shape', type(factor).__name__)}, expected {expected} "
-          f"(its {m} x {n} matrix at rank {options.rank}). {fix}")
-    carries.append(low_rank.Carry(residual, factor))
-  return carries
+          f"(its {m} x {n} matrix at rank {plan.rank}). {fix}")
+  return factors
 
 
-def without_factors(options: Options, treedef: Any, carries: list[Any]
-                    ) -> tuple[list[Any], Any]:
-  """The residuals and the factors' pytree (None unless PowerSGD), from :func:`with_factors`."""
-  if not options.is_low_rank:
-    return carries, None
-  is_carry = lambda node: isinstance(node, low_rank.Carry)
-  residuals = [c.residual if is_carry(c) else c for c in carries]
-  factors = [c.factor if is_carry(c) else optax.MaskedNode() for c in carries]
-  return residuals, treedef.unflatten(factors)
-
-
-def _step_on_shards(options: Options, others: dict[Hashable, int],
-                    grads: list, residuals: list, state: TopKA2AState,
+def _step_on_shards(plan: ExchangePlan, others: dict[Hashable, int], grads: list,
+                    residuals: list, factors: list | None, state: TopKA2AState,
                     bad: jax.Array | None, given: Sequence[P | None]):
   """``error_feedback.step`` in a nested shard_map over the other mesh axes.
 
@@ -310,34 +322,27 @@ def _step_on_shards(options: Options, others: dict[Hashable, int],
   the exchange adds no collective over those axes.
   """
   specs = shard_specs(grads, given, others)
-  blocks = [layout.residual_block_spec(options.axis, spec) for spec in specs]
-  blocks = [low_rank.Carry(block if not isinstance(r.residual, optax.MaskedNode)
-                           else optax.MaskedNode(), layout.factor_spec(spec))
-            if isinstance(r, low_rank.Carry) else block
-            for block, spec, r in zip(blocks, specs, residuals)]
+  blocks = [optax.MaskedNode() if isinstance(r, optax.MaskedNode)
+            else layout.residual_block_spec(plan.axis, spec)
+            for r, spec in zip(residuals, specs)]
+  factor_blocks = None if factors is None else [
+      optax.MaskedNode() if isinstance(f, optax.MaskedNode) else layout.factor_spec(spec)
+      for f, spec in zip(factors, specs)]
 
-  def on_shards(grads, residuals, count, skipped, bad):
-    return error_feedback.step(options, grads, residuals, count, skipped, bad)
+  def on_shards(grads, residuals, factors, count, skipped, bad):
+    return error_feedback.step(plan, grads, residuals, factors, count, skipped, bad)
 
   run = jax.shard_map(
       on_shards, mesh=jax.sharding.get_abstract_mesh(), axis_names=set(others),
-      in_specs=(specs, blocks, P(), P(), P()), out_specs=(specs, blocks, P(), P()))
-  return run(list(grads), list(residuals), state.count, state.nonfinite_steps, bad)
+      in_specs=(specs, blocks, factor_blocks, P(), P(), P()),
+      out_specs=(specs, blocks, factor_blocks, P(), P()))
+  return run(list(grads), list(residuals), factors, state.count,
+             state.nonfinite_steps, bad)
 
 
-def matching_residuals(options: Options, treedef: Any, state: TopKA2AState,
-                       grads: Sequence[jax.Array], paths: Sequence[str],
-                       param_specs: Any) -> list[Any]:
-  """The state's residuals, one per gradient leaf, checked against the grads."""
-  others = layout.automatic_axes(jax.sharding.get_abstract_mesh(), options.axis)
-  shapes = local_shapes(grads, given_specs(treedef, param_specs), others)
-  return _checked_residuals(options, treedef, state, grads, paths, shapes)
-
-
-def _checked_residuals(options: Options, treedef: Any, state: TopKA2AState,
-                       grads: Sequence[jax.Array], paths: Sequence[str],
-                       shapes: Sequence[tuple[int, ...]]) -> list[Any]:
-  """The residuals of :func:`matching_residuals`, given each leaf's local shape."""
+def _checked_residuals(plan: ExchangePlan, treedef: Any, state: TopKA2AState,
+                       grads: Sequence[jax.Array]) -> list[Any]:
+  """The state's residuals, one per gradient leaf, checked against the plan."""
   if not isinstance(state, TopKA2AState):
     raise TypeError(
         f"expected the TopKA2AState made by this transform's init, got "
@@ -350,33 +355,39 @@ def _checked_residuals(options: Options, treedef: Any, state: TopKA2AState,
         "initialised for another model? Re-create it with tx.init(params) "
         f"(topka2a built with mesh=...) or topka2a_jax.init(tx, params, mesh). "
         f"({error})") from None
-  for grad, residual, path, shape in zip(grads, residuals, paths, shapes):
-    if options.keeps_residual(math.prod(shape), shape):
-      expected = residual_block_shape(options, grad.shape)
+  for grad, residual, leaf in zip(grads, residuals, plan.leaves):
+    if leaf.keeps_residual:
+      expected = residual_block_shape(plan.axis, grad.shape)
       if getattr(residual, "shape", None) != expected:
-        got = getattr(residual, "shape", None)
-        whole = (got is not None and len(got) == len(expected) and expected
-                 and got[0] == expected[0] * options.axis.size()
-                 and got[1:] == expected[1:])
-        raise ValueError(
-            f"residual for leaf {path} has shape "
-            f"{getattr(residual, 'shape', type(residual).__name__)}, expected "
-            f"{expected} on each device."
-            + (" It came in whole, every device's block at once: nothing split "
-               "it (a state closed over instead of passed through shard_map's "
-               "in_specs, or jax.pmap, which maps a leading axis: use "
-               "jax.shard_map)." if whole else "")
-            + " Its residuals are per device: pass "
-            "the state through shard_map with in_specs/out_specs from "
-            "topka2a_jax.state_specs(opt_state), or let "
-            "topka2a_jax.train_step place it; and make it for this model, "
-            "these options and this mesh with tx.init(params) (topka2a built "
-            "with mesh=...) or topka2a_jax.init. A state saved on another "
-            "number of devices is resized by topka2a_jax.restore.")
+        raise ValueError(_residual_shape_message(plan.axis, leaf.path, residual,
+                                                 expected))
     elif not isinstance(residual, optax.MaskedNode):
       raise ValueError(
-          f"the state holds a residual for leaf {path}, which these options "
+          f"the state holds a residual for leaf {leaf.path}, which these options "
           "send dense or without error feedback: the state was made with "
           "other options (min_size, algorithm or error_feedback). Re-create "
           "it with tx.init(params) for this transform.")
   return residuals
+
+
+def _residual_shape_message(axis: DataAxis, path: str, residual: Any,
+                            expected: tuple[int, ...]) -> str:
+  """Why a residual of the wrong shape was refused, and what to do."""
+  got = getattr(residual, "shape", None)
+  whole = (got is not None and len(got) == len(expected) and expected
+           and got[0] == expected[0] * axis.size() and got[1:] == expected[1:])
+  return (
+      f"residual for leaf {path} has shape "
+      f"{got if got is not None else type(residual).__name__}, expected "
+      f"{expected} on each device."
+      + (" It came in whole, every device's block at once: nothing split "
+         "it (a state closed over instead of passed through shard_map's "
+         "in_specs, or jax.pmap, which maps a leading axis: use "
+         "jax.shard_map)." if whole else "")
+      + " Its residuals are per device: pass "
+      "the state through shard_map with in_specs/out_specs from "
+      "topka2a_jax.state_specs(opt_state), or let "
+      "topka2a_jax.train_step place it; and make it for this model, "
+      "these options and this mesh with tx.init(params) (topka2a built "
+      "with mesh=...) or topka2a_jax.init. A state saved on another "
+      "number of devices is resized by topka2a_jax.restore.")

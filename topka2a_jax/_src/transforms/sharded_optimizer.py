@@ -71,7 +71,7 @@ from topka2a_jax._src.transforms.exchange_state import (
   holds_exchange,
   init_state,
   layout_mesh,
-  matching_residuals,
+  planned,
 )
 from topka2a_jax._src.transforms.extra_args import NONFINITE, PARAM_SPECS
 from topka2a_jax._src.transforms.leaves import (
@@ -82,6 +82,7 @@ from topka2a_jax._src.transforms.leaves import (
 )
 from topka2a_jax._src.transforms.nonfinite import (
   applied_or_skipped,
+  counted,
   step_is_bad,
 )
 
@@ -346,9 +347,9 @@ def owner_phase(opts: Options, grads: Sequence[jax.Array], residuals: Sequence[A
   num_devices = bound_axis_size(opts.axis_name)
   shards: list[Any] = [None] * len(grads)
   new: list[Any] = [optax.MaskedNode()] * len(grads)
+  keeps = [not isinstance(r, optax.MaskedNode) for r in residuals]
   accs = [jnp.ravel(g).astype(error_feedback.residual_dtype(g.dtype)) + jnp.ravel(r)
-          if opts.keeps_residual(g.size) else jnp.ravel(g)
-          for g, r in zip(grads, residuals)]
+          if keep else jnp.ravel(g) for g, r, keep in zip(grads, residuals, keeps)]
   dense = []
   for i, (grad, acc) in enumerate(zip(grads, accs)):
     if sparse and _sparse(opts, grad.size, num_devices):
@@ -356,11 +357,11 @@ def owner_phase(opts: Options, grads: Sequence[jax.Array], residuals: Sequence[A
           acc, opts.axis_name, opts.density, opts.value_dtype,
           get_selection(opts.selection))
       shards[i] = first_phase.owned / num_devices
-      if opts.keeps_residual(grad.size):
+      if keeps[i]:
         new[i] = first_phase.unsent.reshape(-1)[: grad.size].reshape(residuals[i].shape)
     else:
       dense.append(i)
-      if opts.keeps_residual(grad.size):
+      if keeps[i]:
         new[i] = jnp.zeros_like(residuals[i])
   for group in grouped_by_varying_axes([accs[i] for i in dense]):
     members = [dense[j] for j in group]
@@ -379,7 +380,7 @@ def _step(opts: Options, inner: optax.GradientTransformation, treedef: Any,
 
   def applied(grads, residuals, count, inner_state):
     shards, new = error_feedback.dense_while_warming_up(
-        opts, count, functools.partial(owner_phase, opts), grads, residuals)
+        opts.warmup_steps, count, functools.partial(owner_phase, opts), grads, residuals)
     mean = treedef.unflatten([_present(s.astype(g.dtype), g.ndim)
                               for s, g in zip(shards, grads)])
     own_params = None if param_leaves is None else treedef.unflatten(
@@ -395,7 +396,7 @@ def _step(opts: Options, inner: optax.GradientTransformation, treedef: Any,
   args = (grads, residuals, count, jax.tree.map(lambda x: x[0], inner_state))
   out, new, count, inner_state = applied_or_skipped(bad, applied, skipped, *args)
   if bad is not None:
-    nonfinite = nonfinite + bad.astype(jnp.int32)
+    nonfinite = counted(nonfinite, bad)
   whole = _gather(out, shapes, opts.axis_name, num_devices)
   inner_state = jax.tree.map(lambda x: as_varying(x, opts.axis_name)[None], inner_state)
   return whole, new, count, nonfinite, inner_state
@@ -411,7 +412,8 @@ def _update(opts: Options, inner: optax.GradientTransformation, updates: Any,
     raise TypeError(f"expected the ShardedOptimizerState made by this transform's "
                     f"init, got {type(state).__name__}")
   given = extra_args.get(PARAM_SPECS)
-  residuals = matching_residuals(opts, treedef, state.exchange, grads, paths, given)
+  _, residuals, _ = planned(opts, treedef, state.exchange, grads, paths,
+                            given_specs(treedef, given))
   check_per_device(grads, paths, opts.axis_name)
   param_leaves = None if params is None else leaves_of(params).values
   bad = step_is_bad(extra_args.get(NONFINITE), grads, opts.axis_name, opts.skip_nonfinite)

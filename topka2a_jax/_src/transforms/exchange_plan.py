@@ -1,0 +1,187 @@
+"""What one trace of the exchange does, decided once: every leaf's part and the buckets.
+
+The transform's options say what the user asked for; the plan says what it
+means for these gradients. :meth:`ExchangePlan.create` reads the options and
+the leaves' shapes on one device once per trace of the update, decides
+which leaves keep a residual and which go as low-rank products, and resolves
+what the step itself passes (the backward pass's estimate). The state is
+checked against the plan once; below that, the state says which leaves
+hold a residual or a factor, and the plan carries the exchange's settings.
+:meth:`ExchangePlan.buckets` fuses the leaves into buckets, once per step.
+
+Example:
+  >>> options = Options.create(0.01, min_size=100)
+  >>> plan = ExchangePlan.create(options, ["['w']", "['b']"], [(64, 32), (32,)])
+  >>> [leaf.keeps_residual for leaf in plan.leaves]
+  [True, False]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from topka2a_jax._src.axis import DataAxis, grouped_by_varying_axes
+from topka2a_jax._src.collectives import algorithms
+from topka2a_jax._src.options import Options
+from topka2a_jax._src.planner.buckets import Bucket
+from topka2a_jax._src.planner.cost import Cluster, Network
+from topka2a_jax._src.planner.fusion import step_model
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+  """One gradient leaf's part in the exchange.
+
+  Attributes:
+    path: where the leaf sits in the pytree, for messages.
+    local_shape: its shape on one device: its shard, where other mesh axes
+      split the parameter.
+    keeps_residual: whether it is compressed with error feedback; else it
+      goes dense, or without error feedback, and keeps no residual.
+    low_rank: whether it goes as a PowerSGD product, keeping a factor.
+  """
+
+  path: str
+  local_shape: tuple[int, ...]
+  keeps_residual: bool
+  low_rank: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketPlanner:
+  """How leaves fuse into buckets and which exchange each takes (the cost model's inputs).
+
+  Attributes:
+    algorithm: every large bucket's exchange, or ``"auto"``.
+    fusion: the bucket size threshold in elements, or ``"auto"``.
+    network: the link the planner prices (between nodes for a pair of axes).
+    cluster: a pair of data axes' nodes and links, or None.
+    min_size: smaller leaves go dense.
+    backward_seconds: the backward pass the buckets overlap, or None.
+    value_bytes: bytes per sparse value on the wire.
+    residual_slices: whether residuals are kept (error feedback).
+    whole_selection: whether ``"auto"`` takes only exchanges whose mean
+      holds every device's whole selection.
+  """
+
+  algorithm: str
+  fusion: int | str
+  network: Network
+  cluster: Cluster | None
+  min_size: int
+  backward_seconds: float | None
+  value_bytes: int
+  residual_slices: bool
+  whole_selection: bool
+
+  def plan(self, sizes: Sequence[int], num_devices: int, density: float) -> list[Bucket]:
+    """The buckets for leaves of ``sizes``, as the planner or ``fusion`` sets them."""
+    model = step_model(sizes, num_devices, density, network=self.network,
+                       cluster=self.cluster, min_size=self.min_size,
+                       backward_seconds=self.backward_seconds,
+                       value_bytes=self.value_bytes,
+                       residual_slices=self.residual_slices,
+                       whole_selection=self.whole_selection)
+    threshold = (model.best_threshold(self.algorithm) if self.fusion == "auto"
+                 else self.fusion)
+    return [planned.bucket for planned in model.layout(self.algorithm, threshold)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExchangePlan:
+  """One trace's exchange: its settings, every leaf's part, and its bucket planner.
+
+  Attributes:
+    axis: the data axis.
+    density: the fraction of every sparse bucket each device sends.
+    selection: a key of :data:`topka2a_jax.collectives.SELECTIONS`.
+    value_dtype: the sparse values' dtype on the wire, or None.
+    warmup_steps: applied steps exchanged densely first.
+    skip_nonfinite: whether a non-finite gradient skips the step everywhere.
+    quantizes: whether the exchange sends few-bit codes, whose owners' sums
+      can overflow from finite inputs.
+    rank: the rank of the low-rank leaves' factors; None unless PowerSGD.
+    leaves: every gradient leaf's part, in the pytree's order.
+    planner: how the leaves fuse into buckets.
+  """
+
+  axis: DataAxis
+  density: float
+  selection: str
+  value_dtype: jnp.dtype | None
+  warmup_steps: int
+  skip_nonfinite: bool
+  quantizes: bool
+  rank: int | None
+  leaves: tuple[LeafPlan, ...]
+  planner: BucketPlanner
+
+  @classmethod
+  def create(cls, options: Options, paths: Sequence[str],
+             local_shapes: Sequence[tuple[int, ...]],
+             backward_seconds: float | None = None) -> ExchangePlan:
+    """Decides every leaf's part from the options and its shape on one device.
+
+    Args:
+      options: the transform's options.
+      paths: every leaf's path.
+      local_shapes: every leaf's shape on one device.
+      backward_seconds: the step's estimate of its backward pass; an explicit
+        ``backward_seconds=`` option wins over it.
+    """
+    leaves = tuple(
+        LeafPlan(path, tuple(shape), options.keeps_residual(math.prod(shape), shape),
+                 options.sends_low_rank(tuple(shape)))
+        for path, shape in zip(paths, local_shapes))
+    entry = algorithms.ALGORITHMS.get(options.algorithm)
+    if options.backward_seconds is not None:
+      backward_seconds = options.backward_seconds
+    planner = BucketPlanner(
+        algorithm=(algorithms.DENSE.name if options.is_low_rank  # its other leaves
+                   else options.algorithm),
+        fusion=options.fusion, network=options.outer_network(),
+        cluster=options.cluster(), min_size=options.min_size,
+        backward_seconds=backward_seconds, value_bytes=options.value_bytes,
+        residual_slices=options.error_feedback, whole_selection=options.whole_selection)
+    return cls(axis=options.axis, density=options.density, selection=options.selection,
+               value_dtype=options.value_dtype, warmup_steps=options.warmup_steps,
+               skip_nonfinite=options.skip_nonfinite,
+               quantizes=entry is not None and entry.quantizes,
+               rank=options.rank if options.is_low_rank else None, leaves=leaves,
+               planner=planner)
+
+  def buckets(self, grads: Sequence[jax.Array], num_devices: int
+              ) -> list[tuple[list[int], Bucket]]:
+    """The buckets of ``grads`` with their leaf positions, empty leaves left out.
+
+    Leaves that differ across other mesh axes (shards of a parameter split
+    over ``"model"``) never share a bucket with leaves that do not (a
+    parameter replicated over it): a replicated leaf then gets the same
+    update on every device of those axes.
+    """
+    nonempty = [i for i, grad in enumerate(grads) if grad.size > 0]
+    groups = [[nonempty[j] for j in group] for group in
+              grouped_by_varying_axes([grads[i] for i in nonempty])]
+    return [([live[j] for j in bucket.leaves], bucket)
+            for live in groups
+            for bucket in self.planner.plan([grads[i].size for i in live], num_devices,
+                                            self.density)]
+
+  def wire_limit(self, dtypes: Sequence[Any]) -> float | None:
+    """The largest magnitude a sparse bucket of ``dtypes`` may send, or None.
+
+    What a device sends must fit the values' wire dtype (``value_dtype``:
+    float16 ends at 65,504, float8_e4m3fn at 448) and, once averaged, the
+    leaves' own dtype (a float16 parameter's mean update). Error feedback's
+    bursts, many steps' gradients summed, can exceed both; they are clipped
+    to this limit and the excess stays in the residual.
+    """
+    wire = [*dtypes, *([self.value_dtype] if self.value_dtype is not None else [])]
+    limit = min(float(jnp.finfo(dtype).max) for dtype in wire)
+    return None if limit >= float(jnp.finfo(jnp.float32).max) else limit
