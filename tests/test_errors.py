@@ -57,11 +57,21 @@ def test_bad_options(kwargs, error, match):
 
 @pytest.mark.parametrize("builder", [topka2a_jax.topka2a, topka2a_jax.compress_updates,
                                      topka2a_jax.sharded_optimizer])
-def test_a_misspelt_option_is_named(builder):
-  # Every option is in the signature, so Python itself names the misspelling.
+def test_a_misspelt_option_is_named_with_the_one_meant(builder):
   args = (0.01,) if builder is topka2a_jax.topka2a else (optax.adam(1e-3), 0.01)
-  with pytest.raises(TypeError, match=r"unexpected keyword argument 'min_sise'"):
+  with pytest.raises(TypeError, match=r"unknown option min_sise= \(did you mean "
+                                      r"min_size=\?\); the options are algorithm, "):
     builder(*args, min_sise=0)
+  with pytest.raises(TypeError, match=r"unknown option whole_selection="):
+    builder(*args, whole_selection=True)  # the library's own setting
+
+
+def test_sharded_optimizer_refuses_the_options_it_has_no_use_for_saying_why():
+  for name, value in (("fusion", 1), ("backward_seconds", 0.1), ("rank", 2)):
+    with pytest.raises(TypeError, match=f"sharded_optimizer takes no {name}=: "):
+      topka2a_jax.sharded_optimizer(optax.sgd(0.1), 0.01, **{name: value})
+  assert not {"fusion", "backward_seconds", "rank"} & set(
+      inspect.signature(topka2a_jax.sharded_optimizer).parameters)
 
 
 def test_the_signature_defaults_are_the_options_defaults():

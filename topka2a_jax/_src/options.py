@@ -13,10 +13,13 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 import math
 import numbers
-from collections.abc import Hashable
-from typing import Any
+import textwrap
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, TypeVar
 
 import jax.numpy as jnp
 from jax.sharding import Mesh
@@ -28,6 +31,8 @@ from topka2a_jax._src.collectives.selection import check_selection
 from topka2a_jax._src.planner import cost
 from topka2a_jax._src.planner.cost import AUTO_NETWORK, Cluster, Network, get_network
 from topka2a_jax._src.sizes import check_density
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 DEFAULT_AXIS = DataAxis("data")
 """``topka2a(density)`` with no ``axis_name=``: the mesh axis named ``"data"``."""
@@ -113,108 +118,250 @@ def _check_low_rank(options: dict[str, Any], axis: DataAxis) -> None:
         "all-reduces its float32 factors as they are. Drop value_dtype=.")
 
 
+def _argument(field: dataclasses.Field) -> str:
+  """The keyword users pass for ``field``."""
+  return field.metadata.get("argument") or field.name
+
+
+def _check_together(options: dict[str, Any]) -> None:
+  """The checks that read several options: what each algorithm takes and excludes."""
+  algorithm = options["algorithm"]
+  if algorithm == algorithms.POWERSGD.name:
+    _check_low_rank(options, options["axis"])
+    return
+  algorithms.check_plan_options(algorithm, options["fusion"])
+  quantizes = algorithm in algorithms.ALGORITHMS and algorithms.ALGORITHMS[algorithm].quantizes
+  if quantizes and options["value_dtype"] is not None:
+    raise ValueError(
+        f"value_dtype narrows top-k values on the wire; algorithm={algorithm!r} "
+        "sends signs and few-bit codes with float32 scales instead. Drop "
+        "value_dtype=.")
+  if options["rank"] is not None:
+    sends = ("every entry as a few-bit code" if quantizes else
+             "a top-k selection of density entries")
+    raise ValueError(
+        f"rank={options['rank']!r} sets the rank of algorithm='powersgd'; "
+        f"algorithm={algorithm!r} sends {sends}. Drop rank=, or pass "
+        "algorithm='powersgd'.")
+
+
+def _density(density: Any, algorithm: str) -> float:
+  """``density`` checked; 1.0 where it is left out for an algorithm that ignores it."""
+  if density is None:
+    if not algorithms.ignores_density(algorithm):
+      raise ValueError(
+          f"density is required with algorithm={algorithm!r}: the fraction of "
+          "entries each device sends, e.g. topka2a(0.01). Only "
+          f"{', '.join(map(repr, algorithms.IGNORING_DENSITY))} leave it out, "
+          "as they ignore it.")
+    density = 1.0
+  return check_density(density)
+
+
+def _axis(value: Any, given: dict[str, Any]) -> DataAxis:
+  del given
+  return DataAxis.parse(value)
+
+
+def _checked_mesh(value: Any, given: dict[str, Any]) -> Mesh | None:
+  return _mesh(value, given["axis"])
+
+
+def _algorithm(value: Any, given: dict[str, Any]) -> str:
+  del given
+  if value != algorithms.POWERSGD.name:
+    algorithms.check_plan_options(value, "auto")
+  return value
+
+
+def _fusion(value: Any, given: dict[str, Any]) -> int | str:
+  del given
+  return value if value == "auto" else checked_count("fusion", value, 1)
+
+
+def _count(name: str, minimum: int):
+  return lambda value, given: checked_count(name, value, minimum)
+
+
+def _flagged(name: str):
+  return lambda value, given: _flag(name, value)
+
+
+def _selection(value: Any, given: dict[str, Any]) -> str:
+  del given
+  check_selection(value)
+  return value
+
+
+def _option(default: Any, doc: str, check: Any, *, argument: str | None = None,
+            annotation: str | None = None, user: bool = True) -> Any:
+  """One option: its default, the docstring line every transform shows, its check.
+
+  Args:
+    default: what the transforms use when it is left out.
+    doc: its line in the transforms' Args sections (one paragraph).
+    check: ``(value, the options checked before it) -> normalised value``,
+      raising ValueError or TypeError naming the option.
+    argument: the keyword users pass, where it differs from the field's name.
+    annotation: the type the signatures show, where it differs from the field's.
+    user: False for a setting the library's own transforms pass, which no
+      signature shows.
+  """
+  return dataclasses.field(default=default, metadata={
+      "doc": doc, "check": check, "argument": argument, "annotation": annotation,
+      "user": user})
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
-  """What one :func:`topka2a_jax.topka2a` transform does; see its arguments.
+  """What one exchange transform does: every option, declared once.
+
+  Each field is one option of :func:`topka2a_jax.topka2a`,
+  :func:`topka2a_jax.compress_updates` and :func:`topka2a_jax.sharded_optimizer`:
+  its default, its check, and its line in their docstrings (the field's
+  ``doc``). :func:`takes_options` builds their signatures and Args from
+  them, so a new option is one field here plus the code that reads it.
+  :meth:`create` runs the checks, in the order the fields are declared.
 
   Attributes:
     density: fraction of every sparse bucket each device sends, in (0, 1].
-    axis: the data-parallel axis (``axis_name``, parsed).
-    algorithm: a collective's name, or ``"auto"``.
-    error_feedback: whether unsent entries are kept for the next step.
-    min_size: smaller leaves go dense and keep no residual.
-    fusion: bucket size threshold in elements, or ``"auto"``.
-    network: the link the planner models, or ``"auto"`` (resolved when the
-      update is traced, :func:`topka2a_jax.cost.detected_network`); for a
-      pair of data axes, the link between nodes, or a pair ``(outer,
-      inner)`` of links.
-    backward_seconds: the backward pass's duration, or None for the default.
-    value_dtype: dtype of sparse values on the wire; None sends them as they are.
-    selection: a key of :data:`topka2a_jax.collectives.SELECTIONS`.
-    warmup_steps: applied steps exchanged densely first.
-    skip_nonfinite: whether a non-finite gradient skips the step everywhere.
-    mesh: the mesh ``init`` lays the state out for, or None.
-    whole_selection: whether ``"auto"`` takes only exchanges whose mean holds
-      every device's whole selection (:func:`topka2a_jax.compress_updates`).
-    rank: the rank of ``algorithm="powersgd"``'s factors, else None.
   """
 
   density: float
-  axis: DataAxis = DEFAULT_AXIS
-  algorithm: str = DEFAULT_ALGORITHM
-  error_feedback: bool = True
-  min_size: int = DEFAULT_MIN_SIZE
-  fusion: int | str = "auto"
-  network: Network | str | tuple[Network | str, Network | str] = AUTO_NETWORK
-  backward_seconds: float | None = None
-  value_dtype: jnp.dtype | None = None
-  selection: str = DEFAULT_SELECTION
-  warmup_steps: int = 0
-  skip_nonfinite: bool = True
-  mesh: Mesh | None = None
-  whole_selection: bool = False
-  rank: int | None = None
+  axis: DataAxis = _option(
+      DEFAULT_AXIS,
+      "the data-parallel mesh axis, or a pair ``(outer, inner)`` of them, e.g. "
+      "``(\"node\", \"local\")``: then the planner prices every bucket both flat over "
+      "all devices and two-level (reduced densely inside each node and exchanged "
+      "between nodes, one slice per device; :func:`topka2a_jax.collectives.two_level`) "
+      "on the two links (:func:`topka2a_jax.cost.cluster_cost`), and takes the "
+      "cheaper. Each device then keeps the residual of its slice of every leaf only, "
+      "1/L of it for L devices per node.",
+      _axis, argument="axis_name", annotation="Hashable")
+  mesh: Mesh | None = _option(
+      None,
+      "the mesh of the training step. With it, ``tx.init(params)`` (as "
+      "``nnx.Optimizer`` calls it) returns the state as global arrays laid out for "
+      "the mesh: residuals per device, each holding its own parameter shard's, "
+      "everything else replicated. Without it, ``init`` reads the mesh from the "
+      "parameters' shardings.",
+      _checked_mesh)
+  algorithm: str = _option(
+      DEFAULT_ALGORITHM,
+      "``\"auto\"`` (the default): each bucket takes the cheapest exchange under the "
+      "cost model on ``network``, dense where compression does not pay (small "
+      "buckets, fast links). Or one name in :data:`topka2a_jax.collectives.ALGORITHMS` "
+      "for every large bucket: the paper's TopKA2A; its sparse-second-phase variant, "
+      "O(k) volume; TopkA, whose volume grows with the number of devices; dense "
+      "``lax.pmean``, which ignores ``density``. Or ``\"quantized_8_8\"`` (and the "
+      "other ``\"quantized_A_B\"``): every entry in A bits (one scale per chunk) to "
+      "its shard's owner by AlltoAll, the owners' means back in B bits by AllGather, "
+      "with error feedback on both phases (:func:`topka2a_jax.collectives.few_bit`); "
+      "``\"onebit\"``, ``\"onebit_4\"`` and ``\"onebit_1\"`` send signs (1-bit "
+      "Adam's compressed all-reduce, :func:`topka2a_jax.collectives.onebit`) and the "
+      "means back in 8, 4 or 1 bits. Or ``\"powersgd\"``: every matrix leaf as a "
+      "rank-``rank`` product in two all-reduces, vectors and small matrices dense "
+      "(:func:`topka2a_jax.collectives.powersgd`). These last ignore ``density``, and "
+      "``\"auto\"`` never picks them.",
+      _algorithm)
+  error_feedback: bool = _option(
+      True,
+      "keep what was not sent and add it to the next step's gradient. Without it "
+      "the unsent mass is dropped and accuracy suffers.",
+      _flagged("error_feedback"))
+  min_size: int = _option(
+      DEFAULT_MIN_SIZE, "leaves with fewer elements on a device go dense.",
+      _count("min_size", 0))
+  fusion: int | str = _option(
+      "auto",
+      "leaves are fused, last first, into flat buckets of at least this many "
+      "elements (a larger leaf gets a bucket of its own); ``\"auto\"`` finds the "
+      "threshold at trace time by binary search on the cost model's predicted step "
+      "time (:func:`topka2a_jax.plan_fusion`).",
+      _fusion)
+  network: Network | str | tuple[Network | str, Network | str] = _option(
+      AUTO_NETWORK,
+      "the link the cost model plans for: ``\"auto\"`` (the default: ``eth10`` "
+      "between processes, ``nvlink`` among one process's accelerators; "
+      ":func:`topka2a_jax.cost.detected_network`), a preset name "
+      "(:data:`topka2a_jax.cost.NETWORKS`) or a measured "
+      ":class:`topka2a_jax.cost.Network`. Used by ``fusion=\"auto\"`` and "
+      "``algorithm=\"auto\"``. For a pair of data axes it is the link between nodes, "
+      "the one inside a node being ``\"nvlink\"``; or give both, "
+      "``network=(between, inside)``.",
+      lambda value, given: _network(value, given["axis"]), annotation="Any")
+  backward_seconds: float | None = _option(
+      None,
+      "the backward pass's duration, which bucket exchanges overlap. By default "
+      ":func:`topka2a_jax.train_step` estimates it from XLA's cost analysis of the "
+      "compiled gradient against the device's rate (:data:`topka2a_jax.cost.DEVICES`); "
+      "in a hand-written step, no overlap is assumed.",
+      lambda value, given: _backward_seconds(value))
+  value_dtype: jnp.dtype | None = _option(
+      None,
+      "dtype of the sparse values on the wire, e.g. ``jnp.bfloat16``; accumulation "
+      "stays in float32 and the rounding stays in the residual. None sends float32. "
+      "Indices always travel in the narrowest unsigned type that fits (uint16 for "
+      "shards of up to 65,536). Not with the exchanges that send codes.",
+      lambda value, given: _value_dtype(value), annotation="Any")
+  selection: str = _option(
+      DEFAULT_SELECTION,
+      "``\"auto\"`` (the default: the fastest for the backend, "
+      ":func:`topka2a_jax.collectives.auto_choice`), ``\"exact\"`` top-k (a sort), "
+      "``\"threshold\"`` (a magnitude threshold found in a few passes, many times "
+      "faster on large buckets; where it may keep less than 99% of exact top-k's "
+      "magnitude mass, or miss a nonzero entry over a background of zeros, it sorts "
+      "exactly instead) or ``\"approx\"`` (``lax.approx_max_k``).",
+      _selection)
+  warmup_steps: int = _option(
+      0,
+      "exchange densely (``lax.pmean``) for this many applied steps, then sparsely. "
+      "The switch happens at run time inside the one compiled step; the residuals "
+      "are zero when sparsification begins.",
+      _count("warmup_steps", 0))
+  skip_nonfinite: bool = _option(
+      True,
+      "when any device's gradient holds a NaN or an infinity, every device skips the "
+      "step alike: zero updates, residuals and ``count`` untouched, "
+      "``nonfinite_steps`` incremented. A stateful optimizer later in the chain "
+      "(momentum, Adam) would still move on zero updates; wrap the whole chain in "
+      ":func:`topka2a_jax.skip_nonfinite` to skip it too (its decision is passed "
+      "down, so the check runs once). False lets non-finite values through (and "
+      "into the residuals).",
+      _flagged("skip_nonfinite"))
+  rank: int | None = _option(
+      None,
+      "the rank of ``algorithm=\"powersgd\"`` (default ``4``); refused with the "
+      "others. A matrix goes low rank where its factors are at most half its size.",
+      lambda value, given: value)  # checked with the algorithm, in create
+  whole_selection: bool = _option(
+      False,
+      "whether ``\"auto\"`` takes only exchanges whose mean holds every device's "
+      "whole selection (:func:`topka2a_jax.compress_updates` sets it).",
+      _flagged("whole_selection"), user=False)
 
   @classmethod
   def create(cls, density: Any, **options: Any) -> Options:
     """Validates the transform's arguments; raises naming the first bad one.
 
+    Only the options users pass (:func:`user_options`); the library's own
+    settings are set on the record made here (``dataclasses.replace``).
+
     Raises:
       ValueError, TypeError: an argument out of range or of the wrong type.
     """
-    defaults = {field.name: field.default for field in dataclasses.fields(cls)}
-    defaults["axis_name"] = defaults.pop("axis").name  # the argument's name
-    normalised = dict(options)
-    unknown = sorted(set(normalised) - set(defaults))
-    if unknown:
-      raise TypeError(f"unknown option(s) {', '.join(unknown)}; the options are "
-                      f"{', '.join(sorted(set(defaults) - {'density'}))}")
-    axis = normalised["axis"] = DataAxis.parse(
-        normalised.pop("axis_name", defaults["axis_name"]))
-    fusion = normalised.get("fusion", defaults["fusion"])
-    if fusion != "auto":
-      normalised["fusion"] = checked_count("fusion", fusion, 1)
-    algorithm = normalised.get("algorithm", defaults["algorithm"])
-    if algorithm == algorithms.POWERSGD.name:
-      _check_low_rank(normalised, axis)
-    else:
-      algorithms.check_plan_options(algorithm, fusion)
-      if (algorithm in algorithms.ALGORITHMS and algorithms.ALGORITHMS[algorithm].quantizes
-          and normalised.get("value_dtype") is not None):
-        raise ValueError(
-            f"value_dtype narrows top-k values on the wire; algorithm={algorithm!r} "
-            "sends signs and few-bit codes with float32 scales instead. Drop "
-            "value_dtype=.")
-      if normalised.get("rank") is not None:
-        sends = ("every entry as a few-bit code" if algorithm in algorithms.ALGORITHMS
-                 and algorithms.ALGORITHMS[algorithm].quantizes else
-                 "a top-k selection of density entries")
-        raise ValueError(
-            f"rank={normalised['rank']!r} sets the rank of algorithm='powersgd'; "
-            f"algorithm={algorithm!r} sends {sends}. Drop rank=, or pass "
-            "algorithm='powersgd'.")
-    for name in ("error_feedback", "skip_nonfinite", "whole_selection"):
-      if name in normalised:
-        _flag(name, normalised[name])
-    for name, minimum in (("min_size", 0), ("warmup_steps", 0)):
-      if name in normalised:
-        normalised[name] = checked_count(name, normalised[name], minimum)
-    normalised["network"] = _network(normalised.get("network", defaults["network"]),
-                                     axis)
-    normalised["backward_seconds"] = _backward_seconds(
-        normalised.get("backward_seconds"))
-    normalised["value_dtype"] = _value_dtype(normalised.get("value_dtype"))
-    check_selection(normalised.get("selection", defaults["selection"]))
-    normalised["mesh"] = _mesh(normalised.get("mesh"), axis)
-    if density is None:
-      if not algorithms.ignores_density(algorithm):
-        raise ValueError(
-            f"density is required with algorithm={algorithm!r}: the fraction of "
-            "entries each device sends, e.g. topka2a(0.01). Only "
-            f"{', '.join(map(repr, algorithms.IGNORING_DENSITY))} leave it out, "
-            "as they ignore it.")
-      density = 1.0
-    return cls(check_density(density), **normalised)
+    fields = {_argument(field): field for field in user_options()}
+    for name in sorted(set(options) - set(fields)):
+      close = difflib.get_close_matches(name, fields, n=1)
+      raise TypeError(f"unknown option {name}="
+                      + (f" (did you mean {close[0]}=?)" if close else "")
+                      + f"; the options are {', '.join(sorted(fields))}")
+    normalised: dict[str, Any] = {"whole_selection": False}
+    for argument, field in fields.items():
+      normalised[field.name] = field.metadata["check"](
+          options.get(argument, field.default), normalised)
+    _check_together(normalised)
+    return cls(_density(density, normalised["algorithm"]), **normalised)
 
   def cluster(self) -> Cluster | None:
     """The nodes and links of a pair of data axes, inside ``shard_map``; else None.
@@ -268,3 +415,93 @@ class Options:
     sparse = self.algorithm == algorithms.AUTO or algorithms.get(self.algorithm).sparse
     return (self.error_feedback and sparse and local_size > 0
             and local_size >= self.min_size)
+
+
+def user_options(exclude: Sequence[str] = ()) -> list[dataclasses.Field]:
+  """The options users pass, in the order the signatures show them."""
+  return [field for field in dataclasses.fields(Options)
+          if field.name != "density" and field.metadata["user"]
+          and _argument(field) not in exclude]
+
+
+def takes_options(*, exclude: Sequence[str] = (), defaults: dict[str, Any] | None = None,
+                  docs: dict[str, str] | None = None) -> Callable[[F], F]:
+  """Gives a transform factory ``f(..., **options)`` every option's parameter and Args line.
+
+  The factory keeps its own parameters and takes the options as
+  ``**options``, which it passes to :meth:`Options.create`. Its signature
+  (``inspect.signature``, ``help``, the API pages) lists every option of
+  :class:`Options` with its default, and the line ``**options: ...`` of its
+  docstring becomes one Args line per option, the field's ``doc``.
+
+  Args:
+    exclude: options the factory does not take (it refuses them with
+      :func:`refuse_options`).
+    defaults: the factory's own defaults, where they differ.
+    docs: the factory's own Args lines, where they differ.
+
+  Example:
+    >>> @takes_options(exclude=("rank",))
+    ... def exchange(density, **options):
+    ...   '''An exchange.
+    ...
+    ...   Args:
+    ...     density: the fraction sent.
+    ...     **options: the options.
+    ...   '''
+    ...   return Options.create(density, **options)
+    >>> list(inspect.signature(exchange).parameters)[:3]
+    ['density', 'axis_name', 'mesh']
+    >>> "    min_size: leaves with fewer elements" in exchange.__doc__
+    True
+  """
+  defaults, docs = defaults or {}, docs or {}
+
+  def decorate(factory: F) -> F:
+    shown = user_options(exclude)
+    signature = inspect.signature(factory)
+    own = [parameter for parameter in signature.parameters.values()
+           if parameter.kind != inspect.Parameter.VAR_KEYWORD]
+    for field in shown:
+      name = _argument(field)
+      default = field.default.name if isinstance(field.default, DataAxis) else field.default
+      own.append(inspect.Parameter(
+          name, inspect.Parameter.KEYWORD_ONLY, default=defaults.get(name, default),
+          annotation=field.metadata["annotation"] or field.type))
+    factory.__signature__ = signature.replace(parameters=own)
+    factory.__doc__ = _with_option_lines(factory.__doc__ or "", shown, docs)
+    return factory
+
+  return decorate
+
+
+def refuse_options(transform: str, options: dict[str, Any], refused: dict[str, str]) -> None:
+  """Raises TypeError for an option ``transform`` does not take, saying why.
+
+  Example:
+    >>> refuse_options("sharded_optimizer", {"fusion": 1}, {"fusion": "every leaf is a bucket"})
+    Traceback (most recent call last):
+    TypeError: sharded_optimizer takes no fusion=: every leaf is a bucket
+  """
+  for name, why in refused.items():
+    if name in options:
+      raise TypeError(f"{transform} takes no {name}=: {why}")
+
+
+def _with_option_lines(doc: str, shown: Sequence[dataclasses.Field],
+                       docs: dict[str, str]) -> str:
+  """``doc`` with its line ``**options: ...`` replaced by one Args line per option."""
+  lines = doc.split("\n")
+  at = next((i for i, line in enumerate(lines) if line.lstrip().startswith("**options:")),
+            None)
+  if at is None:
+    raise ValueError("a factory that takes_options documents them with a line "
+                     "'**options: ...' in its Args")
+  indent = lines[at][:len(lines[at]) - len(lines[at].lstrip())]
+  made = []
+  for field in shown:
+    name = _argument(field)
+    made += textwrap.wrap(f"{name}: {docs.get(name, field.metadata['doc'])}", width=80,
+                          initial_indent=indent, subsequent_indent=indent + "  ",
+                          break_long_words=False, break_on_hyphens=False)
+  return "\n".join(lines[:at] + made + lines[at + 1:])

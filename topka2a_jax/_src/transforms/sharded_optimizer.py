@@ -44,13 +44,12 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from topka2a_jax._src import layout
 from topka2a_jax._src.arguments import checked_optimizer
 from topka2a_jax._src.axis import (
-  DataAxis,
   as_varying,
   bound_axis_size,
   grouped_by_varying_axes,
@@ -60,8 +59,7 @@ from topka2a_jax._src.axis import (
 from topka2a_jax._src.collectives import exchanges
 from topka2a_jax._src.collectives.algorithms import AUTO, DENSE, TOPKA2A
 from topka2a_jax._src.collectives.selection import get_selection
-from topka2a_jax._src.options import DEFAULT_MIN_SIZE, DEFAULT_SELECTION, Options
-from topka2a_jax._src.planner.cost import AUTO_NETWORK
+from topka2a_jax._src.options import Options, refuse_options, takes_options
 from topka2a_jax._src.planner.fusion import step_model
 from topka2a_jax._src.sizes import ceil_div
 from topka2a_jax._src.states import ShardedOptimizerState, TopKA2AState
@@ -89,6 +87,13 @@ from topka2a_jax._src.transforms.nonfinite import (
 OWNER_SHARD_ALGORITHMS = (AUTO, TOPKA2A.name, DENSE.name)
 """The exchanges whose first phase leaves each owner its summed shard."""
 
+NOT_TAKEN = {
+    "fusion": "every sparse leaf is its own bucket, exchanged by its own owner phase",
+    "backward_seconds": "its plan is per leaf and prices no overlap",
+    "rank": "PowerSGD leaves no owner a summed shard",
+}
+"""Options of :func:`topka2a_jax.topka2a` that :func:`sharded_optimizer` refuses, and why."""
+
 NOT_ELEMENT_WISE = (
     "clip_by_global_norm", "scale_by_trust_ratio", "lamb", "lars",
     "adaptive_grad_clip", "scale_by_factored_rms", "adafactor", "scale_by_novograd",
@@ -115,21 +120,18 @@ def check_element_wise(inner: optax.GradientTransformation) -> None:
         "element-wise transform (sgd, momentum, adam, adamw, lion).")
 
 
-def sharded_optimizer(
-    inner: optax.GradientTransformation,
-    density: float,
-    *,
-    axis_name: Hashable = "data",
-    mesh: Mesh | None = None,
-    algorithm: str = AUTO,
-    error_feedback: bool = True,
-    min_size: int = DEFAULT_MIN_SIZE,
-    network: Any = AUTO_NETWORK,
-    value_dtype: Any = None,
-    selection: str = DEFAULT_SELECTION,
-    warmup_steps: int = 0,
-    skip_nonfinite: bool = True,
-) -> optax.GradientTransformationExtraArgs:
+@takes_options(exclude=tuple(NOT_TAKEN), docs={
+    "axis_name": "the data-parallel mesh axis (one: the state is sharded over it).",
+    "algorithm": (
+        "``\"auto\"`` (each leaf the cheaper of the two under the cost model), "
+        "``\"topka2a\"`` or ``\"dense\"`` (a reduce-scatter). The other exchanges do "
+        "not leave owners a summed shard."),
+    "skip_nonfinite": (
+        "a non-finite gradient on any device skips the step everywhere, leaving "
+        "``inner``'s state as it was."),
+})
+def sharded_optimizer(inner: optax.GradientTransformation, density: float,
+                      **options: Any) -> optax.GradientTransformationExtraArgs:
   """``optax.chain(topka2a(density), inner)`` with ``inner``'s state sharded.
 
   Each device runs ``inner`` on the shard of every parameter it owns in
@@ -141,23 +143,10 @@ def sharded_optimizer(
       masks, lion, schedules); it gets the mean gradient's shards and, where
       it asks, the parameters' shards.
     density: fraction of every sparse leaf each device sends, in (0, 1].
-    axis_name: the data-parallel mesh axis.
-    mesh: the mesh ``init`` lays the state out for (else read from the
-      parameters' shardings).
-    algorithm: ``"auto"`` (each leaf the cheaper of the two under the cost
-      model), ``"topka2a"`` or ``"dense"`` (a reduce-scatter). The other
-      exchanges do not leave owners a summed shard.
-    error_feedback: keep what was not sent, as :func:`topka2a_jax.topka2a`.
-    min_size: leaves with fewer elements on a device go dense.
-    network: the link the planner prices, as :func:`topka2a_jax.topka2a`.
-    value_dtype: the top-k values' dtype on the wire.
-    selection: how the top-k is chosen, as :func:`topka2a_jax.topka2a`.
-    warmup_steps: applied steps exchanged densely first.
-    skip_nonfinite: a non-finite gradient on any device skips the step
-      everywhere, leaving ``inner``'s state as it was.
+    **options: the options of :func:`topka2a_jax.topka2a` but ``fusion``,
+      ``backward_seconds`` and ``rank``, below.
 
   Every sparse leaf is its own bucket (so it takes no ``fusion``).
-
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state
     :class:`topka2a_jax.ShardedOptimizerState`; its updates are ``inner``'s, whole and
@@ -177,23 +166,20 @@ def sharded_optimizer(
     (8, 1, 32)
   """
   checked_optimizer("inner", inner)
+  refuse_options("sharded_optimizer", options, NOT_TAKEN)
+  algorithm = options.get("algorithm", AUTO)
   if algorithm not in OWNER_SHARD_ALGORITHMS:
     raise ValueError(
         f"sharded_optimizer runs the optimizer where TopKA2A's first phase "
         f"leaves each device its summed shard; algorithm={algorithm!r} has no "
         f"such phase. Choose one of {', '.join(map(repr, OWNER_SHARD_ALGORITHMS))}.")
-  axis = DataAxis.parse(axis_name)
-  if axis.is_pair:
+  opts = Options.create(density, **options)
+  if opts.axis.is_pair:
     raise ValueError(
-        f"sharded_optimizer shards over one data axis; axis_name={axis.name!r} is a "
-        "pair. Use optax.chain(topka2a_jax.topka2a(..., axis_name=...), inner) "
+        f"sharded_optimizer shards over one data axis; axis_name={opts.axis.name!r} is "
+        "a pair. Use optax.chain(topka2a_jax.topka2a(..., axis_name=...), inner) "
         "for the two-level exchange.")
   check_element_wise(inner)
-  opts = Options.create(
-      density, axis_name=axis, mesh=mesh, algorithm=algorithm,
-      error_feedback=error_feedback, min_size=min_size, network=network,
-      value_dtype=value_dtype, selection=selection, warmup_steps=warmup_steps,
-      skip_nonfinite=skip_nonfinite)
 
   def init_fn(params: optax.Params) -> ShardedOptimizerState:
     return ShardedOptimizerState(init_state(opts, params),

@@ -54,13 +54,14 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from topka2a_jax._src import layout
@@ -72,8 +73,7 @@ from topka2a_jax._src.axis import (
   vary_like,
 )
 from topka2a_jax._src.collectives.algorithms import AUTO, ONEBIT_4
-from topka2a_jax._src.options import DEFAULT_MIN_SIZE, DEFAULT_SELECTION, Options
-from topka2a_jax._src.planner.cost import AUTO_NETWORK
+from topka2a_jax._src.options import Options, takes_options
 from topka2a_jax._src.states import CompressedUpdatesState
 from topka2a_jax._src.transforms.exchange_state import (
   holds_exchange,
@@ -101,24 +101,21 @@ loss (8 bits back: 5.0% / 6.7%; the top-k: 19.3% / 21.1%) and reaches 2.4 in
 4 bits reached 2.4 sooner in all four runs."""
 
 
-def compress_updates(
-    inner: optax.GradientTransformation,
-    density: float | None = None,
-    *,
-    axis_name: Hashable = "data",
-    mesh: Mesh | None = None,
-    algorithm: str | None = None,
-    error_feedback: bool = True,
-    min_size: int = DEFAULT_MIN_SIZE,
-    fusion: int | str = "auto",
-    network: Any = AUTO_NETWORK,
-    backward_seconds: float | None = None,
-    value_dtype: Any = None,
-    selection: str = DEFAULT_SELECTION,
-    warmup_steps: int = 0,
-    skip_nonfinite: bool = True,
-    rank: int | None = None,
-) -> optax.GradientTransformationExtraArgs:
+@takes_options(defaults={"algorithm": None}, docs={
+    "algorithm": (
+        "by default ``\"onebit_4\"`` without a density (every entry's sign to its "
+        "shard's owner, the owners' means back in 4 bits; 1-bit Adam's exchange) and "
+        "``\"auto\"`` with one (each bucket's top-k by the cheapest exchange under the "
+        "cost model among those whose mean holds every device's whole selection: "
+        "TopKA2A, TopkA, dense). Or any name of "
+        ":data:`topka2a_jax.collectives.ALGORITHMS`, or ``\"powersgd\"`` (see "
+        ":func:`topka2a_jax.topka2a`)."),
+    "skip_nonfinite": (
+        "a non-finite gradient on any device skips the step everywhere, leaving "
+        "``inner``'s state as it was on every device."),
+})
+def compress_updates(inner: optax.GradientTransformation, density: float | None = None,
+                     **options: Any) -> optax.GradientTransformationExtraArgs:
   """``inner`` run on every device's own gradient, its updates averaged sparsely.
 
   Use it as the whole optimizer of a data-parallel step (it replaces
@@ -138,31 +135,7 @@ def compress_updates(
       as its top-k, in (0, 1]; 1.0 applies the mean of the devices'
       updates. Without it (the default) every entry goes as its sign
       (:data:`DEFAULT_ALGORITHM`), which no density shapes.
-    axis_name: the data-parallel mesh axis, or a pair ``(outer, inner)``.
-    mesh: the mesh ``init`` lays the state out for (else read from the
-      parameters' shardings), as for :func:`topka2a_jax.topka2a`.
-    algorithm: by default ``"onebit_4"`` without a density (every entry's
-      sign to its shard's owner, the owners' means back in 4 bits; 1-bit
-      Adam's exchange) and ``"auto"`` with one (each bucket's top-k by the
-      cheapest exchange under the cost model among those whose mean holds
-      every device's whole selection: TopKA2A, TopkA, dense). Or any name
-      of :data:`topka2a_jax.collectives.ALGORITHMS` (``"onebit"``: the
-      means back in 8 bits), or ``"powersgd"`` (see
-      :func:`topka2a_jax.topka2a`).
-    error_feedback: keep what was not sent of the updates, as
-      :func:`topka2a_jax.topka2a`.
-    min_size: leaves with fewer elements on a device go dense.
-    fusion: bucket size, as :func:`topka2a_jax.topka2a`.
-    network: the link the planner prices, as :func:`topka2a_jax.topka2a`.
-    backward_seconds: the backward pass the buckets overlap, as
-      :func:`topka2a_jax.topka2a`.
-    value_dtype: the top-k values' dtype on the wire (not with the
-      quantizing exchanges, which send signs and codes).
-    selection: how the top-k is chosen, as :func:`topka2a_jax.topka2a`.
-    warmup_steps: applied steps exchanged densely first.
-    skip_nonfinite: a non-finite gradient on any device skips the step
-      everywhere, leaving ``inner``'s state as it was on every device.
-    rank: the factors' rank of ``algorithm="powersgd"``.
+    **options: the options of :func:`topka2a_jax.topka2a`, below.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state
@@ -181,14 +154,9 @@ def compress_updates(
     >>> int(opt_state.exchange.count)
     1
   """
-  if algorithm is None:
-    algorithm = DEFAULT_ALGORITHM if density is None else AUTO
-  opts = Options.create(
-      density, axis_name=axis_name, mesh=mesh, algorithm=algorithm,
-      error_feedback=error_feedback, min_size=min_size, fusion=fusion, network=network,
-      backward_seconds=backward_seconds, value_dtype=value_dtype, selection=selection,
-      warmup_steps=warmup_steps, skip_nonfinite=skip_nonfinite, rank=rank,
-      whole_selection=True)
+  if options.get("algorithm") is None:
+    options["algorithm"] = DEFAULT_ALGORITHM if density is None else AUTO
+  opts = dataclasses.replace(Options.create(density, **options), whole_selection=True)
   inner = optax.with_extra_args_support(checked_optimizer("inner", inner))
 
   def init_fn(params: optax.Params) -> CompressedUpdatesState:
