@@ -101,6 +101,41 @@ def test_nothing_is_lost_across_steps(mesh, algorithm, value_dtype, exchange_ste
     old = new
 
 
+def test_bfloat16_residuals_lose_only_their_own_rounding(mesh, exchange_steps):
+  tx = optax.chain(topka2a_jax.topka2a(0.02, min_size=0, residual_dtype=jnp.bfloat16))
+  steps = [random_grads(seed) for seed in (34, 35, 36)]
+  history = exchange_steps(tx, mesh, steps)
+  old = {k: np.zeros((8, g[0].size)) for k, g in steps[0].items()}
+  for grads, (updates, state) in zip(steps, history):
+    assert {r.dtype for r in jax.tree.leaves(state[0].residuals)} == {jnp.dtype(jnp.bfloat16)}
+    new = residuals_of(state)
+    for k, g in grads.items():
+      had = g.reshape(8, -1).sum(0) + old[k].sum(0)
+      kept = 8 * updates[k][0].reshape(-1) + new[k].astype(np.float64).sum(0)
+      rounding = 8 * np.abs(new[k]).max() * 2.0**-8  # one bfloat16 rounding a device
+      np.testing.assert_allclose(kept, had, rtol=0, atol=rounding + 1e-5)
+    old = {k: v.astype(np.float64) for k, v in new.items()}
+  full = topka2a_jax.init(optax.chain(topka2a_jax.topka2a(0.02, min_size=0)),
+                          {k: jnp.zeros(s) for k, s in SHAPES.items()}, mesh)
+  assert sum(r.nbytes for r in jax.tree.leaves(history[0][1][0].residuals)) * 2 == sum(
+      r.nbytes for r in jax.tree.leaves(full[0].residuals))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: topka2a_jax.compress_updates(optax.adam(1e-2), 0.05, min_size=0,
+                                         residual_dtype=jnp.bfloat16),
+    lambda: topka2a_jax.sharded_optimizer(optax.adam(1e-2), 0.05, min_size=0,
+                                          residual_dtype=jnp.bfloat16)])
+def test_every_transform_takes_residual_dtype_and_keeps_it(make, mesh, train_steps):
+  params = {"w": jnp.ones((64, 8)), "b": jnp.zeros((8,))}
+  loss = lambda p, x: jnp.mean((x @ p["w"] + p["b"] - 1.0) ** 2)
+  batches = [jax.random.normal(jax.random.key(i), (16, 64)) for i in range(3)]
+  history = train_steps(make(), mesh, loss, params, batches)
+  for _, state, _ in history:
+    assert {r.dtype for r in jax.tree.leaves(state.exchange.residuals)} == {jnp.dtype(jnp.bfloat16)}
+  assert history[-1][2] < history[0][2]
+
+
 def test_small_leaves_go_dense_without_residual(mesh, exchange_steps):
   shapes = {"bias": (10,), "kernel": (40, 40)}
   tx = optax.chain(topka2a_jax.topka2a(0.01))  # default min_size=1024

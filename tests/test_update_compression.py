@@ -7,6 +7,7 @@ exchange model of ``tests/reference.py`` applied to the updates; at density
 """
 
 import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp

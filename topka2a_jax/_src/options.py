@@ -60,18 +60,21 @@ def _flag(name: str, value: Any) -> bool:
   return value
 
 
-def _value_dtype(value_dtype: Any) -> jnp.dtype | None:
-  if value_dtype is None:
-    return None
-  try:
-    dtype = jnp.dtype(value_dtype)
-  except TypeError:
-    dtype = None
-  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-    raise TypeError(
-        f"value_dtype must be a floating dtype such as jnp.bfloat16, or None; "
-        f"got {value_dtype!r}")
-  return dtype
+def _floating(name: str):
+  """The check of a dtype option: a floating dtype, or None."""
+  def check(value: Any, given: dict[str, Any]) -> jnp.dtype | None:
+    del given
+    if value is None:
+      return None
+    try:
+      dtype = jnp.dtype(value)
+    except TypeError:
+      dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+      raise TypeError(f"{name} must be a floating dtype such as jnp.bfloat16, or "
+                      f"None; got {value!r}")
+    return dtype
+  return check
 
 
 def _backward_seconds(value: Any) -> float | None:
@@ -303,7 +306,14 @@ class Options:
       "stays in float32 and the rounding stays in the residual. None sends float32. "
       "Indices always travel in the narrowest unsigned type that fits (uint16 for "
       "shards of up to 65,536). Not with the exchanges that send codes.",
-      lambda value, given: _value_dtype(value), annotation="Any")
+      _floating("value_dtype"), annotation="Any")
+  residual_dtype: jnp.dtype | None = _option(
+      None,
+      "dtype the residuals are kept in. None (the default) keeps float32 (float64 "
+      "for float64 leaves), so nothing rounds away. ``jnp.bfloat16`` halves their "
+      "memory, a copy of the model per device; gradient and residual are still "
+      "added in float32, and what rounds off when the residual is stored is lost.",
+      _floating("residual_dtype"), annotation="Any")
   selection: str = _option(
       DEFAULT_SELECTION,
       "``\"auto\"`` (the default: the fastest for the backend, "

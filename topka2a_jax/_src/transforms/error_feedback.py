@@ -96,8 +96,12 @@ def unpack_bucket(buffer: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:
   return pieces
 
 
-def residual_dtype(dtype: jnp.dtype) -> jnp.dtype:
-  """Residuals are float32, or float64 for float64 leaves: nothing rounds away."""
+def accumulation_dtype(dtype: jnp.dtype) -> jnp.dtype:
+  """Gradient and residual are added in float32, or float64 for float64 leaves.
+
+  It is the residuals' dtype too unless ``residual_dtype=`` says otherwise,
+  so that nothing rounds away.
+  """
   return jnp.promote_types(jnp.float32, dtype)
 
 
@@ -164,7 +168,7 @@ def exchange_buckets(plan: ExchangePlan, buckets: Sequence[tuple[list[int], Buck
   means: list[jax.Array] = [g if g.size else _zeros_like_mean(g, axis) for g in grads]
   new_residuals: list[Any] = [optax.MaskedNode()] * len(grads)
   for members, bucket in buckets:
-    dtype = jnp.result_type(*(residual_dtype(grads[i].dtype) for i in members))
+    dtype = jnp.result_type(*(accumulation_dtype(grads[i].dtype) for i in members))
     keeps = [not isinstance(residuals[i], optax.MaskedNode) for i in members]
     sizes = [grads[i].size for i in members]
     widths = [layout.residual_slice(size, per_node) for size in sizes]
@@ -230,7 +234,7 @@ def _exchange_low_rank(plan: ExchangePlan, buckets: Sequence[tuple[list[int], Bu
     return means, new, new_factors
   accumulators = []
   for i in low:
-    acc = grads[i].astype(residual_dtype(grads[i].dtype))
+    acc = grads[i].astype(accumulation_dtype(grads[i].dtype))
     if not isinstance(residuals[i], optax.MaskedNode):
       acc = acc + residuals[i]
     accumulators.append(acc)

@@ -90,7 +90,7 @@ def init_state(options: Options, params: optax.Params) -> TopKA2AState:
   if is_bound(options.axis_name):
     residuals = [
         jnp.zeros(residual_block_shape(options.axis, leaf.shape),
-                  error_feedback.residual_dtype(leaf.dtype))
+                  options.residual_dtype or error_feedback.accumulation_dtype(leaf.dtype))
         if options.keeps_residual(leaf.size, leaf.shape) else optax.MaskedNode()
         for leaf in leaves]
     return TopKA2AState(treedef.unflatten(residuals), zero, zero,
@@ -156,7 +156,7 @@ def _global_state(options: Options, mesh: Mesh, paths: Sequence[str],
       shapes.append(jax.ShapeDtypeStruct(
           layout.residual_shape(leaf.shape, num_devices, per_node=per_node,
                                 pieces=math.prod(leaf.shape) // local_size),
-          error_feedback.residual_dtype(leaf.dtype)))
+          options.residual_dtype or error_feedback.accumulation_dtype(leaf.dtype)))
       shardings.append(NamedSharding(mesh, layout.residual_spec(options.axis, spec)))
 
   def zeros() -> list[jax.Array]:  # the residuals, then count and nonfinite_steps

@@ -334,7 +334,7 @@ def owner_phase(opts: Options, grads: Sequence[jax.Array], residuals: Sequence[A
   shards: list[Any] = [None] * len(grads)
   new: list[Any] = [optax.MaskedNode()] * len(grads)
   keeps = [not isinstance(r, optax.MaskedNode) for r in residuals]
-  accs = [jnp.ravel(g).astype(error_feedback.residual_dtype(g.dtype)) + jnp.ravel(r)
+  accs = [jnp.ravel(g).astype(error_feedback.accumulation_dtype(g.dtype)) + jnp.ravel(r)
           if keep else jnp.ravel(g) for g, r, keep in zip(grads, residuals, keeps)]
   dense = []
   for i, (grad, acc) in enumerate(zip(grads, accs)):
@@ -344,7 +344,8 @@ def owner_phase(opts: Options, grads: Sequence[jax.Array], residuals: Sequence[A
           get_selection(opts.selection))
       shards[i] = first_phase.owned / num_devices
       if keeps[i]:
-        new[i] = first_phase.unsent.reshape(-1)[: grad.size].reshape(residuals[i].shape)
+        new[i] = first_phase.unsent.reshape(-1)[: grad.size].reshape(
+            residuals[i].shape).astype(residuals[i].dtype)
     else:
       dense.append(i)
       if keeps[i]:
