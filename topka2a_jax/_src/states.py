@@ -13,7 +13,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import optax
@@ -100,3 +101,46 @@ def per_device_kind(state: NamedTuple, field: str) -> str | None:
     ('replica', None)
   """
   return PER_DEVICE.get(type(state), {}).get(field)
+
+
+def map_per_device(state: Any, per_device: Callable[[str, Any], Any],
+                   other: Callable[[Any], Any], *,
+                   by_field: dict[str, Callable[[Any], Any]] | None = None,
+                   is_leaf: Callable[[Any], bool] | None = None) -> Any:
+  """``state`` with every per-device field and every other node replaced, wherever the states sit.
+
+  Args:
+    state: any pytree holding the transforms' states.
+    per_device: ``(kind, field's value) -> its replacement`` for every
+      per-device field (:data:`PER_DEVICE`).
+    other: ``node -> its replacement`` for every leaf outside those fields
+      (and every node ``is_leaf`` stops at).
+    by_field: ``value -> its replacement`` for other fields of the states,
+      by name, where ``other`` leaf by leaf would not do.
+    is_leaf: nodes to hand ``other`` whole.
+
+  Example:
+    >>> state = (TopKA2AState({"w": jnp.zeros(4)}, jnp.int32(0), jnp.int32(0)), ())
+    >>> map_per_device(state, lambda kind, value: kind, lambda leaf: None)[0].residuals
+    'residual'
+  """
+  by_field = by_field or {}
+
+  def stop(node: Any) -> bool:
+    return type(node) in PER_DEVICE or (is_leaf is not None and is_leaf(node))
+
+  def visit(node: Any) -> Any:
+    if type(node) not in PER_DEVICE:
+      return other(node)
+    fields = {}
+    for field, value in zip(node._fields, node):
+      kind = per_device_kind(node, field)
+      if kind is not None:
+        fields[field] = per_device(kind, value)
+      elif field in by_field:
+        fields[field] = by_field[field](value)
+      else:
+        fields[field] = jax.tree.map(visit, value, is_leaf=stop)
+    return node._replace(**fields)
+
+  return jax.tree.map(visit, state, is_leaf=stop)

@@ -45,13 +45,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from topka2a_jax._src.axis import DataAxis
-from topka2a_jax._src.states import (
-  PER_DEVICE,
-  REPLICA,
-  RESIDUAL,
-  SHARD,
-  per_device_kind,
-)
+from topka2a_jax._src.states import RESIDUAL, map_per_device
 from topka2a_jax._src.training.integrity import (
   MANIFEST_FILE,
   leaf_fingerprints,
@@ -60,15 +54,7 @@ from topka2a_jax._src.training.integrity import (
   verify,
   write_manifest,
 )
-from topka2a_jax._src.training.resize import (
-  Devices,
-  average_replicas,
-  reshard,
-  resize_residual,
-  resize_slices,
-  saved_shape,
-  saved_slices_shape,
-)
+from topka2a_jax._src.training.resize import RULES, Devices
 
 LAYOUT_FILE = "topka2a_layout.json"
 """Written beside Orbax's files: devices, axis, pytree structure, shapes, and
@@ -79,22 +65,11 @@ LAYOUT_VERSION = 2
 path, shape, dtype, per-device kind and fingerprint."""
 
 
-def _per_device(state: Any) -> list[str | bool]:
+def _kinds(state: Any) -> list[str | bool]:
   """For every leaf of ``state``: its kind of per-device state, or False (replicated)."""
-  def is_state(node: Any) -> bool:
-    return type(node) in PER_DEVICE
-
-  def mark(node: Any) -> Any:
-    if not is_state(node):
-      return jax.tree.map(lambda _: False, node)
-    fields = {}
-    for field, value in zip(node._fields, node):
-      kind = per_device_kind(node, field)
-      fields[field] = (jax.tree.map(lambda _, kind=kind: kind, value) if kind
-                       else jax.tree.map(mark, value, is_leaf=is_state))
-    return node._replace(**fields)
-
-  return jax.tree.leaves(jax.tree.map(mark, state, is_leaf=is_state))
+  return jax.tree.leaves(map_per_device(
+      state, lambda kind, value: jax.tree.map(lambda _: kind, value),
+      lambda _: False))
 
 
 def _pieces(leaf: Any, axis: DataAxis) -> int:
@@ -133,7 +108,7 @@ def _layout(state: Any, mesh: Mesh, axis: DataAxis) -> dict[str, Any]:
           {"path": jax.tree_util.keystr(path), "shape": list(leaf.shape),
            "dtype": str(leaf.dtype), "per_device": per_device,
            "pieces": _pieces(leaf, axis) if per_device == RESIDUAL else 1}
-          for (path, leaf), per_device in zip(with_paths, _per_device(state))
+          for (path, leaf), per_device in zip(with_paths, _kinds(state))
       ],
   }
 
@@ -320,24 +295,9 @@ def restore_laid_out(saved: dict[str, Any], read: Any, like: Any, mesh: Mesh,
 
 def _resized(leaf: jax.Array, described: dict[str, Any], old: Devices, new: Devices,
              sharding: Any) -> jax.Array:
-  """A loaded leaf on ``new`` devices, as its kind of layout asks."""
-  if described["per_device"] == RESIDUAL and new.per_node is not None:
-    return jax.jit(resize_slices, static_argnums=(1, 2, 3, 4), out_shardings=sharding)(
-        leaf, old, new, described["shape"][0], described["pieces"])
-  if described["per_device"] == RESIDUAL:
-    return jax.jit(resize_residual, static_argnums=(1, 2), out_shardings=sharding)(
-        leaf, old.nodes, new.nodes)
-  if described["per_device"] == REPLICA:
-    return jax.jit(average_replicas, static_argnums=1, out_shardings=sharding)(
-        leaf, described["shape"][0])
-  if described["per_device"] == SHARD:
-    spec = tuple(sharding.spec) + (None,) * (leaf.ndim - len(sharding.spec))
-    last = () if leaf.ndim < 2 or spec[-1] is None else (
-        spec[-1] if isinstance(spec[-1], tuple) else (spec[-1],))
-    pieces = math.prod(sharding.mesh.shape[axis] for axis in last)
-    return jax.jit(reshard, static_argnums=(1, 2), out_shardings=sharding)(
-        leaf, tuple(described["shape"]), pieces)
-  return leaf
+  """A loaded leaf on ``new`` devices, as its kind's :data:`resize.RULES` asks."""
+  kind = described["per_device"]
+  return RULES[kind].resize(leaf, described, old, new, sharding) if kind else leaf
 
 
 def _check_fingerprints(loaded: Any, saved: dict[str, Any], directory: Any) -> None:
@@ -407,16 +367,9 @@ def _check_same_configuration(saved: dict[str, Any], wanted: dict[str, Any],
         "each residual, over one axis the whole of it. Restore onto the kind "
         "of data axis it was saved with; nothing was loaded.")
   for was, want in zip(saved["leaves"], wanted["leaves"]):
-    shape = list(want["shape"])
-    if want["per_device"] == RESIDUAL and new.per_node is not None:
-      shape = saved_slices_shape(was["shape"], shape, old, new, want["pieces"])
-    elif want["per_device"] == RESIDUAL:
-      shape = saved_shape(shape, old.nodes, new.nodes)
-    elif want["per_device"] == REPLICA:  # (devices, *shape): one copy each
-      shape = [saved["devices"], *shape[1:]]
-    elif want["per_device"] == SHARD:  # (devices, 1, ..., 1, entries per device)
-      shape = ([old.nodes, *shape[1:-1], was["shape"][-1]] if len(shape) > 1
-               else [old.nodes])
+    kind = want["per_device"]
+    shape = (RULES[kind].saved_shape(was, want, saved["devices"], old, new) if kind
+             else list(want["shape"]))
     if was["dtype"] != want["dtype"] or was["shape"] != shape:
       raise ValueError(
           f"leaf {want['path']} was saved as {was['dtype']}{was['shape']} on "

@@ -32,14 +32,7 @@ from topka2a_jax._src import layout
 from topka2a_jax._src.axis import DataAxis
 from topka2a_jax._src.collectives.algorithms import DENSE
 from topka2a_jax._src.layout import inner_specs, laid_out_for, replica_specs
-from topka2a_jax._src.states import (
-  PER_DEVICE,
-  REPLICA,
-  RESIDUAL,
-  SHARD,
-  TopKA2AState,
-  per_device_kind,
-)
+from topka2a_jax._src.states import RESIDUAL, SHARD, TopKA2AState, map_per_device
 from topka2a_jax._src.transforms.clipping import warn_if_clipped_before_exchange
 
 
@@ -205,34 +198,22 @@ def state_specs(opt_state: optax.OptState, axis_name: Hashable = "data",
   param_leaves = (None if param_specs is None
                   else jax.tree.leaves(param_specs, is_leaf=_is_spec))
 
-  def is_state(node: Any) -> bool:
-    return type(node) in PER_DEVICE
-
-  def field_specs(node: Any, field: str, value: Any) -> Any:
-    kind = per_device_kind(node, field)
+  def per_device(kind: str, value: Any) -> Any:
     if kind == RESIDUAL:
       return _residual_specs(value, axis, param_specs)
     if kind == SHARD:
       if params_structure is None:
         return jax.tree.map(lambda _: P(axis.name), value)
       return inner_specs(value, params_structure, param_leaves, axis.name)
-    if kind == REPLICA:
-      return replica_specs(value, axis, params_structure, param_leaves)
-    if field == "factors":  # PowerSGD's Q: replicated, laid out like the parameters
-      return _factor_specs(value, param_specs)
-    return spec_for(value) if is_state(value) else jax.tree.map(lambda _: P(), value)
+    return replica_specs(value, axis, params_structure, param_leaves)  # REPLICA
 
-  def spec_for(node: Any) -> Any:
-    if is_state(node):
-      return node._replace(**{field: field_specs(node, field, value)
-                              for field, value in zip(node._fields, node)})
-    if shaped_like_params(node):
-      return param_specs
-    return P()
+  def other(node: Any) -> Any:
+    return param_specs if shaped_like_params(node) else P()
 
-  return jax.tree.map(
-      spec_for, opt_state,
-      is_leaf=lambda node: is_state(node) or shaped_like_params(node))
+  return map_per_device(
+      opt_state, per_device, other, is_leaf=shaped_like_params,
+      # PowerSGD's Q: replicated, laid out like the parameters
+      by_field={"factors": lambda value: _factor_specs(value, param_specs)})
 
 
 def _check_param_specs(param_specs: Any, axis: DataAxis) -> None:

@@ -6,7 +6,9 @@ a restart on another device count keeps exactly that
 (:func:`resize_residual`; over a pair of data axes, whose devices keep
 slices, :func:`resize_slices`). A sharded optimizer's state is laid out
 anew (:func:`reshard`), and per-device copies of an optimizer's state
-start from their mean (:func:`average_replicas`).
+start from their mean (:func:`average_replicas`). :data:`RULES` says, for
+each kind of per-device state, what it was saved as and how it is resized:
+the one place :mod:`topka2a_jax.checkpoint` reads both from.
 
 Example:
   >>> resize_residual(jnp.array([1.0, 2.0, 3.0, 4.0]), 2, 4)  # 2 devices onto 4
@@ -15,10 +17,15 @@ Example:
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from topka2a_jax._src.states import REPLICA, RESIDUAL, SHARD
 
 
 class Devices(NamedTuple):
@@ -232,3 +239,80 @@ def resize_slices(residual: jax.Array, old: Devices, new: Devices, length: int,
   per_node = owed_rows(owed.reshape(old_nodes, -1), new_nodes, scale)
   return per_node.reshape(new_nodes, pieces, new_per_node, new_width).transpose(
       0, 2, 1, 3).reshape(-1)
+
+
+class Rule(NamedTuple):
+  """How one kind of per-device state is restored onto another device count.
+
+  Each reads a leaf's description (``shape``, and ``pieces``: blocks per
+  data index over other mesh axes) from the checkpoint's layout.
+
+  Attributes:
+    saved_shape: ``(saved leaf, wanted leaf, saved devices, old, new) ->``
+      the global shape the wanted leaf had when saved on the old devices.
+    resize: ``(loaded leaf, wanted leaf, old, new, its sharding) ->`` the
+      leaf laid out for the new devices.
+  """
+
+  saved_shape: Callable[[dict[str, Any], dict[str, Any], int, Devices, Devices],
+                        list[int]]
+  resize: Callable[[jax.Array, dict[str, Any], Devices, Devices, NamedSharding],
+                   jax.Array]
+
+
+def _residual_saved_shape(was: dict[str, Any], want: dict[str, Any], devices: int,
+                          old: Devices, new: Devices) -> list[int]:
+  del devices
+  if new.per_node is not None:
+    return saved_slices_shape(was["shape"], list(want["shape"]), old, new, want["pieces"])
+  return saved_shape(list(want["shape"]), old.nodes, new.nodes)
+
+
+def _residual_resized(leaf: jax.Array, want: dict[str, Any], old: Devices, new: Devices,
+                      sharding: NamedSharding) -> jax.Array:
+  if new.per_node is not None:
+    return jax.jit(resize_slices, static_argnums=(1, 2, 3, 4), out_shardings=sharding)(
+        leaf, old, new, want["shape"][0], want["pieces"])
+  return jax.jit(resize_residual, static_argnums=(1, 2), out_shardings=sharding)(
+      leaf, old.nodes, new.nodes)
+
+
+def _replica_saved_shape(was: dict[str, Any], want: dict[str, Any], devices: int,
+                         old: Devices, new: Devices) -> list[int]:
+  del was, old, new
+  return [devices, *want["shape"][1:]]  # (devices, *shape): one copy each
+
+
+def _replica_resized(leaf: jax.Array, want: dict[str, Any], old: Devices, new: Devices,
+                     sharding: NamedSharding) -> jax.Array:
+  del old, new
+  return jax.jit(average_replicas, static_argnums=1, out_shardings=sharding)(
+      leaf, want["shape"][0])
+
+
+def _shard_saved_shape(was: dict[str, Any], want: dict[str, Any], devices: int,
+                       old: Devices, new: Devices) -> list[int]:
+  del devices, new  # (devices, 1, ..., 1, entries per device)
+  shape = want["shape"]
+  return [old.nodes, *shape[1:-1], was["shape"][-1]] if len(shape) > 1 else [old.nodes]
+
+
+def _shard_resized(leaf: jax.Array, want: dict[str, Any], old: Devices, new: Devices,
+                   sharding: NamedSharding) -> jax.Array:
+  del old, new
+  spec = tuple(sharding.spec) + (None,) * (leaf.ndim - len(sharding.spec))
+  last = () if leaf.ndim < 2 or spec[-1] is None else (
+      spec[-1] if isinstance(spec[-1], tuple) else (spec[-1],))
+  pieces = math.prod(sharding.mesh.shape[axis] for axis in last)
+  return jax.jit(reshard, static_argnums=(1, 2), out_shardings=sharding)(
+      leaf, tuple(want["shape"]), pieces)
+
+
+RULES: dict[str, Rule] = {
+    RESIDUAL: Rule(_residual_saved_shape, _residual_resized),
+    REPLICA: Rule(_replica_saved_shape, _replica_resized),
+    SHARD: Rule(_shard_saved_shape, _shard_resized),
+}
+"""Every kind of per-device state (:data:`topka2a_jax._src.states.PER_DEVICE`)
+and its restore rule: residuals keep what they owe, optimizer copies start
+from their mean, a sharded optimizer's state is re-sharded."""
