@@ -98,3 +98,19 @@ def test_nnx_train_step_warns_on_its_first_call(mesh):
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # once per optimizer, not every step
     train(model, optimizer, batch)
+
+
+def test_the_optax_internals_the_warning_reads_are_still_there():
+  """A chain is its update's code, closing over its members' updates in order.
+
+  The warning (and sharded_optimizer's refusal) read optax.chain this way; an
+  optax release that changes it fails here, not silently.
+  """
+  from topka2a_jax._src.transforms.clipping import chained, transform_names
+
+  clip, exchange = optax.clip_by_global_norm(1.0), topka2a_jax.topka2a(0.01)
+  [members] = list(chained(optax.chain(clip, exchange).update))
+  assert len(members) == 2  # each wrapped for extra args, in the chain's order
+  assert "clip_by_global_norm" in set(transform_names(members[0]))
+  assert "topka2a" in set(transform_names(members[1]))
+  assert "topka2a" not in set(transform_names(members[0]))

@@ -253,6 +253,24 @@ def test_a_stall_timeout_must_be_positive():
       topka2a_jax.distributed.initialize(stall_timeout_seconds=bad)
 
 
+def test_the_coordination_client_the_stall_watch_reads_is_where_jax_keeps_it():
+  # JAX has no public route to it: a release that moves it fails here.
+  from jax._src import distributed as jax_distributed
+
+  from topka2a_jax._src.training import distributed
+
+  assert hasattr(jax_distributed.global_state, "client")
+  assert distributed.coordination_client() is jax_distributed.global_state.client
+
+
+def test_without_the_client_the_stall_watch_is_off_with_a_warning():
+  from topka2a_jax._src.training import distributed
+
+  with pytest.warns(RuntimeWarning, match="the stall watch is off: this JAX does not "
+                                          "expose its coordination client"):
+    assert distributed.arm_stall_watch(30.0, None) is False
+
+
 WATCH_BUSY_AT_EXIT = """
 import sys, threading
 import jax, jax.numpy as jnp

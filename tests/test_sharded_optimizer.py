@@ -385,3 +385,15 @@ def test_a_2d_state_restored_on_fewer_data_devices_trains_on_alike(tmp_path):
   got = train(restored, small, batches[3:])["params"]
   for k in params:
     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_every_transform_refused_by_name_is_one_optax_has():
+  # An optax rename would otherwise switch the refusal off without a word.
+  from topka2a_jax._src.transforms.sharded_optimizer import NOT_ELEMENT_WISE
+
+  missing = [name for name in NOT_ELEMENT_WISE if not callable(getattr(optax, name, None))]
+  assert not missing
+  for name in ("lars", "novograd", "sm3", "polyak_sgd", "lbfgs"):
+    with pytest.raises(ValueError, match="reduces over whole parameters"):
+      topka2a_jax.sharded_optimizer(getattr(optax, name)(1e-3) if name != "lbfgs"
+                                    else optax.lbfgs(), 0.01)

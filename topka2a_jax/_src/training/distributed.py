@@ -25,9 +25,10 @@ import numbers
 import os
 import sys
 import threading
+import warnings
+from typing import Any
 
 import jax
-from jax._src import distributed as jax_distributed  # the coordination client
 
 from topka2a_jax._src.training import watchdog
 
@@ -121,6 +122,37 @@ def _exit_at_once_on_failure(previous):
   return exit
 
 
+def coordination_client() -> Any:
+  """JAX's coordination client (its key-value store), or None where JAX hides it.
+
+  JAX offers no public route to it; the stall watch reads it from
+  ``jax._src.distributed``. ``tests/test_multiprocess.py`` holds that it is
+  there, so that a JAX release that moves it fails a test.
+  """
+  try:
+    from jax._src import distributed as jax_distributed
+  except ImportError:
+    return None
+  return getattr(getattr(jax_distributed, "global_state", None), "client", None)
+
+
+def arm_stall_watch(timeout_seconds: float, client: Any) -> bool:
+  """Starts the stall watch on ``client``; without one, warns that it is off.
+
+  Returns:
+    Whether the watch runs.
+  """
+  if client is None:
+    warnings.warn(
+        "the stall watch is off: this JAX does not expose its coordination "
+        "client (jax._src.distributed.global_state.client), which the watch "
+        "uses to name the processes behind. Training goes on without it; pass "
+        "stall_timeout_seconds=None to silence this.", RuntimeWarning, stacklevel=3)
+    return False
+  watchdog.arm(timeout_seconds, jax.process_index(), client)
+  return True
+
+
 def initialize(*, fail_fast: bool = True,
                heartbeat_timeout_seconds: int | None = None,
                shutdown_timeout_seconds: int | None = None,
@@ -191,8 +223,7 @@ def initialize(*, fail_fast: bool = True,
                                num_processes=num_processes, process_id=process_id,
                                **timeouts)
   if stall_timeout_seconds is not None:
-    watchdog.arm(stall_timeout_seconds, jax.process_index(),
-                 jax_distributed.global_state.client)
+    arm_stall_watch(stall_timeout_seconds, coordination_client())
   if fail_fast:
     sys.excepthook = _exit_at_once(sys.excepthook)
     sys.exit = _exit_at_once_on_failure(sys.exit)
