@@ -210,3 +210,45 @@ def test_exchange_state_through_nnx_optimizer_is_the_functional_run(mesh, name):
     np.testing.assert_array_equal(got, want)
   chex.assert_trees_all_equal(nnx.as_pure(nnx.state(model, nnx.Param)),
                               nnx.as_pure(params))
+
+
+def scaled_by(name="scale"):
+  """A transform that multiplies the updates by its extra argument ``name``."""
+  def update(updates, state, params=None, **extra):
+    del params
+    factor = extra.get(name, 1.0)
+    return jax.tree.map(lambda u: u * factor, updates), state
+
+  return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+
+
+def test_a_step_is_nnx_optimizers_own_update_of_the_mean_gradient(mesh):
+  """Against flax's own path: nnx.grad of the whole batch, then optimizer.update."""
+  def make():
+    return nnx.Linear(16, 4, rngs=nnx.Rngs(0))
+
+  def loss(model, batch):
+    x, y = batch
+    return jnp.mean((model(x) - y) ** 2)
+
+  model, reference = make(), make()
+  optimizer = nnx.Optimizer(model, optax.chain(
+      topka2a_jax.topka2a(algorithm="dense", mesh=mesh), optax.adam(1e-2), scaled_by()),
+      wrt=nnx.Param)
+  flax_optimizer = nnx.Optimizer(reference, optax.chain(optax.adam(1e-2), scaled_by()),
+                                 wrt=nnx.Param)
+  train = topka2a_jax.nnx_train_step(loss, mesh)
+  rng = np.random.default_rng(1)
+  for scale in (1.0, 0.5, 0.25):
+    batch = (rng.normal(size=(32, 16)).astype(np.float32),
+             rng.normal(size=(32, 4)).astype(np.float32))
+    train(model, optimizer, batch, scale=jnp.float32(scale))
+    flax_optimizer.update(reference, nnx.grad(loss)(reference, batch),
+                          scale=jnp.float32(scale))
+  chex.assert_trees_all_close(nnx.as_pure(nnx.state(model, nnx.Param)),
+                              nnx.as_pure(nnx.state(reference, nnx.Param)),
+                              rtol=1e-5, atol=1e-6)
+  assert int(optimizer.step[...]) == int(flax_optimizer.step[...]) == 3
+  chex.assert_trees_all_close(nnx.as_pure(optimizer.opt_state[1][0].nu),
+                              nnx.as_pure(flax_optimizer.opt_state[0][0].nu),
+                              rtol=1e-5, atol=1e-9)

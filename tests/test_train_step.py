@@ -375,3 +375,24 @@ def test_a_parameter_with_no_elements_passes_through(mesh, train_steps, name):
   last_params, _, last_loss = history[-1]
   assert last_params["none"].shape == (0,) and last_params["empty"].shape == (3, 0)
   assert last_loss < history[0][2]
+
+
+def test_extra_arguments_reach_the_optimizer_and_bad_ones_are_refused(mesh):
+  def update(updates, state, params=None, *, scale=1.0, **extra):
+    del params, extra
+    return jax.tree.map(lambda u: u * scale, updates), state
+
+  scaled = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
+  tx = optax.chain(topka2a_jax.topka2a(algorithm="dense"), optax.sgd(0.1), scaled)
+  loss = lambda p, x: jnp.mean((x @ p["w"] - 1.0) ** 2)
+  params = jax.device_put({"w": jnp.zeros((8, 2))}, NamedSharding(mesh, P()))
+  step = topka2a_jax.train_step(loss, tx, mesh, donate=False)
+  batch = jnp.ones((16, 8))
+  whole, _, _ = step(params, tx.init(params), batch)
+  half, _, _ = step(params, tx.init(params), batch, scale=jnp.float32(0.5))
+  np.testing.assert_allclose(np.asarray(half["w"]), 0.5 * np.asarray(whole["w"]),
+                             rtol=1e-6)
+  with pytest.raises(ValueError, match="names starting 'topka2a_' are the library's"):
+    step(params, tx.init(params), batch, topka2a_param_specs=jnp.ones(()))
+  with pytest.raises(TypeError, match="extra argument 'scale' holds a function"):
+    step(params, tx.init(params), batch, scale=lambda: 0.5)

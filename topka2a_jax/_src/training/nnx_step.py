@@ -130,16 +130,24 @@ class NnxTrainStep(DataParallelStep):
 
     return loss_and_grads, (params, rest, micro)
 
-  def _prepare(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any):
+  def _prepare(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any,
+               kwargs: dict[str, Any]):
     """The pure inputs of the jitted step, checked and (when concrete) placed."""
     wrt = optimizer.wrt
     graphdef, params, keys, rest = nnx.split(model, wrt, nnx.RngKey, ...)
     return self._inputs((graphdef, wrt), optimizer.tx, nnx.as_pure(params),
                         nnx.as_pure(rest), nnx.as_pure(optimizer.opt_state),
-                        nnx.as_pure(keys), batch, _annotated_specs(params))
+                        nnx.as_pure(keys), batch, _annotated_specs(params),
+                        nnx.as_pure(kwargs))
 
-  def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> Any:
+  def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any,
+               **kwargs: Any) -> Any:
     """One step; ``model`` and ``optimizer`` are updated in place.
+
+    ``kwargs`` (arrays) go to ``optimizer.tx.update``, as
+    ``nnx.Optimizer.update`` passes them. The optimizer's state and
+    ``step`` are written as that method writes them (with its ``graph``);
+    ``tests/test_nnx.py`` holds the two steps to the same result.
 
     Returns:
       The loss averaged over the devices, and the metrics with ``has_aux``.
@@ -149,18 +157,18 @@ class NnxTrainStep(DataParallelStep):
         sharded over the data axis, or an optimizer whose chain lacks a
         topka2a exchange or keeps per-parameter state before it.
     """
-    inputs, static = self._prepare(model, optimizer, batch)
+    inputs, static = self._prepare(model, optimizer, batch, kwargs)
     new_params, new_rest, new_opt_state, *out = self._jitted(*inputs, **static)
     watchdog.watch(out[0])
     nnx.update(model, new_params, new_rest)
-    nnx.update(optimizer.opt_state, nnx.state(new_opt_state))
+    nnx.update(optimizer.opt_state, nnx.state(new_opt_state, graph=optimizer.graph))
     optimizer.step[...] += 1
     return tuple(out) if self._has_aux else out[0]
 
-  def lower(self, model: nnx.Module, optimizer: nnx.Optimizer,
-            batch: Any) -> jax.stages.Lowered:
+  def lower(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any,
+            **kwargs: Any) -> jax.stages.Lowered:
     """The lowered step, e.g. for :func:`topka2a_jax.comm_report`."""
-    inputs, static = self._prepare(model, optimizer, batch)
+    inputs, static = self._prepare(model, optimizer, batch, kwargs)
     return self._jitted.lower(*inputs, **static)
 
 

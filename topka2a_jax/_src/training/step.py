@@ -31,6 +31,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
@@ -293,49 +294,54 @@ class DataParallelStep:
     """
     raise NotImplementedError
 
-  def _body(self, params, carry, opt_state, keys, batch, *, model, tx, specs, backward):
+  def _body(self, params, carry, opt_state, keys, batch, extra, *, model, tx, specs,
+            backward):
     axis = self._axis.name
     value_and_grad, key = self._per_device(model, keys)
     local = lax.pcast(params, axis, to="varying")
     loss, grads, aux, carry = accumulated_gradients(
         value_and_grad, local, carry, batch, key, self._micro_batches)
     updates, opt_state = optax.with_extra_args_support(tx).update(
-        grads, opt_state, params, **{PARAM_SPECS: specs, BACKWARD_SECONDS: backward})
+        grads, opt_state, params,
+        **{**extra, PARAM_SPECS: specs, BACKWARD_SECONDS: backward})
     out = (optax.apply_updates(params, updates), self._agreed(carry), opt_state,
            lax.pmean(loss, axis))
     return out + (reduce_metrics(aux, axis),) if self._has_aux else out
 
-  def _run(self, params, carry, opt_state, keys, batch, *, model, tx, specs, backward):
+  def _run(self, params, carry, opt_state, keys, batch, extra, *, model, tx, specs,
+           backward):
     spec_tree = leaves_of(params).structure.unflatten(specs)
     state = placement.state_specs(opt_state, self._axis)
     out_specs = (P(), P(), state, P()) + ((P(),) if self._has_aux else ())
     body = jax.shard_map(
         functools.partial(self._body, model=model, tx=tx, specs=spec_tree,
                           backward=backward),
-        mesh=self._mesh, in_specs=(P(), P(), state, P(), P(self._axis.name)),
+        mesh=self._mesh, in_specs=(P(), P(), state, P(), P(self._axis.name), P()),
         out_specs=out_specs, axis_names=set(self._axis.names))
     return body(params, carry, opt_state, keys,
-                split_batch(batch, self._mesh, self._axis.name))
+                split_batch(batch, self._mesh, self._axis.name), extra)
 
   def _inputs(self, model: Any, tx: optax.GradientTransformation, params: Any,
               carry: Any, opt_state: Any, keys: Any, batch: Any,
-              given_specs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+              given_specs: Any, extra: dict[str, Any]
+              ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The jitted step's inputs, checked and (when concrete) placed, and its static args."""
     check_inputs(self._checked, opt_state, batch, self._mesh, self._axis,
                  self._micro_batches)
+    check_extra_args(extra)
     if not any(seen is tx for seen in self._warned):
       self._warned.append(tx)
       warn_if_clipped_before_exchange(tx, stacklevel=4)
     specs = resolve_param_specs(params, self._mesh, self._axis, given_specs)
     specs = tuple(P() if s is None else s for s in specs)  # unknown: whole
-    inputs = (params, carry, opt_state, keys, batch)
+    inputs = (params, carry, opt_state, keys, batch, extra)
     if _is_concrete(inputs):
       replicated = NamedSharding(self._mesh, P())
       param_shardings, state_shardings = shardings(
           self._mesh, self._axis, params, specs, opt_state)
       inputs = jax.device_put(inputs, (
           param_shardings, replicated, state_shardings, replicated,
-          NamedSharding(self._mesh, P(self._axis.name))))
+          NamedSharding(self._mesh, P(self._axis.name)), replicated))
     backward = (self._backward_seconds(model, params, carry, keys, batch)
                 if self._overlaps else 0.0)
     return inputs, {"model": model, "tx": tx, "specs": specs, "backward": backward}
@@ -400,9 +406,9 @@ class TrainStep(DataParallelStep):
     shape = () if key is None else (jax.ShapeDtypeStruct(key.shape, key.dtype),)
     return loss_and_grads, (params, micro) + shape
 
-  def _prepare(self, params, opt_state, batch, key):
+  def _prepare(self, params, opt_state, batch, key, extra_args):
     return self._inputs(None, self._tx, params, None, opt_state, key, batch,
-                        self._param_specs)
+                        self._param_specs, extra_args)
 
   def backward_seconds(self, params: Any, batch: Any,
                        key: jax.Array | None = None) -> float:
@@ -415,19 +421,44 @@ class TrainStep(DataParallelStep):
     return self._backward_seconds(None, params, None, key, batch)
 
   def __call__(self, params: Any, opt_state: Any, batch: Any,
-               key: jax.Array | None = None) -> tuple[Any, ...]:
-    """One step: ``(params, opt_state, loss)``, plus the metrics with ``has_aux``."""
+               key: jax.Array | None = None, **extra_args: Any) -> tuple[Any, ...]:
+    """One step: ``(params, opt_state, loss)``, plus the metrics with ``has_aux``.
+
+    ``extra_args`` (arrays) go to ``tx.update`` as optax's extra arguments,
+    the same on every device, as ``nnx.Optimizer.update`` passes its keyword
+    arguments.
+    """
     _check_not_donated(params, opt_state)
-    inputs, static = self._prepare(params, opt_state, batch, key)
+    inputs, static = self._prepare(params, opt_state, batch, key, extra_args)
     new_params, _, new_opt_state, *out = self._jitted(*inputs, **static)
     watchdog.watch(out[0])
     return (new_params, new_opt_state, *out)
 
   def lower(self, params: Any, opt_state: Any, batch: Any,
-            key: jax.Array | None = None) -> jax.stages.Lowered:
+            key: jax.Array | None = None, **extra_args: Any) -> jax.stages.Lowered:
     """The lowered step, e.g. for :func:`topka2a_jax.comm_report`."""
-    inputs, static = self._prepare(params, opt_state, batch, key)
+    inputs, static = self._prepare(params, opt_state, batch, key, extra_args)
     return self._jitted.lower(*inputs, **static)
+
+
+def check_extra_args(extra: dict[str, Any]) -> None:
+  """Refuses extra arguments the step cannot carry to ``tx.update``, saying why.
+
+  Raises:
+    ValueError: a name the library passes itself (``topka2a_...``).
+    TypeError: a value that is not arrays: the arguments enter the jitted
+      step as its inputs.
+  """
+  for name, value in extra.items():
+    if name.startswith("topka2a_"):
+      raise ValueError(f"extra argument {name!r}: names starting 'topka2a_' are "
+                       "the library's own (the training step passes them); rename it")
+    for leaf in jax.tree.leaves(value):
+      if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, bool)):
+        raise TypeError(
+            f"extra argument {name!r} holds a {type(leaf).__name__}; the step "
+            "passes extra arguments to tx.update as inputs of its jitted "
+            "computation, so they must be arrays or numbers")
 
 
 def _deleted(leaf: Any) -> bool:
