@@ -105,7 +105,7 @@ def test_packing_round_trips(bits, length):
 
 @pytest.mark.parametrize("length", [1, 3, 8, 31, 33, 100])
 def test_rows_that_are_no_multiple_of_32_are_padded_and_the_padding_sends_nothing(length):
-  cut = quantized.layout(length)
+  cut = quantized.chunking(length)
   assert cut.chunk % 32 == 0 and 0 <= cut.padded - length < 32
   rows = np.zeros((1, 1, cut.padded))
   rows[0, 0, :length] = np.arange(1, length + 1) * (-1.0) ** np.arange(length)
@@ -123,7 +123,7 @@ def test_rows_that_are_no_multiple_of_32_are_padded_and_the_padding_sends_nothin
 
 @pytest.mark.parametrize("length", [1, 4096, 4097, 12_500, 10**6 + 3])
 def test_chunks_split_a_row_evenly(length):
-  cut = quantized.layout(length)
+  cut = quantized.chunking(length)
   assert cut.chunk <= quantized.CHUNK and cut.chunks == -(-length // quantized.CHUNK)
   assert 0 <= cut.padded - length < 32 * cut.chunks
 

@@ -140,7 +140,7 @@ def test_nothing_outside_the_private_code_imports_a_private_name(pattern):
 
 def test_the_private_import_check_sees_one(tmp_path):
   leaky = tmp_path / "leaky.py"
-  leaky.write_text("from topka2a_jax._src.options import INNER_NETWORK\n"
+  leaky.write_text("from topka2a_jax._src.planner.cost import INNER_NETWORK\n"
                    "from topka2a_jax.cost import _cost\nimport topka2a_jax._src.axis\n")
   assert len(private_imports(leaky)) == 3
 

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import topka2a_jax
-from topka2a_jax._src.collectives.exchanges import auto_magnitudes
+from topka2a_jax._src.collectives.selection import auto_magnitudes
 
 LENGTH, K = 131_072, 132  # a TopKA2A shard of 1M entries at density 0.001 on 8
 select = jax.jit(auto_magnitudes, static_argnums=1)

@@ -20,7 +20,6 @@ Example:
   40
 """
 
-from topka2a_jax._src import options as _options
 from topka2a_jax._src.planner import compute as _compute
 from topka2a_jax._src.planner import cost as _cost
 from topka2a_jax._src.planner.compute import Device
@@ -52,7 +51,7 @@ DEVICES = _compute.DEVICES
 ``"cpu"``; each a :class:`Device`), which price the backward pass that
 buckets overlap."""
 
-INNER_NETWORK = _options.INNER_NETWORK
+INNER_NETWORK = _cost.INNER_NETWORK
 """The link inside a node when ``network=`` names only the one between nodes:
 ``"nvlink"``."""
 

@@ -275,3 +275,27 @@ def as_varying(x: jax.Array, axis_name: Hashable) -> jax.Array:
   if not tracks_varying_axes(axis_name) or is_varying(x, axis_name):
     return x
   return lax.pcast(x, DataAxis.parse(axis_name).names, to="varying")
+
+
+def per_device_blocks(tree: Any, axis_name: Hashable) -> Any:
+  """Every leaf as this device's block of a per-device global array: ``(1, ...)``.
+
+  Example:
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> jax.shard_map(lambda: per_device_blocks(jnp.zeros(3), "data"), mesh=mesh,
+    ...               in_specs=(), out_specs=P("data"))().shape
+    (8, 3)
+  """
+  return jax.tree.map(lambda x: as_varying(x, axis_name)[None], tree)
+
+
+def holds_tracer(tree: Any) -> bool:
+  """Whether any leaf of ``tree`` is traced: the call runs under a transformation.
+
+  Example:
+    >>> seen = []
+    >>> _ = jax.jit(lambda x: seen.append(holds_tracer(x)) or x)(1.0)
+    >>> holds_tracer({"w": jnp.zeros(2)}), seen
+    (False, [True])
+  """
+  return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(tree))

@@ -29,7 +29,13 @@ from topka2a_jax._src.axis import DataAxis
 from topka2a_jax._src.collectives import algorithms, low_rank
 from topka2a_jax._src.collectives.selection import check_selection
 from topka2a_jax._src.planner import cost
-from topka2a_jax._src.planner.cost import AUTO_NETWORK, Cluster, Network, get_network
+from topka2a_jax._src.planner.cost import (
+  AUTO_NETWORK,
+  INNER_NETWORK,
+  Cluster,
+  Network,
+  get_network,
+)
 from topka2a_jax._src.sizes import check_density
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -46,9 +52,6 @@ DEFAULT_SELECTION = "auto"
 """``topka2a(density)`` with no ``selection=``: the fastest for the backend
 (:func:`topka2a_jax.collectives.auto_choice`)."""
 
-INNER_NETWORK = "nvlink"
-"""The link inside a node that a pair of data axes assumes, unless ``network``
-is a pair ``(outer, inner)``."""
 
 DEFAULT_MIN_SIZE = cost.DEFAULT_MIN_SIZE
 """Leaves with fewer elements go dense (:data:`cost.DEFAULT_MIN_SIZE`)."""
@@ -376,7 +379,7 @@ class Options:
   def cluster(self) -> Cluster | None:
     """The nodes and links of a pair of data axes, inside ``shard_map``; else None.
 
-    The inner link is ``network``'s second, or :data:`INNER_NETWORK`.
+    The inner link is ``network``'s second, or :data:`cost.INNER_NETWORK`.
     """
     if not self.axis.is_pair:
       return None

@@ -66,6 +66,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from topka2a_jax._src.axis import bound_axis_size
+from topka2a_jax._src.buffers import padded_rows
 from topka2a_jax._src.collectives import algorithms, quantized
 from topka2a_jax._src.collectives.received import top_of_received
 from topka2a_jax._src.collectives.selection import Selection, get_selection
@@ -248,8 +249,7 @@ def to_owners(
   num_devices = bound_axis_size(axis_name)
   layout = ShardLayout.create(buffer.shape[0], num_devices, density)
   fmt = WireFormat.create(value_dtype, layout.shard_length, buffer.dtype)
-  shards = jnp.pad(buffer, (0, layout.padded_length - layout.length)).reshape(
-      num_devices, layout.shard_length)
+  shards = padded_rows(buffer, num_devices)  # (P, shard_length)
   values, indices = select(shards, layout.per_shard)
   values = _gated(fmt.rounded(values), send)
   received = lax.all_to_all(fmt.encode(values, indices), axis_name, 0, 0,
@@ -452,7 +452,7 @@ def few_bit(
   _check_buffer(buffer)
   num_devices = bound_axis_size(axis_name)
   length, dtype = buffer.shape[0], jnp.promote_types(buffer.dtype, jnp.float32)
-  cut = quantized.layout(ceil_div(length, num_devices), chunk)
+  cut = quantized.chunking(ceil_div(length, num_devices), chunk)
   shape, total = (num_devices, cut.chunks, cut.chunk), num_devices * cut.padded
   valid = None if total == length else jnp.arange(total).reshape(shape) < length
   shards = jnp.pad(buffer.astype(dtype), (0, total - length)).reshape(shape)
@@ -589,8 +589,7 @@ def two_level(
   outer_axis, inner_axis = axis_name
   per_node = bound_axis_size(inner_axis)
   length = buffer.shape[0]
-  width = ceil_div(length, per_node)
-  rows = jnp.pad(buffer, (0, per_node * width - length)).reshape(per_node, width)
+  rows = padded_rows(buffer, per_node)
   node_sum = lax.psum_scatter(rows, inner_axis, scatter_dimension=0, tiled=True)[0]
   sent = node_sum if limit is None else jnp.clip(node_sum, -limit, limit)
   result = outer(sent, outer_axis, density, value_dtype=value_dtype,

@@ -4,7 +4,7 @@ Rows of values travel in chunks: one float32 scale per chunk and one code of
 ``bits`` bits per entry, packed ``32 / bits`` to a uint32 word; scales and
 words go as one uint32 message (:func:`message`). The arrays are chunked,
 ``(rows, chunks, chunk)``, so that a scale meets its entries by
-broadcasting, with no pass to spread it (:func:`layout` picks the chunks).
+broadcasting, with no pass to spread it (:func:`chunking` picks the chunks).
 
 * ``bits=1``: the sign. A code is 1 for ``x >= 0``; it decodes to
   ``+scale`` or ``-scale``, with ``scale`` the mean magnitude of the chunk's
@@ -52,7 +52,7 @@ def padded_length(length: int) -> int:
   return round_up(length, WORD)
 
 
-class Layout(NamedTuple):
+class Chunking(NamedTuple):
   """How a row of ``length`` entries is cut into chunks.
 
   Attributes:
@@ -71,23 +71,23 @@ class Layout(NamedTuple):
     return self.chunks * self.chunk
 
 
-def layout(length: int, chunk: int = CHUNK) -> Layout:
+def chunking(length: int, chunk: int = CHUNK) -> Chunking:
   """The chunks of a row of ``length`` entries.
 
   Example:
-    >>> layout(10_000), layout(100)
-    (Layout(chunks=3, chunk=3360), Layout(chunks=1, chunk=128))
+    >>> chunking(10_000), chunking(100)
+    (Chunking(chunks=3, chunk=3360), Chunking(chunks=1, chunk=128))
   """
   if chunk < WORD or chunk % WORD:
     raise ValueError(f"chunk must be a positive multiple of {WORD}, got {chunk!r}")
   length = max(int(length), 1)
   count = ceil_div(length, chunk)
-  return Layout(count, padded_length(ceil_div(length, count)))
+  return Chunking(count, padded_length(ceil_div(length, count)))
 
 
 def wire_bytes(length: int, bits: int, chunk: int = CHUNK) -> int:
   """Bytes of one row's message of ``length`` entries: its codes and its scales."""
-  cut = layout(length, chunk)
+  cut = chunking(length, chunk)
   return 4 * cut.chunks * (cut.chunk * bits // WORD + 1)
 
 
@@ -174,7 +174,7 @@ def message(words: jax.Array, scales: jax.Array) -> jax.Array:
   return jnp.concatenate([words, bits], axis=2).reshape(words.shape[0], -1)
 
 
-def split(received: jax.Array, cut: Layout, bits: int) -> tuple[jax.Array, jax.Array]:
+def split(received: jax.Array, cut: Chunking, bits: int) -> tuple[jax.Array, jax.Array]:
   """Inverse of :func:`message`, for rows cut as ``cut``."""
   grouped = received.reshape(received.shape[0], cut.chunks, -1)
   return (grouped[..., :-1],

@@ -90,6 +90,10 @@ decisions that matter, measure and pass ``Network(latency=..., bandwidth=...)``.
 AUTO_NETWORK = "auto"
 """``network=AUTO_NETWORK``: the link the data axis most likely crosses."""
 
+INNER_NETWORK = "nvlink"
+"""The link inside a node that a pair of data axes assumes, unless ``network``
+is a pair ``(outer, inner)``."""
+
 
 def detected_network() -> Network:
   """The preset for where the data axis runs, as this process sees it.

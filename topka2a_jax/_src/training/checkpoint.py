@@ -91,13 +91,13 @@ def describe(state: Any, mesh: Mesh, axis_name: Hashable | DataAxis = "data"
   path, shape, dtype and layout (per device or replicated), and every
   leaf's :func:`integrity.fingerprint`.
   """
-  layout = _layout(state, mesh, DataAxis.parse(axis_name))
+  layout = _description(state, mesh, DataAxis.parse(axis_name))
   layout["fingerprints"] = leaf_fingerprints(jax.tree.leaves(state))
   layout["version"] = LAYOUT_VERSION
   return layout
 
 
-def _layout(state: Any, mesh: Mesh, axis: DataAxis) -> dict[str, Any]:
+def _description(state: Any, mesh: Mesh, axis: DataAxis) -> dict[str, Any]:
   with_paths, treedef = jax.tree_util.tree_flatten_with_path(state)
   return {
       "devices": axis.size(mesh),
@@ -260,7 +260,7 @@ def restore_laid_out(saved: dict[str, Any], read: Any, like: Any, mesh: Mesh,
   Checks the configuration before reading, every array's fingerprint after,
   and resizes the per-device leaves when the device count changed.
   """
-  wanted = _layout(like, mesh, axis)
+  wanted = _description(like, mesh, axis)
   old, new = Devices.of(saved), Devices.of(wanted)
   _check_same_configuration(saved, wanted, where)
   targets = []

@@ -113,7 +113,7 @@ class NnxTrainStep(DataParallelStep):
 
     return value_and_grad
 
-  def _per_device(self, model, keys):
+  def _gradient_fn(self, model, keys):
     graphdef, wrt = model
     return self._value_and_grad(graphdef, wrt, _device_keys(keys, self._axis.name)), None
 

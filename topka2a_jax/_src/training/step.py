@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from topka2a_jax._src import layout
 from topka2a_jax._src.arguments import checked_count
-from topka2a_jax._src.axis import DataAxis
+from topka2a_jax._src.axis import DataAxis, holds_tracer
 from topka2a_jax._src.planner import compute
 from topka2a_jax._src.training import placement, watchdog
 from topka2a_jax._src.transforms.clipping import warn_if_clipped_before_exchange
@@ -224,7 +224,7 @@ def split_batch(batch: Any, mesh: Mesh, axis_name: Hashable) -> Any:
 
 
 def _is_concrete(tree: Any) -> bool:
-  return not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(tree))
+  return not holds_tracer(tree)
 
 
 def shardings(mesh: Mesh, axis: DataAxis, params: Any,
@@ -254,7 +254,7 @@ class DataParallelStep:
   inputs are ``(params, carry, opt_state, keys, batch)``: ``carry`` is the
   model's state besides its parameters (None for a pure function), ``keys``
   its random keys. A subclass says only how its model is differentiated
-  (:meth:`_per_device`, :meth:`_estimate`), how its carry agrees across
+  (:meth:`_gradient_fn`, :meth:`_estimate`), how its carry agrees across
   devices after the step (:meth:`_agreed`), and how its users' arguments
   map to those inputs.
 
@@ -278,7 +278,7 @@ class DataParallelStep:
     self._jitted = jax.jit(self._run, static_argnames=("model", "tx", "specs", "backward"),
                            donate_argnums=(0, 1, 2) if donate else ())
 
-  def _per_device(self, model: Any, keys: Any) -> tuple[Callable[..., Any], Any]:
+  def _gradient_fn(self, model: Any, keys: Any) -> tuple[Callable[..., Any], Any]:
     """On one device: ``(value_and_grad, key)`` for :func:`accumulated_gradients`."""
     raise NotImplementedError
 
@@ -297,7 +297,7 @@ class DataParallelStep:
   def _body(self, params, carry, opt_state, keys, batch, extra, *, model, tx, specs,
             backward):
     axis = self._axis.name
-    value_and_grad, key = self._per_device(model, keys)
+    value_and_grad, key = self._gradient_fn(model, keys)
     local = lax.pcast(params, axis, to="varying")
     loss, grads, aux, carry = accumulated_gradients(
         value_and_grad, local, carry, batch, key, self._micro_batches)
@@ -395,7 +395,7 @@ class TrainStep(DataParallelStep):
       aux = None
     return (loss, aux, carry), grads
 
-  def _per_device(self, model, keys):
+  def _gradient_fn(self, model, keys):
     return self._value_and_grad, device_key(keys, self._axis.name)
 
   def _estimate(self, model, params, carry, key, micro):

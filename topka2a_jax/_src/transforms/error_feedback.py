@@ -37,7 +37,6 @@ Example:
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +51,7 @@ from topka2a_jax._src.axis import (
   vary_like,
   varying_axes,
 )
+from topka2a_jax._src.buffers import padded_rows, split_by_widths
 from topka2a_jax._src.collectives import exchanges, low_rank
 from topka2a_jax._src.collectives.algorithms import ALGORITHMS, DENSE
 from topka2a_jax._src.planner.buckets import Bucket
@@ -79,23 +79,6 @@ def pack_bucket(leaves: Sequence[jax.Array], dtype: jnp.dtype) -> jax.Array:
   return jnp.concatenate([jnp.ravel(leaf).astype(dtype) for leaf in leaves])
 
 
-def unpack_bucket(buffer: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:
-  """Splits a flat buffer back into consecutive 1-D pieces of ``sizes``.
-
-  Args:
-    buffer: what :func:`pack_bucket` made (or a buffer of the same length).
-    sizes: element count of every piece, in packing order.
-
-  Returns:
-    The pieces, flat; reshape them to the leaves' shapes.
-  """
-  pieces, start = [], 0
-  for size in sizes:
-    pieces.append(buffer[start : start + size])
-    start += size
-  return pieces
-
-
 def accumulation_dtype(dtype: jnp.dtype) -> jnp.dtype:
   """Gradient and residual are added in float32, or float64 for float64 leaves.
 
@@ -114,20 +97,12 @@ def _accumulator(grad: jax.Array, residual: Any, per_node: int,
   ``j`` for device ``j`` of the inner axis. None adds nothing (the leaf keeps
   no residual).
   """
-  flat = jnp.ravel(grad).astype(dtype)
-  width = layout.residual_slice(flat.size, per_node)
-  rows = jnp.pad(flat, (0, per_node * width - flat.size)).reshape(per_node, width)
+  rows = padded_rows(jnp.ravel(grad).astype(dtype), per_node)
   if residual is None:
     return rows
   if per_node == 1:
     return rows + jnp.ravel(residual)[None]
   return exchanges.add_to_own_row(rows, inner_axis, jnp.ravel(residual))
-
-
-def _split_columns(rows: jax.Array, widths: Sequence[int]) -> list[jax.Array]:
-  """``(L, sum of widths)`` split into ``(L, width)`` pieces, left to right."""
-  return [rows[:, start - width:start]
-          for start, width in zip(itertools.accumulate(widths), widths)]
 
 
 def exchange_buckets(plan: ExchangePlan, buckets: Sequence[tuple[list[int], Bucket]],
@@ -187,15 +162,15 @@ def exchange_buckets(plan: ExchangePlan, buckets: Sequence[tuple[list[int], Buck
           jnp.concatenate(rows, axis=1).ravel(), axis.name, plan.density,
           outer=exchanges.COLLECTIVES[algorithm.name], limit=limit, **collective_kwargs)
       mean_pieces = [piece.ravel()[:size] for piece, size in zip(
-          _split_columns(result.mean.reshape(per_node, -1), widths), sizes)]
-      unsent = unpack_bucket(result.unsent, widths)
+          split_by_widths(result.mean.reshape(per_node, -1), widths), sizes)]
+      unsent = split_by_widths(result.unsent, widths)
     else:
       flat = [r.ravel()[:size] for r, size in zip(rows, sizes)]
       sent = flat if limit is None else [jnp.clip(f, -limit, limit) for f in flat]
       result = exchanges.COLLECTIVES[algorithm.name](
           pack_bucket(sent, dtype), axis.name, plan.density, **collective_kwargs)
-      mean_pieces = unpack_bucket(result.mean, sizes)
-      unsent = unpack_bucket(result.unsent, sizes)
+      mean_pieces = split_by_widths(result.mean, sizes)
+      unsent = split_by_widths(result.unsent, sizes)
       if limit is not None:  # what the clip held back joins what was not sent,
         # before a pair of data axes sums it onto the devices keeping each slice
         unsent = [left + whole - clipped
@@ -267,8 +242,7 @@ def unsent_slices(unsent: Sequence[jax.Array], widths: Sequence[int],
   """
   if per_node == 1:
     return list(unsent)
-  rows = [jnp.pad(left, (0, per_node * width - left.size)).reshape(per_node, width)
-          for left, width in zip(unsent, widths)]
+  rows = [padded_rows(left, per_node) for left in unsent]
   if not sparse:
     zeros = [jnp.zeros((width,), left.dtype) for left, width in zip(unsent, widths)]
     if send is None:
@@ -278,7 +252,7 @@ def unsent_slices(unsent: Sequence[jax.Array], widths: Sequence[int],
             for zero, row in zip(zeros, rows)]
   summed = jax.lax.psum_scatter(jnp.concatenate(rows, axis=1), inner_axis,
                                 scatter_dimension=0, tiled=True)
-  return unpack_bucket(summed[0], widths)
+  return split_by_widths(summed[0], widths)
 
 
 def _zeros_like_mean(grad: jax.Array, axis: DataAxis) -> jax.Array:

@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from topka2a_jax._src import layout
-from topka2a_jax._src.axis import DataAxis, bound_axis_size, is_bound
+from topka2a_jax._src.axis import DataAxis, bound_axis_size, holds_tracer, is_bound
 from topka2a_jax._src.collectives import low_rank
 from topka2a_jax._src.options import Options
 from topka2a_jax._src.states import TopKA2AState
@@ -139,7 +139,7 @@ def _global_state(options: Options, mesh: Mesh, paths: Sequence[str],
   num_devices = options.axis.size(mesh)
   per_node = options.axis.per_node(mesh)
   others = layout.automatic_axes(mesh, options.axis)
-  tracing = any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
+  tracing = holds_tracer(leaves)
   residuals: list[Any] = [optax.MaskedNode()] * len(leaves)
   kept, shapes, shardings, factors = [], [], [], []
   for i, (leaf, path) in enumerate(zip(leaves, paths)):

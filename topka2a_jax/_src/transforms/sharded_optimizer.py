@@ -35,7 +35,6 @@ Example:
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -50,12 +49,13 @@ from jax.sharding import PartitionSpec as P
 from topka2a_jax._src import layout
 from topka2a_jax._src.arguments import checked_optimizer
 from topka2a_jax._src.axis import (
-  as_varying,
   bound_axis_size,
   grouped_by_varying_axes,
   is_bound,
+  per_device_blocks,
   vary_like,
 )
+from topka2a_jax._src.buffers import padded_rows, split_by_widths
 from topka2a_jax._src.collectives import exchanges
 from topka2a_jax._src.collectives.algorithms import AUTO, DENSE, TOPKA2A
 from topka2a_jax._src.collectives.selection import get_selection
@@ -209,9 +209,8 @@ def _present(flat_shard: jax.Array, ndim: int) -> jax.Array:
 
 def _own_shard(leaf: jax.Array, num_devices: int, axis_name: Hashable) -> jax.Array:
   """This device's shard of a whole ``leaf``, shaped for the inner transform."""
-  m = shard_length(leaf.size, num_devices)
-  flat = jnp.pad(jnp.ravel(leaf), (0, num_devices * m - leaf.size))
-  return _present(lax.dynamic_slice_in_dim(flat, lax.axis_index(axis_name) * m, m),
+  rows = padded_rows(jnp.ravel(leaf), num_devices)
+  return _present(lax.dynamic_index_in_dim(rows, lax.axis_index(axis_name), keepdims=False),
                   leaf.ndim)
 
 
@@ -235,7 +234,7 @@ def _local_inner_init(opts: Options, inner: optax.GradientTransformation,
   shards = treedef.unflatten([_own_shard(leaf, num_devices, opts.axis_name)
                               for leaf in leaves])
   state = _without_exchange(inner.init(shards))
-  return jax.tree.map(lambda x: as_varying(x, opts.axis_name)[None], state)
+  return per_device_blocks(state, opts.axis_name)
 
 
 def _init_inner(opts: Options, inner: optax.GradientTransformation,
@@ -288,16 +287,10 @@ def _reduce_scatter(accs: Sequence[jax.Array], axis_name: Hashable,
   """The mean of every device's ``accs`` over the axis, this device's shard of each."""
   dtype = jnp.result_type(*accs)
   widths = [shard_length(a.size, num_devices) for a in accs]
-  rows = jnp.concatenate(
-      [jnp.pad(jnp.ravel(a).astype(dtype), (0, num_devices * m - a.size)).reshape(
-          num_devices, m) for a, m in zip(accs, widths)], axis=1)
+  rows = jnp.concatenate([padded_rows(jnp.ravel(a).astype(dtype), num_devices)
+                          for a in accs], axis=1)
   summed = lax.psum_scatter(rows, axis_name, scatter_dimension=0, tiled=True)[0]
-  return [part / num_devices for part in jnp.split(summed, _offsets(widths))]
-
-
-def _offsets(widths: Sequence[int]) -> list[int]:
-  """Where ``jnp.split`` cuts a concatenation of pieces of ``widths``."""
-  return list(itertools.accumulate(widths))[:-1]
+  return [part / num_devices for part in split_by_widths(summed, widths)]
 
 
 def _gather(shards: Sequence[jax.Array], shapes: Sequence[tuple[int, ...]],
@@ -312,7 +305,7 @@ def _gather(shards: Sequence[jax.Array], shapes: Sequence[tuple[int, ...]],
     gathered = lax.all_gather(jnp.concatenate([jnp.ravel(shards[i]) for i in members]),
                               axis_name, tiled=True, to="invarying")
     rows = gathered.reshape(num_devices, sum(widths))
-    for i, part in zip(members, jnp.split(rows, _offsets(widths), axis=1)):
+    for i, part in zip(members, split_by_widths(rows, widths, axis=1)):
       whole[i] = part.reshape(-1)[: math.prod(shapes[i])].reshape(shapes[i])
   return whole
 
@@ -385,7 +378,7 @@ def _step(opts: Options, inner: optax.GradientTransformation, treedef: Any,
   if bad is not None:
     nonfinite = counted(nonfinite, bad)
   whole = _gather(out, shapes, opts.axis_name, num_devices)
-  inner_state = jax.tree.map(lambda x: as_varying(x, opts.axis_name)[None], inner_state)
+  inner_state = per_device_blocks(inner_state, opts.axis_name)
   return whole, new, count, nonfinite, inner_state
 
 

@@ -55,7 +55,6 @@ References:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable
 from typing import Any
 
 import jax
@@ -69,7 +68,9 @@ from topka2a_jax._src.arguments import checked_optimizer
 from topka2a_jax._src.axis import (
   as_varying,
   bound_axis_size,
+  holds_tracer,
   is_bound,
+  per_device_blocks,
   vary_like,
 )
 from topka2a_jax._src.collectives.algorithms import AUTO, ONEBIT_4
@@ -171,18 +172,13 @@ def compress_updates(inner: optax.GradientTransformation, density: float | None 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _per_device(state: Any, axis_name: Hashable) -> Any:
-  """One device's ``inner`` state as its block of the global state: ``(1, ...)``."""
-  return jax.tree.map(lambda x: as_varying(x, axis_name)[None], state)
-
-
 def _init_inner(opts: Options, inner: optax.GradientTransformation,
                 params: optax.Params) -> Any:
   """``inner``'s state: per device inside shard_map, else global arrays on the mesh."""
   tree = leaves_of(params)
   leaves, treedef = tree.values, tree.structure
   if is_bound(opts.axis_name):
-    return _checked(_per_device(inner.init(params), opts.axis_name))
+    return _checked(per_device_blocks(inner.init(params), opts.axis_name))
   mesh = layout_mesh(opts, leaves)  # init_state has refused a missing one
   others = layout.automatic_axes(mesh, opts.axis)
   specs = [layout.restrict_spec(layout.param_spec_of(leaf, mesh), leaf.shape, others)
@@ -199,7 +195,7 @@ def _init_inner(opts: Options, inner: optax.GradientTransformation,
     return jax.tree.map(lambda x: jnp.broadcast_to(x[None], (devices, *x.shape)),
                         state)
 
-  if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(one)):
+  if holds_tracer(one):
     return jax.tree.map(layout.constrain, copies(one), shardings)
   return jax.jit(copies, out_shardings=shardings)(one)
 
@@ -251,4 +247,4 @@ def _update(opts: Options, inner: optax.GradientTransformationExtraArgs,
     extra_args = {**extra_args, NONFINITE: bad}  # the exchange takes the same decision
   own = new_own
   means, exchange = update_state(opts, steps, state.exchange, extra_args)
-  return means, CompressedUpdatesState(exchange, _per_device(own, opts.axis_name))
+  return means, CompressedUpdatesState(exchange, per_device_blocks(own, opts.axis_name))
