@@ -13,7 +13,7 @@ tests can check the two agree:
 import sys
 
 import topka2a_jax.distributed
-from topka2a_jax._src.training.distributed import launched
+from topka2a_jax._src.runtime.distributed import launched
 
 if launched():
   topka2a_jax.distributed.initialize()

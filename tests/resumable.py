@@ -16,7 +16,7 @@ import os
 import sys
 
 import topka2a_jax.distributed
-from topka2a_jax._src.training.distributed import launched
+from topka2a_jax._src.runtime.distributed import launched
 
 if __name__ == "__main__":
   if launched():

@@ -17,7 +17,7 @@ import resumable
 from cases import LAUNCHER
 
 import topka2a_jax
-from topka2a_jax._src.training import checkpoint, integrity
+from topka2a_jax._src.checkpointing import checkpoint, integrity
 
 SCRIPT = Path(resumable.__file__)
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from cases import LAUNCHER
 
-from topka2a_jax._src.training.watchdog import STALLED_STATUS
+from topka2a_jax._src.runtime.watchdog import STALLED_STATUS
 
 SCRIPT = Path(__file__).parent / "multiprocess_train.py"
 
@@ -86,7 +86,7 @@ def test_launcher_refuses_a_missing_script():
 
 
 def test_environment_names_the_processes(monkeypatch):
-  from topka2a_jax._src.training.distributed import from_environment
+  from topka2a_jax._src.runtime.distributed import from_environment
 
   for name in ("TOPKA2A_COORDINATOR", "TOPKA2A_NUM_PROCESSES", "TOPKA2A_PROCESS_ID",
                "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
@@ -257,14 +257,14 @@ def test_the_coordination_client_the_stall_watch_reads_is_where_jax_keeps_it():
   # JAX has no public route to it: a release that moves it fails here.
   from jax._src import distributed as jax_distributed
 
-  from topka2a_jax._src.training import distributed
+  from topka2a_jax._src.runtime import distributed
 
   assert hasattr(jax_distributed.global_state, "client")
   assert distributed.coordination_client() is jax_distributed.global_state.client
 
 
 def test_without_the_client_the_stall_watch_is_off_with_a_warning():
-  from topka2a_jax._src.training import distributed
+  from topka2a_jax._src.runtime import distributed
 
   with pytest.warns(RuntimeWarning, match="the stall watch is off: this JAX does not "
                                           "expose its coordination client"):
@@ -274,7 +274,7 @@ def test_without_the_client_the_stall_watch_is_off_with_a_warning():
 WATCH_BUSY_AT_EXIT = """
 import sys, threading
 import jax, jax.numpy as jnp
-from topka2a_jax._src.training import watchdog
+from topka2a_jax._src.runtime import watchdog
 
 busy = threading.Event()
 
@@ -322,7 +322,7 @@ def test_a_process_that_finishes_while_the_watch_calls_the_runtime_exits_cleanly
 QUEUED_STEPS = """
 import sys, time
 import jax, jax.numpy as jnp
-from topka2a_jax._src.training import watchdog
+from topka2a_jax._src.runtime import watchdog
 
 @jax.jit
 def step(x):  # about a tenth of the timeout on a loaded two-core machine

@@ -72,6 +72,25 @@ def test_no_import_chain_is_longer_than_nine_modules():
   assert len(chain) <= MAX_CHAIN, " -> ".join(chain)
 
 
+LAYERS = ("training", "checkpointing", "runtime", "transforms", "options", "planner",
+          "collectives", "layout", "states", "buffers", "arguments", "axis", "sizes")
+"""The parts and shared records of ``topka2a_jax/_src``, top down: each imports
+only what comes after it (``_src/__init__.py`` and ``docs/layout.md`` say so)."""
+
+
+def part_of(module: str) -> str:
+  """``topka2a_jax._src.planner.cost`` -> ``planner``; ``..._src.axis`` -> ``axis``."""
+  return module.split(".")[2]
+
+
+def test_every_part_imports_only_the_parts_below_it():
+  private = {m: deps for m, deps in module_imports().items() if "._src." in m}
+  assert {part_of(m) for m in private} == set(LAYERS)
+  upward = [f"{m} -> {d}" for m, deps in private.items() for d in deps
+            if LAYERS.index(part_of(d)) < LAYERS.index(part_of(m))]
+  assert not upward
+
+
 def test_the_chain_counter_counts_a_chain_it_is_shown():
   imports = {"a": {"b"}, "b": {"c"}, "c": set(), "d": {"c"}}
   assert longest_chain(imports) == ["a", "b", "c"]

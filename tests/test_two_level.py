@@ -638,7 +638,7 @@ def test_a_model_split_state_restores_onto_other_nodes_keeping_what_is_owed(tmp_
 
 def test_resizing_slices_by_hand():
   """2 nodes of 2 devices, slices of 3 (a shard of 5, padded) onto 1 node of 3."""
-  from topka2a_jax._src.training.resize import Devices, resize_slices
+  from topka2a_jax._src.checkpointing.resize import Devices, resize_slices
   saved = jnp.array([1.0, 2, 3, 4, 5, 0,  # node 0: slices [1 2 3], [4 5 .]
                      10, 20, 30, 40, 50, 0])  # node 1
   # 4 devices onto 3: each owes 3/4 of the nodes' sum, so the mean is the same.

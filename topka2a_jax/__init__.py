@@ -35,6 +35,8 @@ from topka2a_jax import checkpoint as checkpoint
 from topka2a_jax import collectives as collectives
 from topka2a_jax import cost as cost
 from topka2a_jax import distributed as distributed
+from topka2a_jax._src.checkpointing.checkpoint import restore, save
+from topka2a_jax._src.checkpointing.checkpoint_manager import CheckpointManager
 from topka2a_jax._src.planner.fusion import FusionPlan, plan_fusion
 from topka2a_jax._src.planner.report import CommReport, comm_report
 from topka2a_jax._src.planner.tuning import tune_fusion
@@ -43,8 +45,6 @@ from topka2a_jax._src.states import (
   ShardedOptimizerState,
   TopKA2AState,
 )
-from topka2a_jax._src.training.checkpoint import restore, save
-from topka2a_jax._src.training.checkpoint_manager import CheckpointManager
 from topka2a_jax._src.training.placement import init, state_specs
 from topka2a_jax._src.training.step import TrainStep, train_step
 from topka2a_jax._src.transforms.frozen_variance import (

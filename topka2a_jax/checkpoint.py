@@ -24,10 +24,10 @@ Example:
   True
 """
 
-from topka2a_jax._src.training.checkpoint import restore, save
-from topka2a_jax._src.training.checkpoint_manager import CheckpointManager
-from topka2a_jax._src.training.integrity import verify
-from topka2a_jax._src.training.resize import reshard, resize_residual, resize_slices
+from topka2a_jax._src.checkpointing.checkpoint import restore, save
+from topka2a_jax._src.checkpointing.checkpoint_manager import CheckpointManager
+from topka2a_jax._src.checkpointing.integrity import verify
+from topka2a_jax._src.checkpointing.resize import reshard, resize_residual, resize_slices
 
 __all__ = [
   "CheckpointManager",

@@ -17,11 +17,11 @@ Example:
   >>> topka2a_jax.distributed.initialize()  # doctest: +SKIP
 """
 
-from topka2a_jax._src.training import distributed as _distributed
-from topka2a_jax._src.training import watchdog as _watchdog
-from topka2a_jax._src.training.distributed import initialize
-from topka2a_jax._src.training.launch import launch
-from topka2a_jax._src.training.watchdog import watch
+from topka2a_jax._src.runtime import distributed as _distributed
+from topka2a_jax._src.runtime import watchdog as _watchdog
+from topka2a_jax._src.runtime.distributed import initialize
+from topka2a_jax._src.runtime.launch import launch
+from topka2a_jax._src.runtime.watchdog import watch
 
 COORDINATOR = _distributed.COORDINATOR
 """The environment variable with process 0's ``host:port``, set by :func:`launch`."""

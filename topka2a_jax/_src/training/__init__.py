@@ -1,1 +1,1 @@
-"""What users call to train: the steps, placement on a mesh, checkpoints, processes."""
+"""What users call to train: the steps and placement on a mesh."""

@@ -44,7 +44,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from topka2a_jax._src.axis import DataAxis, is_varying
-from topka2a_jax._src.training import watchdog
+from topka2a_jax._src.runtime import watchdog
 from topka2a_jax._src.training.step import DataParallelStep, check_step_options
 
 

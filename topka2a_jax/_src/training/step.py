@@ -41,7 +41,8 @@ from topka2a_jax._src import layout
 from topka2a_jax._src.arguments import checked_count
 from topka2a_jax._src.axis import DataAxis, holds_tracer
 from topka2a_jax._src.planner import compute
-from topka2a_jax._src.training import placement, watchdog
+from topka2a_jax._src.runtime import watchdog
+from topka2a_jax._src.training import placement
 from topka2a_jax._src.transforms.clipping import warn_if_clipped_before_exchange
 from topka2a_jax._src.transforms.extra_args import BACKWARD_SECONDS, PARAM_SPECS
 from topka2a_jax._src.transforms.leaves import leaves_of

@@ -91,15 +91,9 @@ from topka2a_jax._src.transforms.nonfinite import (
 
 DEFAULT_ALGORITHM = ONEBIT_4.name
 """What ``compress_updates(inner)`` sends without a density: every entry's
-sign, the owners' means back in 4 bits. Measured on
-``benchmarks/network_training.py`` against the top-k of Adam's step and the
-same signs with 8 bits back (``"onebit"``), two seeds each (the guide "Adam"
-has the rows): at 8 windows per process it ends 5.3% / 6.4% above dense's
-loss (8 bits back: 5.0% / 6.7%; the top-k: 19.3% / 21.1%) and reaches 2.4 in
-0.63x / 0.63x of dense's time (8 bits: 0.75x / 0.68x); at 2 windows +1.1% /
--2.1% (8 bits: +1.0% / -1.1%; the top-k: +4.5% / +3.5%), in 0.41x / 0.34x
-(8 bits: 0.45x / 0.39x). The loss is the same within the seeds' spread, and
-4 bits reached 2.4 sooner in all four runs."""
+sign, the owners' means back in 4 bits. Chosen on
+``benchmarks/network_training.py`` against the top-k of the step and the
+signs with 8 bits back; the guide "Adam" has the measurements."""
 
 
 @takes_options(defaults={"algorithm": None}, docs={

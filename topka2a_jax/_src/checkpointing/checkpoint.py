@@ -45,8 +45,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from topka2a_jax._src.axis import DataAxis
-from topka2a_jax._src.states import RESIDUAL, map_per_device
-from topka2a_jax._src.training.integrity import (
+from topka2a_jax._src.checkpointing.integrity import (
   MANIFEST_FILE,
   leaf_fingerprints,
   listed_files,
@@ -54,7 +53,8 @@ from topka2a_jax._src.training.integrity import (
   verify,
   write_manifest,
 )
-from topka2a_jax._src.training.resize import RULES, Devices
+from topka2a_jax._src.checkpointing.resize import RULES, Devices
+from topka2a_jax._src.states import RESIDUAL, map_per_device
 
 LAYOUT_FILE = "topka2a_layout.json"
 """Written beside Orbax's files: devices, axis, pytree structure, shapes, and

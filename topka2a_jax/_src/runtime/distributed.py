@@ -30,7 +30,7 @@ from typing import Any
 
 import jax
 
-from topka2a_jax._src.training import watchdog
+from topka2a_jax._src.runtime import watchdog
 
 COORDINATOR = "TOPKA2A_COORDINATOR"
 NUM_PROCESSES = "TOPKA2A_NUM_PROCESSES"

@@ -47,7 +47,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from topka2a_jax._src.axis import DataAxis
-from topka2a_jax._src.training import checkpoint, integrity
+from topka2a_jax._src.checkpointing import checkpoint, integrity
 
 if TYPE_CHECKING:  # typing.Self from Python 3.11
   from typing_extensions import Self

@@ -1,0 +1,1 @@
+"""Checkpoints: Orbax saves, the layout description, resizing, integrity."""

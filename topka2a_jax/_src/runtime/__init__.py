@@ -1,0 +1,1 @@
+"""Processes: joining the multi-process runtime, the local launcher, the stall watch."""
