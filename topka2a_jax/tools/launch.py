@@ -5,14 +5,8 @@ topka2a_jax.tools.launch`` runs the same)::
 
   topka2a-launch -n 4 [--devices-per-process 2] SCRIPT [ARGS...]
 
-Every process runs ``SCRIPT ARGS`` with a loopback coordinator, its rank and
-the process count in the environment (read by
-``topka2a_jax.distributed.initialize()``), ``devices-per-process`` emulated
-CPU devices, and gloo collectives over TCP. Output lines are forwarded with a
-``[rank]`` prefix. When a process fails the others are stopped, and the
-launcher says which rank failed and exits with its status; it exits 0 when
-all succeed. SIGTERM, SIGINT or SIGHUP to the launcher stop every process
-before it exits (with 128 + the signal's number).
+What the processes get and how a failure ends the job:
+:func:`topka2a_jax.distributed.launch`.
 
 Example::
 
