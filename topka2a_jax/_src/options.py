@@ -511,10 +511,13 @@ def _with_option_lines(doc: str, shown: Sequence[dataclasses.Field],
     raise ValueError("a factory that takes_options documents them with a line "
                      "'**options: ...' in its Args")
   indent = lines[at][:len(lines[at]) - len(lines[at].lstrip())]
+  end = at + 1  # its continuation lines go with it
+  while end < len(lines) and lines[end].startswith(indent + " "):
+    end += 1
   made = []
   for field in shown:
     name = _argument(field)
     made += textwrap.wrap(f"{name}: {docs.get(name, field.metadata['doc'])}", width=80,
                           initial_indent=indent, subsequent_indent=indent + "  ",
                           break_long_words=False, break_on_hyphens=False)
-  return "\n".join(lines[:at] + made + lines[at + 1:])
+  return "\n".join(lines[:at] + made + lines[end:])

@@ -147,6 +147,7 @@ def sharded_optimizer(inner: optax.GradientTransformation, density: float,
       ``backward_seconds`` and ``rank``, below.
 
   Every sparse leaf is its own bucket (so it takes no ``fusion``).
+
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state
     :class:`topka2a_jax.ShardedOptimizerState`; its updates are ``inner``'s, whole and
