@@ -167,7 +167,6 @@ ALGORITHMS = {"dense": dense, "allgather": allgather, "topka2a": topka2a,
                  for up, back in ((4, 8), (4, 4), (2, 8), (8, 8), (8, 4))}}
 
 
-
 def leafwise(algorithm, grads, residuals, density):
   """Every leaf of per-device ``grads`` (leading device axis) in a bucket of its own.
 

@@ -372,4 +372,3 @@ def test_a_step_that_runs_past_the_timeout_is_named_as_maybe_slow(tmp_path):
   done = run([sys.executable, str(script), str(step / 4), "40", "1"])
   assert done.returncode == STALLED_STATUS, done.stdout + done.stderr
   assert "takes longer than the timeout" in done.stderr
-

@@ -29,8 +29,6 @@ from typing import Any, NamedTuple
 _ROUNDING_SLACK = 1e-12
 
 
-
-
 def ceil_div(numerator: int, denominator: int) -> int:
   """``numerator / denominator`` rounded up, for positive ``denominator``."""
   return -(-numerator // denominator)

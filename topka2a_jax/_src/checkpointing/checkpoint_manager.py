@@ -281,7 +281,6 @@ class CheckpointManager:
     self.close()
 
 
-
 def _naming(directory: Path, read: Callable[..., Any]) -> Callable[..., Any]:
   """``read``, whose Orbax errors become a ValueError that names ``directory``."""
   def named(*args: Any, **kwargs: Any) -> Any:

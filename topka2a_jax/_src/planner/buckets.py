@@ -67,4 +67,3 @@ def plan_buckets(
     else:
       open_buckets[algorithm] = bucket
   return tuple(closed) + tuple(open_buckets.values())
-

@@ -560,4 +560,3 @@ def train_step(
   return TrainStep(loss_fn, tx, mesh, axis=axis, has_aux=has_aux,
                    micro_batches=micro_batches, param_specs=param_specs,
                    donate=donate)
-
