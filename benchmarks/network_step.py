@@ -31,7 +31,13 @@ beside the measured update.
 
 Run (as root):
   python benchmarks/network_step.py [--rate 1gbit] [--processes 4]
-      [--density 0.01] [--repeats 5] [--gradients flat gpt2 resnet50] [--json out.json]
+      [--density 0.01] [--repeats 5] [--gradients flat gpt2 resnet50]
+      [--runs dense defaults ...] [--no-fit] [--json out.json]
+
+The workers import the library from wherever Python finds it first
+(``PYTHONPATH``); the leaves' shapes come from this checkout, so
+``benchmarks/ab_step.py`` can time two versions of the library on the same
+gradients.
 """
 
 from __future__ import annotations
@@ -77,7 +83,7 @@ def _timed(run, repeats: int, name: str) -> float:
   return float(np.median(seconds))
 
 
-def _runs(mesh, shapes, density: float) -> dict:
+def _runs(mesh, shapes, density: float, names: tuple[str, ...] = ROWS) -> dict:
   """Row name -> a zero-argument callable doing one step's update, as a step does.
 
   Every run but the first contrast returns the parameters with the update
@@ -134,18 +140,23 @@ def _runs(mesh, shapes, density: float) -> dict:
 
   pmean = lambda g: [lax.pmean(x, "data") for x in g]
   defaults = topka2a_jax.topka2a(density, mesh=mesh)
-  dropped_state = topka2a_jax.init(defaults, fresh_params(), mesh)
-  dropped = jax.jit(jax.shard_map(
-      lambda g, s: defaults.update(first(g), s)[0], mesh=mesh,
-      in_specs=(P("data"), topka2a_jax.state_specs(dropped_state)), out_specs=P()))
-  return {
-      "dense": carried(optax.identity(), mean=pmean),
-      "defaults, state dropped": lambda: dropped(grads, dropped_state),
-      "defaults": carried(defaults),
-      "dense + adam": carried(optax.adam(1e-3), mean=pmean),
-      "compress_updates": carried(
+
+  def dropped():
+    state = topka2a_jax.init(defaults, fresh_params(), mesh)
+    update = jax.jit(jax.shard_map(
+        lambda g, s: defaults.update(first(g), s)[0], mesh=mesh,
+        in_specs=(P("data"), topka2a_jax.state_specs(state)), out_specs=P()))
+    return lambda: update(grads, state)
+
+  made = {
+      "dense": lambda: carried(optax.identity(), mean=pmean),
+      "defaults, state dropped": dropped,
+      "defaults": lambda: carried(defaults),
+      "dense + adam": lambda: carried(optax.adam(1e-3), mean=pmean),
+      "compress_updates": lambda: carried(
           topka2a_jax.compress_updates(optax.adam(1e-3), density, mesh=mesh)),
   }
+  return {name: made[name]() for name in names}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -163,16 +174,17 @@ def worker(args: argparse.Namespace) -> None:
   dense = jax.jit(jax.shard_map(lambda b: lax.pmean(b, "data"), mesh=mesh,
                                 in_specs=P("data"), out_specs=P()))
   rows = []
-  for size in FIT_SIZES:  # the link's fit
+  for size in () if args.no_fit else FIT_SIZES:  # the link's fit
     buffer = jax.make_array_from_callback(
         (mesh.size * size,), NamedSharding(mesh, P("data")),
         lambda index, size=size: np.ones(size, np.float32))
     run = functools.partial(dense, buffer)
     rows.append({"gradient": f"fit {size}", "run": "dense", "elements": size,
                  "seconds": _timed(run, args.repeats, "fit")})
+  all_shapes = json.loads(Path(args.shapes).read_text())
   for gradient in args.gradients:
-    shapes = leaf_shapes(gradient)
-    for name, run in _runs(mesh, shapes, args.density).items():
+    shapes = [tuple(shape) for shape in all_shapes[gradient]]
+    for name, run in _runs(mesh, shapes, args.density, tuple(args.runs)).items():
       rows.append({"gradient": gradient, "run": name,
                    "elements": int(sum(np.prod(s) for s in shapes)),
                    "seconds": _timed(run, args.repeats, name)})
@@ -180,6 +192,12 @@ def worker(args: argparse.Namespace) -> None:
         print(f"{gradient:9s} {name:24s} {rows[-1]['seconds']:.4f} s", flush=True)
   if jax.process_index() == 0:
     Path(args.worker).write_text(json.dumps(rows))
+
+
+def _dense_of(rows: list[dict], row: dict) -> dict:
+  """The row ``row`` is set against: dense, or dense + adam for compress_updates."""
+  return next(o for o in rows if o["gradient"] == row["gradient"] and o["run"] == (
+      "dense + adam" if row["run"] == "compress_updates" else "dense"))
 
 
 def report(rows: list[dict], processes: int, density: float) -> dict:
@@ -190,6 +208,11 @@ def report(rows: list[dict], processes: int, density: float) -> dict:
   from topka2a_jax.cost import Network, exchange_cost
 
   fits = [r for r in rows if r["gradient"].startswith("fit")]
+  if not fits:  # --no-fit: the rows against dense alone
+    for r in rows:
+      r["ratio"] = r["seconds"] / _dense_of(rows, r)["seconds"]
+      print(f"{r['gradient']:9s} {r['run']:24s} {r['seconds']:8.4f} {r['ratio']:8.3f}x")
+    return {"rows": rows}
   costs = [exchange_cost("dense", r["elements"], processes, 1.0) for r in fits]
   design = np.array([[c.messages, c.bytes] for c in costs], float)
   times = np.array([r["seconds"] for r in fits])
@@ -203,10 +226,7 @@ def report(rows: list[dict], processes: int, density: float) -> dict:
   print(f"{'gradient':9s} {'run':24s} {'seconds':>8s} {'vs dense':>9s}")
   rows = [r for r in rows if not r["gradient"].startswith("fit")]
   for r in rows:
-    dense = next(o for o in rows if o["gradient"] == r["gradient"]
-                 and o["run"] == ("dense + adam" if r["run"] == "compress_updates"
-                                  else "dense"))
-    r["ratio"] = r["seconds"] / dense["seconds"]
+    r["ratio"] = r["seconds"] / _dense_of(rows, r)["seconds"]
     print(f"{r['gradient']:9s} {r['run']:24s} {r['seconds']:8.4f} {r['ratio']:8.3f}x"
           + ("  (against dense + adam)" if r["run"] == "compress_updates" else ""))
   limit = None
@@ -233,16 +253,27 @@ def main() -> int:
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--gradients", nargs="+", default=list(GRADIENTS),
                       choices=GRADIENTS)
+  parser.add_argument("--runs", nargs="+", default=list(ROWS), choices=ROWS,
+                      help="the rows to time (default all); dense is always timed")
+  parser.add_argument("--no-fit", action="store_true",
+                      help="skip the link's fit (dense exchanges of flat buffers)")
   parser.add_argument("--json", help="also write the rows here")
   parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
+  parser.add_argument("--shapes", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.worker:
     worker(args)
     return 0
-  out = Path(tempfile.mkdtemp()) / "rows.json"
-  status = network.run_workers(args.rate, 0.0, args.processes, __file__, str(out),
-                               "--density", str(args.density), "--repeats",
-                               str(args.repeats), "--gradients", *args.gradients)
+  runs = ["dense", *(run for run in args.runs if run != "dense")]
+  if "compress_updates" in runs and "dense + adam" not in runs:
+    runs.append("dense + adam")  # what compress_updates is set against
+  scratch = Path(tempfile.mkdtemp())
+  out, shapes = scratch / "rows.json", scratch / "shapes.json"
+  shapes.write_text(json.dumps({g: leaf_shapes(g) for g in args.gradients}))
+  status = network.run_workers(
+      args.rate, 0.0, args.processes, __file__, str(out), "--density", str(args.density),
+      "--repeats", str(args.repeats), "--gradients", *args.gradients, "--runs", *runs,
+      "--shapes", str(shapes), *(["--no-fit"] if args.no_fit else []))
   if status:
     return status
   result = report(json.loads(out.read_text()), args.processes, args.density)
