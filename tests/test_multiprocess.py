@@ -80,6 +80,22 @@ def test_launcher_names_the_first_process_to_fail_not_the_lowest_rank(tmp_path):
     assert "process 1 of 2 failed with status 3" in done.stderr
 
 
+def test_the_launcher_drops_glooes_all_connected_line_and_keeps_a_missing_peer(tmp_path):
+  script = tmp_path / "chatty.py"
+  script.write_text(
+      "print('[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of "
+      "connected peer ranks is : 1')\n"
+      "print('[Gloo] Rank 0 is connected to 0 peer ranks. Expected number of "
+      "connected peer ranks is : 1')\n"
+      "print('trained')\n")
+  done = run([sys.executable, *LAUNCHER, "-n", "2", str(script)])
+  assert done.returncode == 0, done.stderr
+  lines = done.stdout.splitlines()
+  assert {"[0] trained", "[1] trained"} <= set(lines)
+  assert sum("connected to 1 peer" in line for line in lines) == 0
+  assert sum("connected to 0 peer" in line for line in lines) == 2
+
+
 def test_launcher_refuses_a_missing_script():
   done = run([sys.executable, *LAUNCHER, "-n", "2", "nowhere.py"])
   assert done.returncode == 2 and "no such script: nowhere.py" in done.stderr

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -64,8 +65,29 @@ def process_env(rank: int, num_processes: int, devices: int, port: int,
   return env
 
 
+GLOO_CONNECTED = re.compile(
+    r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. Expected number of "
+    r"connected peer ranks is : (\d+)\s*$")
+"""gloo's line when a process has joined its peers; forwarded only when some are
+missing."""
+
+
+def _is_chatter(line: str) -> bool:
+  """Whether ``line`` only says that a process reached all its peers.
+
+  Example:
+    >>> _is_chatter("[Gloo] Rank 1 is connected to 3 peer ranks. Expected number "
+    ...             "of connected peer ranks is : 3\n")
+    True
+  """
+  found = GLOO_CONNECTED.search(line)
+  return found is not None and found.group(1) == found.group(2)
+
+
 def _forward(rank: int, stream, lock: threading.Lock) -> None:
   for line in stream:
+    if _is_chatter(line):
+      continue
     with lock:
       sys.stdout.write(f"[{rank}] {line}")
       sys.stdout.flush()
