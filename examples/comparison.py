@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -116,7 +117,9 @@ def compare(
   """
   num_devices = mesh.shape["data"]
   results = []
-  bar = tqdm(total=len(runs) * len(seeds) * steps, unit="step", smoothing=0.05)
+  # On a terminal, a bar; into a file or a pipe, a line every minute at most.
+  bar = tqdm(total=len(runs) * len(seeds) * steps, unit="step", smoothing=0.05,
+             mininterval=0.1 if sys.stderr.isatty() else 60.0)
   for name, make_tx in runs.items():
     bar.set_description(name)
     tx = make_tx(mesh=mesh)  # one per run: its seeds share one compilation
