@@ -35,3 +35,5 @@ myst_heading_anchors = 3
 
 html_theme = "sphinx_book_theme"
 html_title = "topka2a-jax"
+html_static_path = ["_static"]
+html_css_files = ["wide_tables.css"]  # wide evidence tables scroll, not cut

@@ -33,10 +33,40 @@ def _pyplot():
   return plt
 
 
+LEGENDS = {
+    "dense": "dense: optax.adam on lax.pmean",
+    "defaults": "chain(topka2a({density}), adam)",
+    "updates": "compress_updates(adam, {density})",
+    "updates, topka2a_sparse": 'compress_updates(adam, {density}, algorithm="topka2a_sparse")',
+    "onebit": 'chain(topka2a(algorithm="onebit"), adam)',
+    "quantized_8_8": 'chain(topka2a(algorithm="quantized_8_8"), adam)',
+    "quantized_4_8": 'chain(topka2a(algorithm="quantized_4_8"), adam)',
+    "quantized_4_8_stochastic": "quantized_4_8 rounded stochastically (removed)",
+    "updates, onebit": 'compress_updates(adam, algorithm="onebit")',
+    "updates, onebit_4": "compress_updates(adam)",
+    "updates, onebit_1": 'compress_updates(adam, algorithm="onebit_1")',
+    "momentum, variance frozen at 30": "frozen_variance_adam(lr, {density}, freeze_after=30)",
+    "momentum, variance frozen at 30, onebit":
+        'frozen_variance_adam(lr, freeze_after=30, algorithm="onebit")',
+}
+"""What a user writes for each of ``benchmarks/network_training.py``'s runs
+(``adam`` is the benchmark's ``optax.adam``); the figures' legends."""
+
+
+def legend(run: str, density: float) -> str:
+  """The legend of ``run``: what a user writes for it, at the run's density.
+
+  Raises:
+    KeyError: a run with no entry in :data:`LEGENDS`, which a figure would
+      otherwise label with the benchmark's own name for it.
+  """
+  return LEGENDS[run].format(density=f"{density:g}")
+
+
 def training_curves(data: dict, out: Path) -> None:
   """Validation loss against training seconds (left) and steps (right)."""
   plt = _pyplot()
-  figure, (by_time, by_step) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+  figure, (by_time, by_step) = plt.subplots(1, 2, figsize=(11, 5), sharey=True)
   for row in data["rows"]:
     steps = [step for step, _ in row["evals"]]
     losses = [loss for _, loss in row["evals"]]
@@ -46,8 +76,9 @@ def training_curves(data: dict, out: Path) -> None:
       elapsed.append(total)
     style = {"linewidth": 2.2 if row["run"] == "dense" else 1.4,
              "color": "black" if row["run"] == "dense" else None}
-    by_time.plot(elapsed, losses, label=row["run"], **style)
-    by_step.plot(steps, losses, label=row["run"], **style)
+    label = legend(row["run"], data["density"])
+    by_time.plot(elapsed, losses, label=label, **style)
+    by_step.plot(steps, losses, label=label, **style)
   for target in data.get("targets", []):
     for axes in (by_time, by_step):
       axes.axhline(target, color="grey", linewidth=0.6, linestyle=":")
@@ -56,10 +87,12 @@ def training_curves(data: dict, out: Path) -> None:
   by_time.set_ylabel("validation loss (nats per byte)")
   low = min(loss for row in data["rows"] for _, loss in row["evals"])
   by_time.set_ylim(low - 0.1, max(3.2, low + 1.0))
-  by_step.legend(fontsize=8)
+  handles, labels = by_step.get_legend_handles_labels()
+  figure.legend(handles, labels, loc="lower center", ncol=2, fontsize=8, frameon=False)
   figure.suptitle(f"{data['processes']} processes at {data.get('rate') or 'no link'}, "
                   f"batch {data['batch']} per process, seed {data['seed']}")
-  figure.tight_layout()
+  rows = (len(labels) + 1) // 2  # the legend's, under the plots
+  figure.tight_layout(rect=(0, 0.04 + 0.045 * rows, 1, 1))
   figure.savefig(out, dpi=110)
   plt.close(figure)
 
