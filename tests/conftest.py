@@ -50,7 +50,7 @@ def mesh():
   return jax.make_mesh((NUM_DEVICES,), ("data",))
 
 
-def _exchange_steps(tx, mesh, grads_per_step):
+def _exchange_steps(tx, mesh, grads_per_step, state=None):
   """Applies ``tx.update`` on every device for each step's stacked gradients.
 
   Args:
@@ -58,15 +58,17 @@ def _exchange_steps(tx, mesh, grads_per_step):
     mesh: a 1-D mesh over ``"data"`` of P devices.
     grads_per_step: per step, a pytree whose leaves have a leading axis of
       P: row i is device i's gradient.
+    state: the global state to start from; by default ``topka2a_jax.init``'s.
 
   Returns:
     ``(updates, state)`` per step: the updates as NumPy arrays with a leading
     device axis, and the global state.
   """
   devices = mesh.shape["data"]
-  params = jax.tree.map(lambda g: jax.ShapeDtypeStruct(g.shape[1:], g.dtype),
-                        grads_per_step[0])
-  state = topka2a_jax.init(tx, params, mesh)
+  if state is None:
+    params = jax.tree.map(lambda g: jax.ShapeDtypeStruct(g.shape[1:], g.dtype),
+                          grads_per_step[0])
+    state = topka2a_jax.init(tx, params, mesh)
   specs = topka2a_jax.state_specs(state)
 
   def step(grads, state):

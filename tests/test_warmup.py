@@ -7,8 +7,6 @@ import optax
 import pytest
 import reference
 from cases import random_grads, residuals_of
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import topka2a_jax
 
@@ -81,7 +79,8 @@ def test_bad_warmup_steps_are_refused(bad):
     topka2a_jax.topka2a(0.1, warmup_steps=bad)
 
 
-def test_after_the_counts_largest_value_the_warmup_does_not_come_back(mesh):
+def test_after_the_counts_largest_value_the_warmup_does_not_come_back(mesh,
+                                                                     exchange_steps):
   """A run past 2**31 applied steps stays sparse: ``count`` holds at its largest."""
   tx = topka2a_jax.topka2a(0.1, algorithm="topka2a", min_size=0, fusion=1,
                            warmup_steps=2)
@@ -90,20 +89,8 @@ def test_after_the_counts_largest_value_the_warmup_does_not_come_back(mesh):
   state = topka2a_jax.init(tx, params, mesh)
   largest = np.iinfo(np.int32).max
   state = state._replace(count=jax.device_put(jnp.int32(largest - 1), state.count.sharding))
-  specs = topka2a_jax.state_specs(state)
-
-  def step(grads, state):
-    updates, state = tx.update(jax.tree.map(lambda g: g[0], grads), state)
-    return jax.tree.map(lambda u: u[None], updates), state
-
-  run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("data"), specs),
-                              out_specs=(P("data"), specs)))
-  stacked = jax.device_put(grads, NamedSharding(mesh, P("data")))
-  counts = []
-  for _ in range(3):
-    updates, state = run(stacked, state)
-    counts.append(int(state.count))
-    dense = {k: g.mean(0) for k, g in grads.items()}
-    assert any(not np.allclose(np.asarray(updates[k])[0], dense[k], atol=1e-6)
-               for k in grads)  # sparse, not the warm-up's pmean
-  assert counts == [largest] * 3
+  history = exchange_steps(tx, mesh, [grads] * 3, state=state)
+  for updates, _ in history:
+    assert any(not np.allclose(updates[k][0], g.mean(0), atol=1e-6)
+               for k, g in grads.items())  # sparse, not the warm-up's pmean
+  assert [int(state.count) for _, state in history] == [largest] * 3
