@@ -77,7 +77,7 @@ def _is_chatter(line: str) -> bool:
 
   Example:
     >>> _is_chatter("[Gloo] Rank 1 is connected to 3 peer ranks. Expected number "
-    ...             "of connected peer ranks is : 3\n")
+    ...             "of connected peer ranks is : 3")
     True
   """
   found = GLOO_CONNECTED.search(line)
