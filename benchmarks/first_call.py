@@ -1,9 +1,12 @@
 """The first call of a training step: tracing, planning and compiling, against plain pmean.
 
 Every configuration runs in a fresh process (no compilation cache shared), on
-8 emulated CPU devices, with an MLP of 11.5M weights (1024 -> 2048 -> 2048 ->
-2048 -> 512) and Adam. It times the first call of the step (what a user waits
-for when a run starts or a shape changes) and the median of the next ones:
+8 emulated CPU devices, with an MLP and Adam: by default of 11.5M weights
+(1024 -> 2048 -> 2048 -> 2048 -> 512, with biases); ``--model small``, three
+matrices without biases (784 -> 256 -> 256 -> 10, 269k weights), where the
+library's own compile is not hidden behind the model's. It times the first
+call of the step (what a user waits for when a run starts or a shape
+changes) and the median of the next ones:
 
 - ``pmean``: a jitted ``shard_map`` step written by hand, ``lax.pmean`` of the
   gradient, then Adam: the baseline of the ratios;
@@ -28,8 +31,8 @@ the others; the table gives the median first call, its median ratio to the
 pmean step of the same trial and the range of those ratios.
 
 Run:
-  python benchmarks/first_call.py [--runs NAME ...] [--trials 3] [--repeats 3]
-      [--split] [--json out.json]
+  python benchmarks/first_call.py [--model mlp|small] [--runs NAME ...] [--trials 3]
+      [--repeats 3] [--split] [--json out.json]
 """
 
 from __future__ import annotations
@@ -45,7 +48,9 @@ import tempfile
 import time
 from pathlib import Path
 
-SIZES = (1024, 2048, 2048, 2048, 512)
+MODELS = {"mlp": ((1024, 2048, 2048, 2048, 512), True),
+          "small": ((784, 256, 256, 10), False)}
+"""Model name -> (layer widths, whether layers have biases)."""
 DEVICES = 8
 BATCH_PER_DEVICE = 32
 CACHED = "topka2a, compilation cache warm"
@@ -66,33 +71,34 @@ RUNS = {
 """Configurations: name -> options of the exchange besides the density."""
 
 
-def _model():
+def _model(model: str):
   import jax
   import jax.numpy as jnp
 
-  keys = jax.random.split(jax.random.key(0), len(SIZES) - 1)
+  sizes, biases = MODELS[model]
+  keys = jax.random.split(jax.random.key(0), len(sizes) - 1)
   params = {f"layer{i}": {"w": jax.random.normal(key, (m, n)) * m ** -0.5,
-                          "b": jnp.zeros(n)}
-            for i, (key, m, n) in enumerate(zip(keys, SIZES[:-1], SIZES[1:]))}
+                          **({"b": jnp.zeros(n)} if biases else {})}
+            for i, (key, m, n) in enumerate(zip(keys, sizes[:-1], sizes[1:]))}
 
   def loss(params, batch):
     x = batch
-    for i in range(len(SIZES) - 1):
-      x = x @ params[f"layer{i}"]["w"] + params[f"layer{i}"]["b"]
-      x = jax.nn.relu(x) if i < len(SIZES) - 2 else x
+    for i in range(len(sizes) - 1):
+      x = x @ params[f"layer{i}"]["w"] + (params[f"layer{i}"]["b"] if biases else 0.0)
+      x = jax.nn.relu(x) if i < len(sizes) - 2 else x
     return jnp.mean(x ** 2)
 
   return params, loss
 
 
-def _batch():
+def _batch(model: str):
   import numpy as np
 
   return np.random.default_rng(0).normal(
-      size=(DEVICES * BATCH_PER_DEVICE, SIZES[0])).astype(np.float32)
+      size=(DEVICES * BATCH_PER_DEVICE, MODELS[model][0][0])).astype(np.float32)
 
 
-def _step(name: str, mesh):
+def _step(name: str, mesh, model: str):
   """``(step, params, state)``: ``step(params, state, batch)`` as a user calls it."""
   import jax
   import optax
@@ -102,7 +108,7 @@ def _step(name: str, mesh):
 
   import topka2a_jax
 
-  params, loss = _model()
+  params, loss = _model(model)
   params = jax.device_put(params, NamedSharding(mesh, P()))
   adam = optax.adam(1e-3)
   if name == "pmean":
@@ -124,7 +130,7 @@ def _step(name: str, mesh):
   options = dict(RUNS[name])
   if options.get("backward_seconds") == "estimated":
     options["backward_seconds"] = topka2a_jax.train_step(
-        loss, optax.sgd(0.0), mesh).backward_seconds(params, _batch())
+        loss, optax.sgd(0.0), mesh).backward_seconds(params, _batch(model))
   if name.startswith("compress_updates"):
     tx = topka2a_jax.compress_updates(adam, 0.01, mesh=mesh, **options)
   else:
@@ -132,14 +138,14 @@ def _step(name: str, mesh):
   return topka2a_jax.train_step(loss, tx, mesh), params, tx.init(params)
 
 
-def measure(name: str, repeats: int) -> dict:
+def measure(name: str, repeats: int, model: str) -> dict:
   """In this process: the first call's seconds and the median of ``repeats`` more."""
   import jax
   import numpy as np
 
   mesh = jax.make_mesh((DEVICES,), ("data",))
-  step, params, state = _step(name, mesh)
-  batch = _batch()
+  step, params, state = _step(name, mesh, model)
+  batch = _batch(model)
   start = time.perf_counter()
   params, state, loss = step(params, state, batch)
   jax.block_until_ready((params, state, loss))
@@ -153,13 +159,13 @@ def measure(name: str, repeats: int) -> dict:
   return {"run": name, "first_s": first, "step_s": float(np.median(seconds))}
 
 
-def split(name: str) -> dict:
+def split(name: str, model: str) -> dict:
   """In this process: the backward estimate, lowering and compiling, timed apart."""
   import jax
 
   mesh = jax.make_mesh((DEVICES,), ("data",))
-  step, params, state = _step(name, mesh)
-  batch = _batch()
+  step, params, state = _step(name, mesh, model)
+  batch = _batch(model)
   start = time.perf_counter()
   if name != "pmean":
     step.backward_seconds(params, batch)
@@ -181,6 +187,7 @@ def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS),
                       metavar="RUN", help=f"among {', '.join(map(repr, RUNS))}")
+  parser.add_argument("--model", default="mlp", choices=list(MODELS))
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--trials", type=int, default=3,
                       help="fresh processes per configuration, interleaved; the "
@@ -192,12 +199,14 @@ def main() -> int:
   parser.add_argument("--one", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.one:
-    print(json.dumps(split(args.one) if args.split else measure(args.one, args.repeats)))
+    print(json.dumps(split(args.one, args.model) if args.split
+                     else measure(args.one, args.repeats, args.model)))
     return 0
   env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
              XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_"
                         f"platform_device_count={DEVICES}").strip())
-  weights = sum(m * n + n for m, n in itertools.pairwise(SIZES))
+  sizes, biases = MODELS[args.model]
+  weights = sum(m * n + n * biases for m, n in itertools.pairwise(sizes))
   print(f"MLP of {weights:,} weights on {DEVICES} emulated devices, Adam, "
         f"density 0.01; every run in a fresh process")
   if args.split:
@@ -211,7 +220,8 @@ def main() -> int:
   for _ in range(1 if args.split else args.trials):
     for name in names:  # interleaved: a slow spell of the machine hits every run
       command = [sys.executable, __file__, "--one", name, "--repeats",
-                 str(args.repeats), *(["--split"] if args.split else [])]
+                 str(args.repeats), "--model", args.model,
+                 *(["--split"] if args.split else [])]
       with tempfile.TemporaryDirectory() as cache:
         run_env = dict(env, JAX_COMPILATION_CACHE_DIR=cache) if name == CACHED else env
         for _ in range(2 if name == CACHED else 1):  # the first run fills the cache
@@ -237,7 +247,8 @@ def main() -> int:
             f"{min(ratios):5.2f}..{max(ratios):<5.2f} {row['step_s']:8.3f}")
     rows.append(row)
   if args.json:
-    Path(args.json).write_text(json.dumps({"weights": weights, "rows": rows}, indent=1))
+    Path(args.json).write_text(json.dumps(
+        {"model": args.model, "weights": weights, "rows": rows}, indent=1))
   return 0
 
 
