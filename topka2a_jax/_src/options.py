@@ -369,7 +369,9 @@ class Options:
       raise TypeError(f"unknown option {name}="
                       + (f" (did you mean {close[0]}=?)" if close else "")
                       + f"; the options are {', '.join(sorted(fields))}")
-    normalised: dict[str, Any] = {"whole_selection": False}
+    normalised: dict[str, Any] = {  # the library's own settings, at their defaults
+        field.name: field.default for field in dataclasses.fields(cls)
+        if field.name != "density" and not field.metadata["user"]}
     for argument, field in fields.items():
       normalised[field.name] = field.metadata["check"](
           options.get(argument, field.default), normalised)

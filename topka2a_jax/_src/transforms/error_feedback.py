@@ -184,6 +184,12 @@ def exchange_buckets(plan: ExchangePlan, buckets: Sequence[tuple[list[int], Buck
   return means, new_residuals
 
 
+def _low_and_rest(factors: Sequence[Any]) -> tuple[list[int], list[int]]:
+  """The positions of the leaves that hold a PowerSGD factor, and of the others."""
+  low = [i for i, factor in enumerate(factors) if not isinstance(factor, optax.MaskedNode)]
+  return low, [i for i in range(len(factors)) if i not in set(low)]
+
+
 def _exchange_low_rank(plan: ExchangePlan, buckets: Sequence[tuple[list[int], Bucket]],
                        grads: Sequence[jax.Array], residuals: Sequence[Any],
                        factors: Sequence[Any], sparse: bool) -> tuple[list, list, list]:
@@ -197,8 +203,7 @@ def _exchange_low_rank(plan: ExchangePlan, buckets: Sequence[tuple[list[int], Bu
   Returns:
     ``(means, residuals, factors)``, leaf by leaf.
   """
-  low = [i for i, factor in enumerate(factors) if not isinstance(factor, optax.MaskedNode)]
-  rest = [i for i in range(len(grads)) if i not in low]
+  low, rest = _low_and_rest(factors)
   means: list[Any] = [g if g.size else _zeros_like_mean(g, plan.axis) for g in grads]
   new, new_factors = list(residuals), list(factors)
   rest_means, _ = exchange_buckets(plan, buckets, [grads[i] for i in rest],
@@ -351,12 +356,9 @@ def step(plan: ExchangePlan, grads: list, residuals: list, factors: list | None,
   """
   num_devices = bound_axis_size(plan.axis.name)
   bad = step_is_bad(bad, grads, plan.axis.name, plan.skip_nonfinite)
-  if factors is None:
-    low = []
-    buckets = plan.buckets(grads, num_devices)
-  else:
-    low = [i for i, f in enumerate(factors) if not isinstance(f, optax.MaskedNode)]
-    buckets = plan.buckets([g for i, g in enumerate(grads) if i not in low], num_devices)
+  # PowerSGD's other leaves are bucketed alone: the low-rank ones go apart.
+  rest = range(len(grads)) if factors is None else _low_and_rest(factors)[1]
+  buckets = plan.buckets([grads[i] for i in rest], num_devices)
   if bad is not None and factors is None:
     means, new, new_count = _applied_or_held(plan, buckets, bad, grads, residuals, count)
     new_factors = None
