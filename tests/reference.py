@@ -152,6 +152,27 @@ def few_bit(buffers: np.ndarray, density: float, bits: int = 4, gather_bits: int
   return mean[:n], unsent[:, :n]
 
 
+def codes_to_owners(buffers: np.ndarray, bits: int, chunk: int = 4096):
+  """Every entry in ``bits`` bits to its owner, summed there exactly (no second phase).
+
+  Owner ``i`` holds entries ``[i m, (i + 1) m)``, ``m = ceil(n / P)``, cut
+  into chunks as :func:`few_bit`'s shards are. Returns the sum over devices of
+  what they sent, ``(n,)``, and what each did not send, ``(P, n)``.
+  """
+  buffers = buffers.astype(np.float64)
+  num_devices, n = buffers.shape
+  shard = math.ceil(n / num_devices)
+  per_chunk = _chunk_length(shard, chunk)
+  total, unsent = np.zeros(n), buffers.copy()
+  for device in range(num_devices):
+    for owner in range(num_devices):
+      span = slice(owner * shard, min(n, (owner + 1) * shard))
+      sent = _coded(buffers[device, span], 0, n, bits, per_chunk)
+      total[span] += sent
+      unsent[device, span] -= sent
+  return total, unsent
+
+
 def onebit(buffers: np.ndarray, density: float, gather_bits: int = 8,
            chunk: int = 4096):
   """Signs to the owners, their means back in ``gather_bits`` bits."""

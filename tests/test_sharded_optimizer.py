@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import reference
 from cases import LAUNCHER
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
@@ -149,6 +150,53 @@ def test_element_wise_transforms_are_accepted(inner, mesh):
 def test_exchanges_without_an_owner_phase_are_refused():
   with pytest.raises(ValueError, match="'allgather' has no such phase"):
     topka2a_jax.sharded_optimizer(optax.adam(1e-3), 0.01, algorithm="allgather")
+
+
+@pytest.mark.parametrize("name, bits", [("quantized_8_8", 8), ("quantized_4_4", 4),
+                                        ("onebit", 1)])
+def test_a_few_bit_first_phase_matches_its_float64_model(exchange_steps, mesh, name, bits):
+  """Ten steps of SGD at rate 1: the updates are minus the mean of what was sent.
+
+  ``w``'s shards have two chunks each (5,001 entries), ``b``'s one chunk of
+  5 entries with padding; error feedback carries each device's rounding.
+  """
+  rng = np.random.default_rng(7)
+  grads = [{"w": rng.normal(size=(DEVICES, 40_003)), "b": rng.normal(size=(DEVICES, 37))}
+           for _ in range(10)]
+  tx = topka2a_jax.sharded_optimizer(optax.sgd(1.0), algorithm=name, min_size=1)
+  with jax.enable_x64():
+    steps = exchange_steps(tx, mesh, grads)
+  residuals = {key: np.zeros(g.shape) for key, g in grads[0].items()}
+  for grad, (updates, state) in zip(grads, steps):
+    for key in grad:
+      total, residuals[key] = reference.codes_to_owners(grad[key] + residuals[key], bits)
+      scale = np.abs(grad[key]).max()
+      np.testing.assert_allclose(updates[key], np.broadcast_to(-total / DEVICES,
+                                                               updates[key].shape),
+                                 rtol=0, atol=1e-12 * scale, err_msg=key)
+      np.testing.assert_allclose(np.asarray(state.exchange.residuals[key]).reshape(
+          DEVICES, -1), residuals[key], rtol=0, atol=1e-12 * scale, err_msg=key)
+  assert np.abs(residuals["w"]).max() > 1e-3  # something was owed
+
+
+def test_a_few_bit_first_phase_sends_its_codes_and_the_updates_whole(mesh):
+  """quantized_8_8 on 40,003 entries: 8-bit codes to the owners, float32 updates back."""
+  params = {"w": jnp.zeros(40_003)}
+  tx = topka2a_jax.sharded_optimizer(optax.adam(1e-3), algorithm="quantized_8_8", mesh=mesh)
+  step = topka2a_jax.train_step(lambda p, x: jnp.sum(p["w"] * x), tx, mesh)
+  report = topka2a_jax.comm_report(step.lower(params, tx.init(params),
+                                              jnp.ones((8, 40_003))), mesh=mesh)
+  # Each shard of 5,001 entries: two chunks of 2,528 one-byte codes and a
+  # float32 scale each; all 8 shards, 7/8 of them to other devices.
+  assert report.bytes_of("all-to-all") == 7 * 2 * (2528 + 4)
+  # The updates: 8 shards of 5,001 float32 entries, 7 of them gathered.
+  assert report.bytes_of("all-gather") == 7 * 5001 * 4
+
+
+def test_few_bit_needs_no_density_and_the_others_do():
+  topka2a_jax.sharded_optimizer(optax.adam(1e-3), algorithm="quantized_4_8")
+  with pytest.raises(ValueError, match="density is required with algorithm='auto'"):
+    topka2a_jax.sharded_optimizer(optax.adam(1e-3))
 
 
 MODEL_SPECS = {"w": P(None, "model"), "b": P("model"), "c": P()}

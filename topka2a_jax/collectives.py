@@ -54,6 +54,7 @@ from topka2a_jax._src.collectives.algorithms import Algorithm
 from topka2a_jax._src.collectives.exchanges import (
   ExchangeResult,
   allgather,
+  codes_to_owners,
   dense,
   few_bit,
   onebit,
@@ -86,6 +87,7 @@ __all__ = [
   "ExchangeResult",
   "allgather",
   "auto_choice",
+  "codes_to_owners",
   "dense",
   "few_bit",
   "get_selection",

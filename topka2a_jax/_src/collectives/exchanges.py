@@ -393,6 +393,84 @@ def _sum_of_decoded_rows(words: jax.Array, scales: jax.Array, bits: int,
                        decoded(0))
 
 
+def _codes_to_owners(
+    shards: jax.Array, valid: jax.Array | None, cut: quantized.Chunking, bits: int,
+    axis_name: Hashable, send: jax.Array | None,
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+  """The first phase of the few-bit exchanges: codes by AlltoAll, summed at the owner.
+
+  Args:
+    shards: ``(P, chunks, chunk)``, row ``i`` the entries owned by device ``i``.
+    valid: where ``shards`` holds entries (the rest is padding), or None.
+    cut: the rows' chunking.
+    bits: bits per entry of the codes.
+    axis_name: the mesh axis.
+    send: False sends nothing.
+
+  Returns:
+    ``(owned, unsent, own)``: this device's row summed over every sender,
+    ``(chunks, chunk)``; ``shards`` minus what was sent of them; and the
+    ``(1, chunks, chunk)`` slice of ``valid`` for the owned row (or None).
+  """
+  dtype = shards.dtype
+  words, scales = quantized.encode(shards, bits, valid)
+  if send is not None:
+    scales = jnp.where(send, scales, jnp.zeros_like(scales))
+  unsent = shards - quantized.decode(words, scales, bits, valid, dtype)
+  received = lax.all_to_all(quantized.message(words, scales), axis_name, 0, 0,
+                            tiled=True)
+  own = (None if valid is None else
+         lax.dynamic_index_in_dim(valid, lax.axis_index(axis_name), keepdims=True))
+  owned = _sum_of_decoded_rows(*quantized.split(received, cut, bits), bits, own, dtype)
+  return owned, unsent, own
+
+
+def codes_to_owners(
+    buffer: jax.Array, axis_name: Hashable, bits: int, *,
+    chunk: int = quantized.CHUNK,
+) -> tuple[jax.Array, jax.Array]:
+  """Every entry in ``bits`` bits to its owner, summed there: a few-bit reduce-scatter.
+
+  The first phase of :func:`few_bit` on :func:`to_owners`' shards: device
+  ``i`` owns entries ``[i m, (i + 1) m)`` of the buffer, ``m = ceil(n / P)``
+  (each shard cut into chunks with their own scales). No second phase: the
+  owner keeps the exact sum of what the devices sent, so the only rounding
+  is each device's own, and it waits in the returned unsent entries.
+
+  Args:
+    buffer: this device's 1-D floating buffer of ``n`` elements.
+    axis_name: the mesh axis to sum over.
+    bits: bits per entry, 1, 2, 4 or 8.
+    chunk: entries per scale.
+
+  Returns:
+    ``(owned, unsent)``: this device's shard summed over every device,
+    ``(m,)``, and this device's buffer minus its decoded codes, ``(n,)``.
+
+  Example:
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> rows = jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P("data")))
+    >>> jax.jit(jax.shard_map(lambda row: codes_to_owners(row[0], "data", 4)[0],
+    ...                       mesh=mesh, in_specs=P("data"), out_specs=P("data")))(rows)
+    Array([8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8.], dtype=float32)
+  """
+  _check_buffer(buffer)
+  num_devices = bound_axis_size(axis_name)
+  length, dtype = buffer.shape[0], jnp.promote_types(buffer.dtype, jnp.float32)
+  width = ceil_div(length, num_devices)
+  cut = quantized.chunking(width, chunk)
+  rows = jnp.pad(padded_rows(buffer.astype(dtype), num_devices),
+                 ((0, 0), (0, cut.padded - width)))
+  shape = (num_devices, cut.chunks, cut.chunk)
+  positions = jnp.arange(cut.padded)
+  valid = ((positions < width)[None] & (positions[None] + width * jnp.arange(
+      num_devices)[:, None] < length)).reshape(shape)
+  owned, unsent, _ = _codes_to_owners(rows.reshape(shape), valid, cut, bits, axis_name,
+                                      None)
+  unsent = unsent.reshape(num_devices, cut.padded)[:, :width].reshape(-1)[:length]
+  return (owned.reshape(-1)[:width].astype(buffer.dtype), unsent.astype(buffer.dtype))
+
+
 def few_bit(
     buffer: jax.Array, axis_name: Hashable, density: float = 1.0, *,
     value_dtype: jnp.dtype | None = None, selection: str = "exact",
@@ -456,15 +534,7 @@ def few_bit(
   shape, total = (num_devices, cut.chunks, cut.chunk), num_devices * cut.padded
   valid = None if total == length else jnp.arange(total).reshape(shape) < length
   shards = jnp.pad(buffer.astype(dtype), (0, total - length)).reshape(shape)
-  words, scales = quantized.encode(shards, bits, valid)
-  if send is not None:
-    scales = jnp.where(send, scales, jnp.zeros_like(scales))
-  unsent = shards - quantized.decode(words, scales, bits, valid, dtype)
-  received = lax.all_to_all(quantized.message(words, scales), axis_name, 0, 0,
-                            tiled=True)
-  own = (None if valid is None else
-         lax.dynamic_index_in_dim(valid, lax.axis_index(axis_name), keepdims=True))
-  owned = _sum_of_decoded_rows(*quantized.split(received, cut, bits), bits, own, dtype)
+  owned, unsent, own = _codes_to_owners(shards, valid, cut, bits, axis_name, send)
   mean = (owned / num_devices)[None]
   mean_words, mean_scales = quantized.encode(mean, gather_bits, own)
   delivered = quantized.decode(mean_words, mean_scales, gather_bits, own, dtype)[0]

@@ -7,7 +7,9 @@ runs ``inner`` (Adam, momentum, ...) on the whole of it on every device.
 :func:`sharded_optimizer` runs ``inner`` on the owned shard only and
 all-gathers the resulting updates instead: the same bytes on the wire, and
 the optimizer's state and work divided by the number of devices (ZeRO stages
-1 and 2, with sparse gradients).
+1 and 2, with sparse gradients). A few-bit exchange's first phase
+(:func:`topka2a_jax.collectives.codes_to_owners`) leaves owners such a shard
+too: every entry coded in a few bits, summed exactly at its owner.
 
 Per device and leaf of ``n`` entries, the shard is entries ``[i m, (i + 1) m)``
 of the flattened leaf, zero-padded to ``P m`` with ``m = ceil(n / P)``. The
@@ -57,7 +59,7 @@ from topka2a_jax._src.axis import (
 )
 from topka2a_jax._src.buffers import padded_rows, split_by_widths
 from topka2a_jax._src.collectives import exchanges
-from topka2a_jax._src.collectives.algorithms import AUTO, DENSE, TOPKA2A
+from topka2a_jax._src.collectives.algorithms import ALGORITHMS, AUTO, DENSE, TOPKA2A
 from topka2a_jax._src.collectives.selection import get_selection
 from topka2a_jax._src.options import Options, refuse_options, takes_options
 from topka2a_jax._src.planner.fusion import step_model
@@ -84,7 +86,8 @@ from topka2a_jax._src.transforms.nonfinite import (
   step_is_bad,
 )
 
-OWNER_SHARD_ALGORITHMS = (AUTO, TOPKA2A.name, DENSE.name)
+OWNER_SHARD_ALGORITHMS = (AUTO, TOPKA2A.name, DENSE.name, *(
+    name for name, entry in ALGORITHMS.items() if entry.quantizes))
 """The exchanges whose first phase leaves each owner its summed shard."""
 
 NOT_TAKEN = {
@@ -124,13 +127,16 @@ def check_element_wise(inner: optax.GradientTransformation) -> None:
     "axis_name": "the data-parallel mesh axis (one: the state is sharded over it).",
     "algorithm": (
         "``\"auto\"`` (each leaf the cheaper of the two under the cost model), "
-        "``\"topka2a\"`` or ``\"dense\"`` (a reduce-scatter). The other exchanges do "
-        "not leave owners a summed shard."),
+        "``\"topka2a\"``, ``\"dense\"`` (a reduce-scatter), or a few-bit exchange "
+        "(``\"quantized_8_8\"``, ``\"onebit\"``, ...): every entry in its first "
+        "width to the owner, whose sum is exact; the updates come back whole, "
+        "so the second width does not apply. ``\"allgather\"``, "
+        "``\"topka2a_sparse\"`` and ``\"powersgd\"`` leave owners no summed shard."),
     "skip_nonfinite": (
         "a non-finite gradient on any device skips the step everywhere, leaving "
         "``inner``'s state as it was."),
 })
-def sharded_optimizer(inner: optax.GradientTransformation, density: float,
+def sharded_optimizer(inner: optax.GradientTransformation, density: float | None = None,
                       **options: Any) -> optax.GradientTransformationExtraArgs:
   """``optax.chain(topka2a(density), inner)`` with ``inner``'s state sharded.
 
@@ -142,7 +148,8 @@ def sharded_optimizer(inner: optax.GradientTransformation, density: float,
     inner: an element-wise optax transform (sgd, momentum, adam, adamw with
       masks, lion, schedules); it gets the mean gradient's shards and, where
       it asks, the parameters' shards.
-    density: fraction of every sparse leaf each device sends, in (0, 1].
+    density: fraction of every sparse leaf each device sends, in (0, 1];
+      not needed with a few-bit ``algorithm``, which sends every entry.
     **options: the options of :func:`topka2a_jax.topka2a` but ``fusion``,
       ``backward_seconds`` and ``rank``, below.
 
@@ -275,7 +282,7 @@ def _sparse(opts: Options, size: int, num_devices: int) -> bool:
   """
   if size == 0 or size < opts.min_size or opts.algorithm == DENSE.name:
     return False
-  if opts.algorithm != AUTO:
+  if opts.algorithm != AUTO:  # TopKA2A's owner phase or a few-bit one
     return True
   model = step_model([size], num_devices, opts.density,
                      network=opts.outer_network(), min_size=0,
@@ -311,6 +318,20 @@ def _gather(shards: Sequence[jax.Array], shapes: Sequence[tuple[int, ...]],
   return whole
 
 
+def _to_owners(opts: Options, acc: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """This device's shard of the sum of every device's ``acc`` sent, and what it did not send.
+
+  TopKA2A's first phase (a top-k of each shard), or with a few-bit
+  algorithm every entry coded in its first width.
+  """
+  codes = ALGORITHMS[opts.algorithm].codes if opts.algorithm in ALGORITHMS else None
+  if codes is not None:
+    return exchanges.codes_to_owners(acc, opts.axis_name, codes[0])
+  first_phase = exchanges.to_owners(acc, opts.axis_name, opts.density, opts.value_dtype,
+                                    get_selection(opts.selection))
+  return first_phase.owned, first_phase.unsent.reshape(-1)[: acc.size]
+
+
 def owner_phase(opts: Options, grads: Sequence[jax.Array], residuals: Sequence[Any],
                 sparse: bool) -> tuple[list[jax.Array], list[Any]]:
   """This device's shard of the mean of ``grads + residuals``, and the new residuals.
@@ -333,13 +354,10 @@ def owner_phase(opts: Options, grads: Sequence[jax.Array], residuals: Sequence[A
   dense = []
   for i, (grad, acc) in enumerate(zip(grads, accs)):
     if sparse and _sparse(opts, grad.size, num_devices):
-      first_phase = exchanges.to_owners(
-          acc, opts.axis_name, opts.density, opts.value_dtype,
-          get_selection(opts.selection))
-      shards[i] = first_phase.owned / num_devices
+      owned, unsent = _to_owners(opts, acc)
+      shards[i] = owned / num_devices
       if keeps[i]:
-        new[i] = first_phase.unsent.reshape(-1)[: grad.size].reshape(
-            residuals[i].shape).astype(residuals[i].dtype)
+        new[i] = unsent.reshape(residuals[i].shape).astype(residuals[i].dtype)
     else:
       dense.append(i)
       if keeps[i]:
