@@ -33,6 +33,12 @@ Beside the exchanges, it times the defaults' whole update (``topka2a(density)``
 with no other option: the planner's algorithm, the backend's selection) on
 the same buffer, applied to donated parameters with its new state kept as a
 training step keeps them, and prints it against dense.
+
+For the exchanges that code every entry in a few bits it also times their
+coding alone (:data:`CODES`): the same exchange of each process's buffer on a
+one-device mesh, where the collectives move nothing, run on every process at
+once as the exchange is. Beside the link's time it prints that coding time and
+the bytes' wire time under the fitted bandwidth: where an exchange's time goes.
 """
 
 from __future__ import annotations
@@ -171,6 +177,30 @@ def defaults_seconds(mesh, buffer, density: float, repeats: int) -> float:
   return float(np.median(seconds))
 
 
+CODES = "codes"
+"""The ``kind`` of a row that times a few-bit exchange's coding alone (no link)."""
+
+
+def codes_seconds(exchange, local_buffer, repeats: int) -> float:
+  """Median time of ``exchange``'s encoding and decoding of one process's buffer.
+
+  The exchange runs on a mesh of this process's one device: its AlltoAll and
+  AllGather move nothing, the codes are made and read as on the link. On one
+  device the owner codes the whole mean where on P it codes 1/P of it, so this
+  is an upper bound of the coding in the link's run (loose for one-bit codes,
+  whose means cost the most to code).
+  """
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh
+  from jax.sharding import PartitionSpec as P
+
+  local = Mesh(np.array(jax.local_devices()[:1]), ("data",))
+  run = jax.jit(jax.shard_map(lambda b: exchange(b, "data", 1.0).mean, mesh=local,
+                              in_specs=P("data"), out_specs=P()))
+  return timed(run, local_buffer, repeats=repeats, label="codes")
+
+
 def matrix_of(size: int) -> tuple[int, int]:
   """``size`` elements as the squarest matrix ``(m, n)``, ``n <= m``.
 
@@ -252,6 +282,13 @@ def worker(sizes: list[int], densities: list[float], ranks: list[int], repeats: 
         if jax.process_index() == 0:
           print(f"{algorithm:15s} {size:>11,} {density:5g} "
                 f"{rows[-1]['seconds']:.4f} s", flush=True)
+        if entry.quantizes:
+          local = jax.device_put(buffer.addressable_shards[0].data, jax.local_devices()[0])
+          rows.append({"size": size, "algorithm": algorithm, "density": density,
+                       "kind": CODES, "seconds": codes_seconds(exchange, local, repeats)})
+          if jax.process_index() == 0:
+            print(f"{algorithm:15s} {size:>11,} coding alone "
+                  f"{rows[-1]['seconds']:.4f} s", flush=True)
     for rank in ranks:
       rows.append({"size": size, "algorithm": "powersgd", "density": None,
                    "rank": rank,
@@ -328,7 +365,8 @@ def fit(rows: list[dict], processes: int) -> tuple[float, ...]:
 def report(rows: list[dict], processes: int, rate: str) -> list[dict]:
   """Prints the table; returns the rows with ratios and predictions."""
   defaults = [r for r in rows if r["algorithm"] == DEFAULTS]
-  rows = [r for r in rows if r["algorithm"] != DEFAULTS]
+  coding = [r for r in rows if r.get("kind") == CODES]
+  rows = [r for r in rows if r["algorithm"] != DEFAULTS and r.get("kind") != CODES]
   alpha, bandwidth, per_element, per_entry, per_matrix_element, per_flop = fit(
       rows, processes)
 
@@ -381,7 +419,34 @@ def report(rows: list[dict], processes: int, rate: str) -> list[dict]:
     r["ratio"] = r["seconds"] / base["seconds"]
     print(f"  {r['size']:11,} at {r['density']:g}: {r['seconds']:.4f} s, "
           f"{r['ratio']:.3f}x dense")
-  return rows + defaults
+  if coding:
+    report_coding(rows, coding, processes, alpha, bandwidth)
+  return rows + defaults + coding
+
+
+def report_coding(rows: list[dict], coding: list[dict], processes: int, alpha: float,
+                  bandwidth: float) -> None:
+  """Prints where each few-bit exchange's time on the link goes.
+
+  The coding (measured alone), the bytes' wire time and the messages' latency
+  (both under the fitted model), and what is left of the link's measured time.
+  """
+  from topka2a_jax.cost import exchange_cost
+
+  print("\nWhere the few-bit exchanges' time goes (seconds; coding measured on "
+        "one device, which codes the owner's whole mean where each of P codes 1/P "
+        "of it: an upper bound; wire and latency from the fit):")
+  print(f"{'elements':>11s} {'algorithm':15s} {'on link':>8s} {'coding':>8s} "
+        f"{'wire':>8s} {'latency':>8s} {'rest':>8s}")
+  for r in coding:
+    link = next(o for o in rows if o["algorithm"] == r["algorithm"]
+                and o["size"] == r["size"])
+    cost = exchange_cost(r["algorithm"], r["size"], processes, 1.0)
+    wire, latency = cost.bytes / bandwidth, cost.messages * alpha
+    r.update(link_seconds=link["seconds"], wire_seconds=wire, latency_seconds=latency)
+    print(f"{r['size']:11,} {r['algorithm']:15s} {link['seconds']:8.4f} "
+          f"{r['seconds']:8.4f} {wire:8.4f} {latency:8.4f} "
+          f"{link['seconds'] - r['seconds'] - wire - latency:+8.4f}")
 
 
 def main() -> int:
@@ -404,7 +469,8 @@ def main() -> int:
   args = parser.parse_args()
   if args.rows:
     saved = json.loads(Path(args.rows).read_text())
-    measured = [{k: v for k, v in row.items() if k not in ("ratio", "model_ratio")}
+    derived = ("ratio", "model_ratio", "link_seconds", "wire_seconds", "latency_seconds")
+    measured = [{k: v for k, v in row.items() if k not in derived}
                 for row in saved["rows"]]
     report(measured, saved["processes"], saved["rate"])
     return 0

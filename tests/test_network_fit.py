@@ -78,3 +78,19 @@ def test_a_density_at_the_crossover_is_called_a_tie(capsys):
   out = capsys.readouterr().out
   assert out.count("at the crossover itself: the model predicts a tie") == 2
   assert "NOT as" not in out
+
+
+def test_the_coding_rows_stay_out_of_the_fit_and_split_the_link_time(capsys):
+  link = Network(latency=1e-4, bandwidth=1e8)
+  rows = synthetic_rows(link, 4)
+  coding = {"size": 1_000_000, "algorithm": "quantized_8_8", "density": 1.0,
+            "kind": "codes", "seconds": 0.05}
+  rows = network_benchmark.report([*rows, coding], 4, "800mbit")
+  assert all(r["ratio"] == pytest.approx(r["model_ratio"]) for r in rows
+             if r.get("kind") != "codes")  # the fit is the synthetic link's alone
+  # 250,000 entries a shard: 62 chunks of 4,064 one-byte codes and a float32
+  # scale each, to 3 other owners, and the owners' means as many back.
+  assert coding["wire_seconds"] == pytest.approx(2 * 3 * 62 * (4064 + 4) / 1e8, rel=1e-6)
+  out = capsys.readouterr().out
+  assert "Where the few-bit exchanges' time goes" in out
+  assert "quantized_8_8" in out.split("time goes")[1]
