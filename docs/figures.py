@@ -9,6 +9,8 @@ under the name of the JSON file it draws.
   validation loss against training time and against steps, one line per run.
 * ``network_*.json`` (``benchmarks/network.py``): each exchange's time on the
   link, as a share of dense's, against the fitted model's.
+* ``charlm_*.json`` (``examples/train_charlm.py``): validation loss against
+  steps, one line per run and seed.
 
 Run by hand: ``python docs/figures.py`` (needs matplotlib, in the ``docs`` extra).
 """
@@ -35,6 +37,8 @@ def _pyplot():
 
 LEGENDS = {
     "dense": "dense: optax.adam on lax.pmean",
+    "dense (pmean)": "dense: optax.adam on lax.pmean",
+    "updates 1%": "compress_updates(adam, 0.01)",
     "defaults": "chain(topka2a({density}), adam)",
     "updates": "compress_updates(adam, {density})",
     "updates, topka2a_sparse": 'compress_updates(adam, {density}, algorithm="topka2a_sparse")',
@@ -49,8 +53,9 @@ LEGENDS = {
     "momentum, variance frozen at 30, onebit":
         'frozen_variance_adam(lr, freeze_after=30, algorithm="onebit")',
 }
-"""What a user writes for each of ``benchmarks/network_training.py``'s runs
-(``adam`` is the benchmark's ``optax.adam``); the figures' legends."""
+"""What a user writes for each run of ``benchmarks/network_training.py`` and
+``examples/train_charlm.py`` (``adam`` is the run's ``optax.adam``); the
+figures' legends."""
 
 
 def legend(run: str, density: float) -> str:
@@ -120,6 +125,30 @@ def exchange_times(data: dict, out: Path) -> None:
   plt.close(figure)
 
 
+def seeds_curves(data: dict, out: Path) -> None:
+  """Validation loss against steps, one line per run and seed (the examples' JSON)."""
+  plt = _pyplot()
+  figure, axes = plt.subplots(figsize=(7, 5))
+  for run in data["runs"]:
+    dense = run["name"] == "dense (pmean)"
+    color = "black" if dense else None
+    for seed, scores in zip(data["meta"]["seeds"], run["scores"]):
+      line, = axes.plot(run["eval_steps"], scores, linewidth=2.2 if dense else 1.4,
+                        color=color, linestyle="-" if seed == data["meta"]["seeds"][0]
+                        else "--", label=legend(run["name"], 0.01) if color is None
+                        or seed == data["meta"]["seeds"][0] else None)
+      color = line.get_color()
+  axes.set_xlabel("step")
+  axes.set_ylabel("validation loss (nats/byte)")
+  axes.set_ylim(top=min(3.0, axes.get_ylim()[1]))
+  axes.set_title(f"character model, seeds {data['meta']['seeds']} (dashed: the "
+                 "second)", fontsize=9)
+  axes.legend(fontsize=7)
+  figure.tight_layout()
+  figure.savefig(out, dpi=110)
+  plt.close(figure)
+
+
 def draw_all() -> list[Path]:
   """Every figure the committed JSON holds; returns the files written."""
   FIGURES.mkdir(parents=True, exist_ok=True)
@@ -134,6 +163,10 @@ def draw_all() -> list[Path]:
       out = FIGURES / f"{path.stem}.png"
       exchange_times(data, out)
       written.append(out)
+  for path in sorted(DATA.glob("charlm_*.json")):
+    out = FIGURES / f"{path.stem}.png"
+    seeds_curves(json.loads(path.read_text()), out)
+    written.append(out)
   return written
 
 

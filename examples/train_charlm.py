@@ -144,6 +144,8 @@ RUNS = {
     "updates 1%": {"density": 0.01, "updates": True},
     "updates, onebit": {"algorithm": "onebit", "updates": True},
     "updates, onebit_4": {"algorithm": "onebit_4", "updates": True},
+    "quantized_8_8": {"algorithm": "quantized_8_8"},
+    "quantized_4_8": {"algorithm": "quantized_4_8"},
 }
 QUICK_RUNS = ("dense (pmean)", "topka2a 1%", "updates 1%")
 
