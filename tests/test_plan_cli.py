@@ -198,3 +198,13 @@ def test_the_wheel_installs_both_commands(tmp_path):
       capture_output=True, text=True, cwd=tmp_path, env=env, check=False)
   assert launched.returncode == 0, launched.stderr[-2000:]
   assert {"[0] rank 0", "[1] rank 1"} <= set(launched.stdout.splitlines())
+
+
+def test_a_few_bit_algorithm_needs_no_density_and_the_top_k_does(capsys):
+  assert plan.main(["--params", "8000000", "--devices", "4", "--network", "eth1",
+                    "--algorithm", "quantized_8_8"]) == 0
+  out = capsys.readouterr().out
+  assert "quantized_8_8" in out and "beats dense below density" not in out
+  with pytest.raises(SystemExit):
+    plan.main(["--params", "8000000", "--devices", "4"])
+  assert "--density is required with --algorithm auto" in capsys.readouterr().err

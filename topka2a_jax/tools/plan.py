@@ -8,11 +8,13 @@ topka2a_jax.tools.plan`` runs the same)::
   topka2a-plan --model resnet50 --devices 4 --density 0.01 --network eth1 --rank 4
   topka2a-plan --model gpt2 --devices 64 --density 0.01 \\
       --devices-per-node 8 --network eth10 --inner-network nvlink
+  topka2a-plan --model gpt2 --devices 4 --network eth1 --algorithm quantized_8_8
 
 Prints the fusion plan (one row per bucket), the predicted step against
 all-dense and all-TopkA exchanges, and the break-even densities of TopKA2A
 for a bucket of the model's size; with ``--rank``, PowerSGD's exchange of the
-same model at that rank. With ``--devices-per-node`` the devices
+same model at that rank. An ``--algorithm`` that sends every entry (a few-bit
+one) needs no ``--density``. With ``--devices-per-node`` the devices
 form nodes (``topka2a(axis_name=("node", "local"))``): ``--network`` is the
 link between nodes, ``--inner-network`` the one inside a node, and every
 sparse bucket takes the cheaper of the flat and the two-level route.
@@ -35,6 +37,7 @@ import math
 import sys
 
 from topka2a_jax import plan_fusion
+from topka2a_jax._src.collectives.algorithms import ignores_density
 from topka2a_jax.collectives import ALGORITHMS
 from topka2a_jax.cost import (
   DEVICES,
@@ -62,7 +65,9 @@ def _parser() -> argparse.ArgumentParser:
   model.add_argument("--model", choices=sorted(MODELS))
   model.add_argument("--params", type=int, help="one flat gradient of N elements")
   parser.add_argument("--devices", type=int, required=True)
-  parser.add_argument("--density", type=float, required=True)
+  parser.add_argument("--density", type=float,
+                      help="fraction of each bucket sent; not needed with an --algorithm "
+                           "that sends every entry (onebit, quantized_A_B, dense)")
   parser.add_argument("--network", default="eth10",
                       help=f"one of {', '.join(NETWORKS)} (default eth10)")
   parser.add_argument("--devices-per-node", type=int,
@@ -114,6 +119,12 @@ def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(argv)
   if args.devices < 1:
     _parser().error("--devices must be at least 1")
+  selecting = args.density is not None
+  if not selecting:
+    if not ignores_density(args.algorithm):
+      _parser().error(f"--density is required with --algorithm {args.algorithm} "
+                      "(give e.g. --density 0.01)")
+    args.density = 1.0
   if not 0 < args.density <= 1:
     _parser().error("--density must be in (0, 1]")
   if (args.latency is None) != (args.bandwidth is None):
@@ -153,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
   print(plan)
   if args.rank is not None:
     _print_low_rank(shapes, args.devices, args.rank, network, plan)
-  if args.devices > 1 and cluster is None:
+  if args.devices > 1 and cluster is None and selecting:  # the top-k's breakevens
     total = sum(sizes)
     for sparse in (TOPKA2A, TOPKA2A_SPARSE):
       dense = breakeven_density(sparse.name, DENSE.name, total, args.devices, network)
