@@ -37,7 +37,6 @@ import math
 import sys
 
 from topka2a_jax import plan_fusion
-from topka2a_jax._src.collectives.algorithms import ignores_density
 from topka2a_jax.collectives import ALGORITHMS
 from topka2a_jax.cost import (
   DEVICES,
@@ -121,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     _parser().error("--devices must be at least 1")
   selecting = args.density is not None
   if not selecting:
-    if not ignores_density(args.algorithm):
+    if args.algorithm not in ALGORITHMS or not (
+        ALGORITHMS[args.algorithm].quantizes or args.algorithm == DENSE.name):
       _parser().error(f"--density is required with --algorithm {args.algorithm} "
                       "(give e.g. --density 0.01)")
     args.density = 1.0
