@@ -141,8 +141,10 @@ def seeds_curves(data: dict, out: Path) -> None:
   axes.set_xlabel("step")
   axes.set_ylabel("validation loss (nats/byte)")
   axes.set_ylim(top=min(3.0, axes.get_ylim()[1]))
-  axes.set_title(f"character model, seeds {data['meta']['seeds']} (dashed: the "
-                 "second)", fontsize=9)
+  seeds = data["meta"]["seeds"]
+  axes.set_title(f"character model, {data['meta']['steps']} steps, seed"
+                 + (f"s {seeds} (dashed: the second)" if len(seeds) > 1 else f" {seeds[0]}"),
+                 fontsize=9)
   axes.legend(fontsize=7)
   figure.tight_layout()
   figure.savefig(out, dpi=110)
