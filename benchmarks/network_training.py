@@ -72,7 +72,8 @@ RUNS = {
                                                 "algorithm": "onebit"},
     "onebit": {"algorithm": "onebit"},
     **{name: {"algorithm": name} for name in (
-        "quantized_4_8", "quantized_4_4", "quantized_2_8", "quantized_8_8", "quantized_8_4")},
+        "quantized_4_8", "quantized_4_4", "quantized_2_8", "quantized_8_8", "quantized_8_4",
+        "quantized_8_8_fine")},
     "defaults, buckets split to overlap the backward pass": {
         "backward_seconds": "estimated"},
 }

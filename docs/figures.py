@@ -45,6 +45,7 @@ LEGENDS = {
     "onebit": 'chain(topka2a(algorithm="onebit"), adam)',
     "quantized_8_8": 'chain(topka2a(algorithm="quantized_8_8"), adam)',
     "quantized_4_8": 'chain(topka2a(algorithm="quantized_4_8"), adam)',
+    "quantized_8_8_fine": 'chain(topka2a(algorithm="quantized_8_8_fine"), adam)',
     "quantized_4_8_stochastic": "quantized_4_8 rounded stochastically (removed)",
     "updates, onebit": 'compress_updates(adam, algorithm="onebit")',
     "updates, onebit_4": "compress_updates(adam)",

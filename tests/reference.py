@@ -185,7 +185,9 @@ ALGORITHMS = {"dense": dense, "allgather": allgather, "topka2a": topka2a,
               "onebit_1": functools.partial(onebit, gather_bits=1),
               **{f"quantized_{up}_{back}": functools.partial(few_bit, bits=up,
                                                              gather_bits=back)
-                 for up, back in ((4, 8), (4, 4), (2, 8), (8, 8), (8, 4))}}
+                 for up, back in ((4, 8), (4, 4), (2, 8), (8, 8), (8, 4))},
+              "quantized_8_8_fine": functools.partial(few_bit, bits=8, gather_bits=8,
+                                                      chunk=256)}
 
 
 def leafwise(algorithm, grads, residuals, density):

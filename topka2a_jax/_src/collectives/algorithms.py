@@ -112,6 +112,20 @@ class Cost:
     return self.messages * network.latency + self.bytes / network.bandwidth
 
 
+class Codes(NamedTuple):
+  """The codes of a few-bit exchange (:func:`few_bit <topka2a_jax.collectives.few_bit>`).
+
+  Attributes:
+    bits: bits per entry to the owners.
+    gather_bits: bits per entry of the owners' means back.
+    chunk: entries per float32 scale, in both phases.
+  """
+
+  bits: int
+  gather_bits: int
+  chunk: int = quantized.CHUNK
+
+
 @dataclasses.dataclass(frozen=True)
 class Algorithm:
   """One exchange of a flat buffer across the data axis.
@@ -134,10 +148,10 @@ class Algorithm:
       waits in their residuals), so that the mean lacks some of what the
       devices selected.
     codes: for the exchanges that send every entry as a few-bit code
-      rather than a selection, ``(bits to the owners, bits back)``: their
-      collective is :func:`few_bit <topka2a_jax.collectives.few_bit>` with
-      those widths. None for the others, whose collective is the function
-      of their name.
+      rather than a selection, their :class:`Codes` (bits to the owners,
+      bits back, entries per scale): their collective is :func:`few_bit
+      <topka2a_jax.collectives.few_bit>` with those. None for the others,
+      whose collective is the function of their name.
   """
 
   name: str
@@ -151,7 +165,7 @@ class Algorithm:
   reads: Callable[[int, int], int]
   selects: Callable[[Counts], float]
   holds_back: bool = False
-  codes: tuple[int, int] | None = None
+  codes: Codes | None = None
 
   @property
   def quantizes(self) -> bool:
@@ -250,7 +264,7 @@ def _to_owners_then_pairs(c: Counts) -> tuple[Phase, ...]:
   return owners, owners._replace(pattern=RING)
 
 
-def _codes_then(bits: int, gather_bits: int) -> Callable[[Counts], tuple[Phase, ...]]:
+def _codes_then(codes: Codes) -> Callable[[Counts], tuple[Phase, ...]]:
   """The phases of :func:`few_bit <topka2a_jax.collectives.few_bit>`.
 
   Each device sends every peer its shard's codes of ``bits`` bits and chunk
@@ -260,14 +274,14 @@ def _codes_then(bits: int, gather_bits: int) -> Callable[[Counts], tuple[Phase, 
   def traffic(c: Counts) -> tuple[Phase, ...]:
     shard = math.ceil(c.length / c.devices)
     return (Phase(PAIRS, c.devices - 1,
-                  (c.devices - 1) * quantized.wire_bytes(shard, bits)),
-            Phase(RING, c.devices - 1,
-                  (c.devices - 1) * quantized.wire_bytes(shard, gather_bits)))
+                  (c.devices - 1) * quantized.wire_bytes(shard, codes.bits, codes.chunk)),
+            Phase(RING, c.devices - 1, (c.devices - 1) * quantized.wire_bytes(
+                shard, codes.gather_bits, codes.chunk)))
   return traffic
 
 
 def _quantized(bits: int, gather_bits: int, *, name: str | None = None,
-               how: str = "") -> Algorithm:
+               chunk: int = quantized.CHUNK, how: str = "") -> Algorithm:
   if name is None:
     name = ("onebit" if gather_bits == 8 else f"onebit_{gather_bits}") if bits == 1 else (
         f"quantized_{bits}_{gather_bits}")
@@ -279,12 +293,12 @@ def _quantized(bits: int, gather_bits: int, *, name: str | None = None,
                f"in {gather_bits} bit{'s' if gather_bits > 1 else ''} by AllGather"),
       sparse=True, unsent_at="the sender, and the owner for its mean's rounding",
       compresses_values=False, global_indices=False,
-      traffic=_codes_then(bits, gather_bits),
+      traffic=_codes_then(Codes(bits, gather_bits, chunk)),
       # Passes over the buffer: its codes, their decoding (the residual), the
       # owner's sum of P shards and the final decoding; over the owner's
       # shard, its codes and their decoding.
       reads=lambda length, devices: 4 * length + 2 * ceil_div(length, devices),
-      selects=lambda c: 0, holds_back=True, codes=(bits, gather_bits))
+      selects=lambda c: 0, holds_back=True, codes=Codes(bits, gather_bits, chunk))
 
 
 DENSE = Algorithm(
@@ -325,9 +339,12 @@ ONEBIT_4 = _quantized(1, 4)
 ONEBIT_1 = _quantized(1, 1)
 """Signs both ways (DeepSpeed's compressed all-reduce): 0.25 bytes per entry."""
 
-FEW_BIT = tuple(_quantized(bits, back)
-                for bits, back in ((4, 8), (4, 4), (2, 8), (8, 8), (8, 4)))
-"""Codes of 2 to 8 bits to the owners, 4 or 8 back: the gradient at a few bits."""
+FEW_BIT = (*(_quantized(bits, back)
+              for bits, back in ((4, 8), (4, 4), (2, 8), (8, 8), (8, 4))),
+           _quantized(8, 8, name="quantized_8_8_fine", chunk=256,
+                      how=", one scale per 256 entries"))
+"""Codes of 2 to 8 bits to the owners, 4 or 8 back: the gradient at a few bits;
+``quantized_8_8_fine`` with one scale per 256 entries instead of 4,096."""
 
 ALGORITHMS: dict[str, Algorithm] = {
     algorithm.name: algorithm for algorithm in (

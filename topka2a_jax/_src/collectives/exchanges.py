@@ -585,8 +585,8 @@ _SELECTING: dict[str, Collective] = {
 def _collective(entry: algorithms.Algorithm) -> Collective:
   if entry.codes is None:
     return _SELECTING[entry.name]
-  bits, gather_bits = entry.codes
-  return functools.partial(few_bit, bits=bits, gather_bits=gather_bits)
+  return functools.partial(few_bit, bits=entry.codes.bits,
+                           gather_bits=entry.codes.gather_bits, chunk=entry.codes.chunk)
 
 
 COLLECTIVES: dict[str, Collective] = {

@@ -326,7 +326,7 @@ def _to_owners(opts: Options, acc: jax.Array) -> tuple[jax.Array, jax.Array]:
   """
   codes = ALGORITHMS[opts.algorithm].codes if opts.algorithm in ALGORITHMS else None
   if codes is not None:
-    return exchanges.codes_to_owners(acc, opts.axis_name, codes[0])
+    return exchanges.codes_to_owners(acc, opts.axis_name, codes.bits, chunk=codes.chunk)
   first_phase = exchanges.to_owners(acc, opts.axis_name, opts.density, opts.value_dtype,
                                     get_selection(opts.selection))
   return first_phase.owned, first_phase.unsent.reshape(-1)[: acc.size]
