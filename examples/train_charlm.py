@@ -146,6 +146,7 @@ RUNS = {
     "updates, onebit_4": {"algorithm": "onebit_4", "updates": True},
     "quantized_8_8": {"algorithm": "quantized_8_8"},
     "quantized_4_8": {"algorithm": "quantized_4_8"},
+    "quantized_8_8_fine": {"algorithm": "quantized_8_8_fine"},
 }
 QUICK_RUNS = ("dense (pmean)", "topka2a 1%", "updates 1%")
 
