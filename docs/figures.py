@@ -130,19 +130,19 @@ def seeds_curves(data: dict, out: Path) -> None:
   """Validation loss against steps, one line per run and seed (the examples' JSON)."""
   plt = _pyplot()
   figure, axes = plt.subplots(figsize=(7, 5))
+  seeds = data["meta"]["seeds"]
   for run in data["runs"]:
     dense = run["name"] == "dense (pmean)"
-    color = "black" if dense else None
-    for seed, scores in zip(data["meta"]["seeds"], run["scores"]):
+    color = "black" if dense else None  # each run's seeds in one colour
+    for seed, scores in zip(seeds, run["scores"]):
+      first = seed == seeds[0]
       line, = axes.plot(run["eval_steps"], scores, linewidth=2.2 if dense else 1.4,
-                        color=color, linestyle="-" if seed == data["meta"]["seeds"][0]
-                        else "--", label=legend(run["name"], 0.01) if color is None
-                        or seed == data["meta"]["seeds"][0] else None)
+                        color=color, linestyle="-" if first else "--",
+                        label=legend(run["name"], 0.01) if first else None)
       color = line.get_color()
   axes.set_xlabel("step")
   axes.set_ylabel("validation loss (nats/byte)")
   axes.set_ylim(top=min(3.0, axes.get_ylim()[1]))
-  seeds = data["meta"]["seeds"]
   axes.set_title(f"character model, {data['meta']['steps']} steps, seed"
                  + (f"s {seeds} (dashed: the second)" if len(seeds) > 1 else f" {seeds[0]}"),
                  fontsize=9)
