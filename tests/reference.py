@@ -113,7 +113,7 @@ def _coded(row: np.ndarray, start: int, n: int, bits: int, chunk: int) -> np.nda
 
 
 def _chunk_length(shard: int, chunk: int) -> int:
-  """Entries per chunk: the shard split evenly, rounded up to 32 (quantized.chunking)."""
+  """Entries per chunk: the shard split evenly, rounded up to 32 (sizes.chunking)."""
   count = math.ceil(shard / chunk)
   return math.ceil(math.ceil(shard / count) / 32) * 32
 

@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import topka2a_jax
+from topka2a_jax._src import sizes
 from topka2a_jax._src.collectives import low_rank
 
 DEVICES = 8
@@ -44,7 +45,7 @@ def test_ten_steps_match_the_paper(mesh, exchange_steps, rank):
   params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
   start = topka2a_jax.init(tx, params, jax.make_mesh((DEVICES,), ("data",)))
   qs = {k: np.asarray(start.factors[k], np.float64) for k in MATRICES}
-  errors = {k: np.zeros((DEVICES, *low_rank.matrix_shape(SHAPES[k]))) for k in qs}
+  errors = {k: np.zeros((DEVICES, *sizes.matrix_shape(SHAPES[k]))) for k in qs}
   for grads, (updates, state) in zip(steps, exchange_steps(tx, mesh, steps)):
     for k in MATRICES:
       mean, errors[k], qs[k] = reference.powersgd(as_matrices(grads[k]), errors[k], qs[k])

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from cases import LAUNCHER
 
-from topka2a_jax._src.runtime.watchdog import STALLED_STATUS
+from topka2a_jax._src.runtime.contract import STALLED_STATUS
 
 SCRIPT = Path(__file__).parent / "multiprocess_train.py"
 

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 from sharded import per_device
 
 import topka2a_jax
+from topka2a_jax._src import sizes
 from topka2a_jax._src.collectives import quantized
 from topka2a_jax._src.collectives.algorithms import ALGORITHMS
 from topka2a_jax.collectives import COLLECTIVES
@@ -105,7 +106,7 @@ def test_packing_round_trips(bits, length):
 
 @pytest.mark.parametrize("length", [1, 3, 8, 31, 33, 100])
 def test_rows_that_are_no_multiple_of_32_are_padded_and_the_padding_sends_nothing(length):
-  cut = quantized.chunking(length)
+  cut = sizes.chunking(length)
   assert cut.chunk % 32 == 0 and 0 <= cut.padded - length < 32
   rows = np.zeros((1, 1, cut.padded))
   rows[0, 0, :length] = np.arange(1, length + 1) * (-1.0) ** np.arange(length)
@@ -123,8 +124,8 @@ def test_rows_that_are_no_multiple_of_32_are_padded_and_the_padding_sends_nothin
 
 @pytest.mark.parametrize("length", [1, 4096, 4097, 12_500, 10**6 + 3])
 def test_chunks_split_a_row_evenly(length):
-  cut = quantized.chunking(length)
-  assert cut.chunk <= quantized.CHUNK and cut.chunks == -(-length // quantized.CHUNK)
+  cut = sizes.chunking(length)
+  assert cut.chunk <= sizes.CHUNK and cut.chunks == -(-length // sizes.CHUNK)
   assert 0 <= cut.padded - length < 32 * cut.chunks
 
 

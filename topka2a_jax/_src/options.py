@@ -36,7 +36,7 @@ from topka2a_jax._src.planner.cost import (
   Network,
   get_network,
 )
-from topka2a_jax._src.sizes import check_density
+from topka2a_jax._src.sizes import check_density, compresses
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -412,8 +412,8 @@ class Options:
     return self.algorithm == algorithms.POWERSGD.name
 
   def sends_low_rank(self, local_shape: tuple[int, ...]) -> bool:
-    """Whether a leaf goes as a low-rank product (:func:`low_rank.compresses`)."""
-    return self.is_low_rank and low_rank.compresses(local_shape, self.rank, self.min_size)
+    """Whether a leaf goes as a low-rank product (:func:`sizes.compresses`)."""
+    return self.is_low_rank and compresses(local_shape, self.rank, self.min_size)
 
   def keeps_residual(self, local_size: int, local_shape: tuple[int, ...] | None = None
                      ) -> bool:

@@ -8,6 +8,16 @@ exchange has fixed shapes and compiles once.
 * TopKA2A splits the buffer into ``P`` contiguous shards of
   ``ceil(n / P)`` elements and takes ``ceil(k / P)`` from each
   (:class:`ShardLayout`).
+* A few-bit exchange cuts a row into chunks of at most :data:`CHUNK`
+  entries, one scale each, in whole words (:func:`chunking`,
+  :func:`wire_bytes`).
+* PowerSGD sends a leaf as a matrix (:func:`matrix_shape`) at a rank
+  (:func:`leaf_rank`), where that saves at least half (:func:`compresses`).
+* An index travels in the narrowest unsigned type that addresses its
+  positions (:func:`index_dtype`).
+
+Nothing here imports JAX: the cost model and the command-line planner read
+these counts without it.
 
 Example:
   >>> ceil_div(10, 4), round_up(10, 4)
@@ -21,7 +31,10 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from typing import Any, NamedTuple
+
+import numpy as np
 
 # A density times a length that is an integer in exact arithmetic may come out
 # a hair above it in floating point (0.07 * 100 = 7.000000000000001); this
@@ -116,3 +129,115 @@ class ShardLayout(NamedTuple):
   def padded_length(self) -> int:
     """Elements after padding: ``num_shards * shard_length``."""
     return self.num_shards * self.shard_length
+
+
+CHUNK = 4096
+"""Entries of a few-bit exchange that share one scale, at most: 4 bytes of
+scale per 4,096 codes (0.8% of a 1-bit message)."""
+
+WORD = 32
+"""Bits per packed word of few-bit codes."""
+
+
+class Chunking(NamedTuple):
+  """How a row of ``length`` entries is cut into chunks.
+
+  Attributes:
+    chunks: chunks per row, ``ceil(length / CHUNK)``.
+    chunk: entries per chunk: the row split evenly into that many, rounded
+      up to 32, so at most :data:`CHUNK` and fewer than 32 entries of
+      padding per chunk.
+  """
+
+  chunks: int
+  chunk: int
+
+  @property
+  def padded(self) -> int:
+    """Entries of a row with its padding: ``chunks * chunk``."""
+    return self.chunks * self.chunk
+
+
+def chunking(length: int, chunk: int = CHUNK) -> Chunking:
+  """The chunks of a row of ``length`` entries.
+
+  Example:
+    >>> chunking(10_000), chunking(100)
+    (Chunking(chunks=3, chunk=3360), Chunking(chunks=1, chunk=128))
+  """
+  if chunk < WORD or chunk % WORD:
+    raise ValueError(f"chunk must be a positive multiple of {WORD}, got {chunk!r}")
+  length = max(int(length), 1)
+  count = ceil_div(length, chunk)
+  return Chunking(count, round_up(ceil_div(length, count), WORD))  # whole words
+
+
+def wire_bytes(length: int, bits: int, chunk: int = CHUNK) -> int:
+  """Bytes of one row's message of ``length`` entries: its codes and its scales."""
+  cut = chunking(length, chunk)
+  return 4 * cut.chunks * (cut.chunk * bits // WORD + 1)
+
+
+def index_dtype(index_range: int) -> np.dtype:
+  """The narrowest unsigned integer type holding positions ``0 .. range-1``.
+
+  Args:
+    index_range: number of distinct positions, at least 1.
+
+  Returns:
+    uint16 up to 65,536 positions, else uint32.
+
+  Raises:
+    ValueError: more positions than uint32 holds.
+
+  Example:
+    >>> index_dtype(65_536), index_dtype(65_537)
+    (dtype('uint16'), dtype('uint32'))
+  """
+  if index_range <= 1 << 16:
+    return np.dtype(np.uint16)
+  if index_range <= 1 << 32:
+    return np.dtype(np.uint32)
+  raise ValueError(f"{index_range} positions do not fit 32-bit indices")
+
+
+MIN_COMPRESSION = 2.0
+"""Under ``algorithm="powersgd"`` a matrix goes low rank only where its rank-r
+factors are at most half its size, ``(m + n) r <= m n / 2`` (PyTorch's
+``min_compression_rate``); else dense."""
+
+
+def matrix_shape(shape: Sequence[int]) -> tuple[int, int] | None:
+  """A leaf of ``shape`` as a matrix: all axes but the last by the last; None for a vector.
+
+  Example:
+    >>> matrix_shape((3, 3, 16, 32)), matrix_shape((32,))
+    ((144, 32), None)
+  """
+  if len(shape) < 2:
+    return None
+  return math.prod(shape[:-1]), shape[-1]
+
+
+def leaf_rank(shape: Sequence[int], rank: int) -> int:
+  """The rank a leaf of ``shape`` is sent at: ``rank``, at most the matrix's smaller side."""
+  m, n = matrix_shape(shape)
+  return min(rank, m, n)
+
+
+def compresses(shape: Sequence[int], rank: int, min_size: int) -> bool:
+  """Whether a leaf of ``shape`` goes low rank (else dense).
+
+  It must be a matrix of at least ``min_size`` elements whose factors are
+  at most half its size (:data:`MIN_COMPRESSION`).
+
+  Example:
+    >>> compresses((1024, 1024), 4, 1024), compresses((1024, 3), 4, 1024)
+    (True, False)
+  """
+  matrix = matrix_shape(shape)
+  if matrix is None:
+    return False
+  m, n = matrix
+  return (m * n >= max(min_size, 1)
+          and (m + n) * leaf_rank(shape, rank) * MIN_COMPRESSION <= m * n)

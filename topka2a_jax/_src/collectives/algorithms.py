@@ -20,7 +20,7 @@ bytes per value and index:
 | quantized_a_b (a bits up, b back) | 2(P-1) | (P-1) · s'(a + b + 64/C)/8 | 4d + 2s | 0 |
 
 (``s'``: the shard rounded up to whole chunks of ``C`` entries, at most
-``quantized.CHUNK``; each chunk sends one float32 scale per phase.)
+``sizes.CHUNK``; each chunk sends one float32 scale per phase.)
 
 Values and indices travel in one message (``wire.py``), so TopkA and
 TopKA2A pay one latency term per phase. Indices are as narrow as the
@@ -44,9 +44,14 @@ import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from topka2a_jax._src.collectives import quantized
-from topka2a_jax._src.collectives.wire import index_dtype
-from topka2a_jax._src.sizes import ShardLayout, ceil_div, sparse_count
+from topka2a_jax._src.sizes import (
+  CHUNK,
+  ShardLayout,
+  ceil_div,
+  index_dtype,
+  sparse_count,
+  wire_bytes,
+)
 
 AUTO = "auto"
 """``algorithm=AUTO``: each bucket takes the cheapest entry under the cost model."""
@@ -123,7 +128,7 @@ class Codes(NamedTuple):
 
   bits: int
   gather_bits: int
-  chunk: int = quantized.CHUNK
+  chunk: int = CHUNK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,14 +279,14 @@ def _codes_then(codes: Codes) -> Callable[[Counts], tuple[Phase, ...]]:
   def traffic(c: Counts) -> tuple[Phase, ...]:
     shard = math.ceil(c.length / c.devices)
     return (Phase(PAIRS, c.devices - 1,
-                  (c.devices - 1) * quantized.wire_bytes(shard, codes.bits, codes.chunk)),
-            Phase(RING, c.devices - 1, (c.devices - 1) * quantized.wire_bytes(
+                  (c.devices - 1) * wire_bytes(shard, codes.bits, codes.chunk)),
+            Phase(RING, c.devices - 1, (c.devices - 1) * wire_bytes(
                 shard, codes.gather_bits, codes.chunk)))
   return traffic
 
 
 def _quantized(bits: int, gather_bits: int, *, name: str | None = None,
-               chunk: int = quantized.CHUNK, how: str = "") -> Algorithm:
+               chunk: int = CHUNK, how: str = "") -> Algorithm:
   if name is None:
     name = ("onebit" if gather_bits == 8 else f"onebit_{gather_bits}") if bits == 1 else (
         f"quantized_{bits}_{gather_bits}")

@@ -71,7 +71,7 @@ from topka2a_jax._src.collectives import algorithms, quantized
 from topka2a_jax._src.collectives.received import top_of_received
 from topka2a_jax._src.collectives.selection import Selection, get_selection
 from topka2a_jax._src.collectives.wire import WireFormat
-from topka2a_jax._src.sizes import ShardLayout, ceil_div, sparse_count
+from topka2a_jax._src.sizes import CHUNK, Chunking, ShardLayout, ceil_div, chunking, sparse_count
 
 
 class Collective(Protocol):
@@ -394,7 +394,7 @@ def _sum_of_decoded_rows(words: jax.Array, scales: jax.Array, bits: int,
 
 
 def _codes_to_owners(
-    shards: jax.Array, valid: jax.Array | None, cut: quantized.Chunking, bits: int,
+    shards: jax.Array, valid: jax.Array | None, cut: Chunking, bits: int,
     axis_name: Hashable, send: jax.Array | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
   """The first phase of the few-bit exchanges: codes by AlltoAll, summed at the owner.
@@ -427,7 +427,7 @@ def _codes_to_owners(
 
 def codes_to_owners(
     buffer: jax.Array, axis_name: Hashable, bits: int, *,
-    chunk: int = quantized.CHUNK,
+    chunk: int = CHUNK,
 ) -> tuple[jax.Array, jax.Array]:
   """Every entry in ``bits`` bits to its owner, summed there: a few-bit reduce-scatter.
 
@@ -458,7 +458,7 @@ def codes_to_owners(
   num_devices = bound_axis_size(axis_name)
   length, dtype = buffer.shape[0], jnp.promote_types(buffer.dtype, jnp.float32)
   width = ceil_div(length, num_devices)
-  cut = quantized.chunking(width, chunk)
+  cut = chunking(width, chunk)
   rows = jnp.pad(padded_rows(buffer.astype(dtype), num_devices),
                  ((0, 0), (0, cut.padded - width)))
   shape = (num_devices, cut.chunks, cut.chunk)
@@ -475,7 +475,7 @@ def few_bit(
     buffer: jax.Array, axis_name: Hashable, density: float = 1.0, *,
     value_dtype: jnp.dtype | None = None, selection: str = "exact",
     send: jax.Array | None = None, bits: int = 4, gather_bits: int = 8,
-    chunk: int = quantized.CHUNK,
+    chunk: int = CHUNK,
 ) -> ExchangeResult:
   """Every entry in ``bits`` bits to its shard's owner, the owners' means back in ``gather_bits``.
 
@@ -530,7 +530,7 @@ def few_bit(
   _check_buffer(buffer)
   num_devices = bound_axis_size(axis_name)
   length, dtype = buffer.shape[0], jnp.promote_types(buffer.dtype, jnp.float32)
-  cut = quantized.chunking(ceil_div(length, num_devices), chunk)
+  cut = chunking(ceil_div(length, num_devices), chunk)
   shape, total = (num_devices, cut.chunks, cut.chunk), num_devices * cut.padded
   valid = None if total == length else jnp.arange(total).reshape(shape) < length
   shards = jnp.pad(buffer.astype(dtype), (0, total - length)).reshape(shape)
@@ -551,7 +551,7 @@ def onebit(
     buffer: jax.Array, axis_name: Hashable, density: float = 1.0, *,
     value_dtype: jnp.dtype | None = None, selection: str = "exact",
     send: jax.Array | None = None, gather_bits: int = 8,
-    chunk: int = quantized.CHUNK,
+    chunk: int = CHUNK,
 ) -> ExchangeResult:
   """Every entry's sign to its shard's owner, the owners' means back in few bits.
 

@@ -43,7 +43,6 @@ References:
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
@@ -51,13 +50,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from topka2a_jax._src.sizes import leaf_rank, matrix_shape
+
 DEFAULT_RANK = 4
 """``algorithm="powersgd"`` with no ``rank=``: the rank PyTorch's PowerSGD hook
 users run most and this repo's link benchmark measures."""
-
-MIN_COMPRESSION = 2.0
-"""A matrix goes low rank only where its rank-r factors are at most half its
-size, ``(m + n) r <= m n / 2`` (PyTorch's ``min_compression_rate``); else dense."""
 
 FACTOR_SEED = 0
 """The seed of every initial ``Q``: the same on every device and process."""
@@ -74,42 +71,6 @@ class Carry(NamedTuple):
 
   residual: Any
   factor: jax.Array
-
-
-def matrix_shape(shape: Sequence[int]) -> tuple[int, int] | None:
-  """A leaf of ``shape`` as a matrix: all axes but the last by the last; None for a vector.
-
-  Example:
-    >>> matrix_shape((3, 3, 16, 32)), matrix_shape((32,))
-    ((144, 32), None)
-  """
-  if len(shape) < 2:
-    return None
-  return math.prod(shape[:-1]), shape[-1]
-
-
-def leaf_rank(shape: Sequence[int], rank: int) -> int:
-  """The rank a leaf of ``shape`` is sent at: ``rank``, at most the matrix's smaller side."""
-  m, n = matrix_shape(shape)
-  return min(rank, m, n)
-
-
-def compresses(shape: Sequence[int], rank: int, min_size: int) -> bool:
-  """Whether a leaf of ``shape`` goes low rank (else dense).
-
-  It must be a matrix of at least ``min_size`` elements whose factors are
-  at most half its size (:data:`MIN_COMPRESSION`).
-
-  Example:
-    >>> compresses((1024, 1024), 4, 1024), compresses((1024, 3), 4, 1024)
-    (True, False)
-  """
-  matrix = matrix_shape(shape)
-  if matrix is None:
-    return False
-  m, n = matrix
-  return (m * n >= max(min_size, 1)
-          and (m + n) * leaf_rank(shape, rank) * MIN_COMPRESSION <= m * n)
 
 
 def initial_factor(shape: Sequence[int], rank: int, position: int) -> jax.Array:

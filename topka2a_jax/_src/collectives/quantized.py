@@ -4,7 +4,7 @@ Rows of values travel in chunks: one float32 scale per chunk and one code of
 ``bits`` bits per entry, packed ``32 / bits`` to a uint32 word; scales and
 words go as one uint32 message (:func:`message`). The arrays are chunked,
 ``(rows, chunks, chunk)``, so that a scale meets its entries by
-broadcasting, with no pass to spread it (:func:`chunking` picks the chunks).
+broadcasting, with no pass to spread it (``sizes.chunking`` picks the chunks).
 
 * ``bits=1``: the sign. A code is 1 for ``x >= 0``; it decodes to
   ``+scale`` or ``-scale``, with ``scale`` the mean magnitude of the chunk's
@@ -28,68 +28,15 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from topka2a_jax._src.sizes import ceil_div, round_up
-
-CHUNK = 4096
-"""Entries that share one scale, at most: 4 bytes of scale per 4,096 codes
-(0.8% of a 1-bit message)."""
+from topka2a_jax._src.sizes import WORD, Chunking
 
 BITS = (1, 2, 4, 8)
 """The code widths :func:`encode` takes."""
-
-WORD = 32
-"""Bits per packed word."""
-
-
-def padded_length(length: int) -> int:
-  """``length`` rounded up to whole words of any code width: a multiple of 32."""
-  return round_up(length, WORD)
-
-
-class Chunking(NamedTuple):
-  """How a row of ``length`` entries is cut into chunks.
-
-  Attributes:
-    chunks: chunks per row, ``ceil(length / CHUNK)``.
-    chunk: entries per chunk: the row split evenly into that many, rounded
-      up to 32, so at most :data:`CHUNK` and fewer than 32 entries of
-      padding per chunk.
-  """
-
-  chunks: int
-  chunk: int
-
-  @property
-  def padded(self) -> int:
-    """Entries of a row with its padding: ``chunks * chunk``."""
-    return self.chunks * self.chunk
-
-
-def chunking(length: int, chunk: int = CHUNK) -> Chunking:
-  """The chunks of a row of ``length`` entries.
-
-  Example:
-    >>> chunking(10_000), chunking(100)
-    (Chunking(chunks=3, chunk=3360), Chunking(chunks=1, chunk=128))
-  """
-  if chunk < WORD or chunk % WORD:
-    raise ValueError(f"chunk must be a positive multiple of {WORD}, got {chunk!r}")
-  length = max(int(length), 1)
-  count = ceil_div(length, chunk)
-  return Chunking(count, padded_length(ceil_div(length, count)))
-
-
-def wire_bytes(length: int, bits: int, chunk: int = CHUNK) -> int:
-  """Bytes of one row's message of ``length`` entries: its codes and its scales."""
-  cut = chunking(length, chunk)
-  return 4 * cut.chunks * (cut.chunk * bits // WORD + 1)
-
 
 def _check(chunked: jax.Array, bits: int) -> None:
   if bits not in BITS:

@@ -25,24 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-
-def index_dtype(index_range: int) -> jnp.dtype:
-  """The narrowest unsigned integer type holding positions ``0 .. range-1``.
-
-  Args:
-    index_range: number of distinct positions, at least 1.
-
-  Returns:
-    uint16 up to 65,536 positions, else uint32.
-
-  Raises:
-    ValueError: more positions than uint32 holds.
-  """
-  if index_range <= 1 << 16:
-    return jnp.dtype(jnp.uint16)
-  if index_range <= 1 << 32:
-    return jnp.dtype(jnp.uint32)
-  raise ValueError(f"{index_range} positions do not fit 32-bit indices")
+from topka2a_jax._src.sizes import index_dtype
 
 
 def _to_bytes(x: jax.Array) -> jax.Array:

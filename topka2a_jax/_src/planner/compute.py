@@ -19,8 +19,6 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-import jax
-
 UTILISATION = 0.4
 """Share of the datasheet's dense rate a training step sustains."""
 
@@ -101,6 +99,8 @@ def backward_seconds(value_and_grad: Callable[..., Any], *args: Any,
     >>> seconds > 0, source.startswith("XLA cost analysis")
     (True, True)
   """
+  import jax  # here alone, so that the presets above load without JAX
+
   analysis = jax.jit(value_and_grad).lower(*args).cost_analysis() or {}
   flops = float(analysis.get("flops", 0.0))
   source = (f"XLA cost analysis: {flops:.3g} FLOP forward and backward, two "

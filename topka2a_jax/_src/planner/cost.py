@@ -20,11 +20,9 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
-import jax
-
-from topka2a_jax._src.collectives import algorithms, low_rank
+from topka2a_jax._src.collectives import algorithms
 from topka2a_jax._src.collectives.algorithms import Cost
-from topka2a_jax._src.sizes import ceil_div
+from topka2a_jax._src.sizes import ceil_div, compresses, matrix_shape
 
 DEFAULT_MIN_SIZE = 1024
 """Leaves with fewer elements go dense.
@@ -107,6 +105,8 @@ def detected_network() -> Network:
     >>> detected_network().name  # one process on this CPU
     'eth10'
   """
+  import jax  # here alone, so that the tables above load without JAX
+
   if jax.process_count() == 1 and jax.default_backend() != "cpu":
     return NETWORKS["nvlink"]
   return NETWORKS["eth10"]
@@ -226,10 +226,10 @@ def low_rank_step(shapes: Sequence[Sequence[int]], num_devices: int, rank: int,
     >>> step.low_rank, step.dense_elements, step.cost.bytes
     (((5000, 5000),), 5000, 270000.0)
   """
-  matrices = tuple(low_rank.matrix_shape(shape) for shape in shapes
-                   if low_rank.compresses(shape, rank, min_size))
+  matrices = tuple(matrix_shape(shape) for shape in shapes
+                   if compresses(shape, rank, min_size))
   dense = sum(math.prod(shape) for shape in shapes
-              if not low_rank.compresses(shape, rank, min_size))
+              if not compresses(shape, rank, min_size))
   factors = algorithms.POWERSGD.cost(matrices, num_devices, rank) if matrices else Cost(0, 0.0)
   rest = algorithms.DENSE.cost(dense, num_devices, 1.0) if dense else Cost(0, 0.0)
   return LowRankStep(rank, matrices, dense,

@@ -31,11 +31,7 @@ from typing import Any
 import jax
 
 from topka2a_jax._src.runtime import watchdog
-
-COORDINATOR = "TOPKA2A_COORDINATOR"
-NUM_PROCESSES = "TOPKA2A_NUM_PROCESSES"
-PROCESS_ID = "TOPKA2A_PROCESS_ID"
-
+from topka2a_jax._src.runtime.contract import COORDINATOR, NUM_PROCESSES, PROCESS_ID
 
 VARIABLES = (
     (COORDINATOR, NUM_PROCESSES, PROCESS_ID),

@@ -26,8 +26,12 @@ import threading
 import time
 from collections.abc import Sequence
 
-from topka2a_jax._src.runtime.distributed import COORDINATOR, NUM_PROCESSES, PROCESS_ID
-from topka2a_jax._src.runtime.watchdog import STALLED_STATUS
+from topka2a_jax._src.runtime.contract import (
+  COORDINATOR,
+  NUM_PROCESSES,
+  PROCESS_ID,
+  STALLED_STATUS,
+)
 
 GRACE_SECONDS = 5.0
 """How long a process stopped by a signal to the launcher gets to exit before

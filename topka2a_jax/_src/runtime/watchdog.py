@@ -37,9 +37,7 @@ from typing import Any
 
 import jax
 
-STALLED_STATUS = 124
-"""The exit status of a process whose step waited past the stall timeout
-(``timeout``'s own)."""
+from topka2a_jax._src.runtime.contract import STALLED_STATUS
 
 DEFAULT_STALL_SECONDS = 600
 """The stall timeout :func:`topka2a_jax.distributed.initialize` arms by

@@ -26,7 +26,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from topka2a_jax._src import layout
+from topka2a_jax._src import layout, sizes
 from topka2a_jax._src.axis import DataAxis, bound_axis_size, holds_tracer, is_bound
 from topka2a_jax._src.collectives import low_rank
 from topka2a_jax._src.options import Options
@@ -301,9 +301,9 @@ def _checked_factors(plan: ExchangePlan, treedef: Any, state: TopKA2AState,
         raise ValueError(f"the state holds a PowerSGD factor for leaf {leaf.path}, "
                          f"which goes dense with these options. {fix}")
       continue
-    m, n = low_rank.matrix_shape(leaf.local_shape)
+    m, n = sizes.matrix_shape(leaf.local_shape)
     pieces = grad.size // math.prod(leaf.local_shape)  # shards seen whole here
-    expected = (pieces * n, low_rank.leaf_rank(leaf.local_shape, plan.rank))
+    expected = (pieces * n, sizes.leaf_rank(leaf.local_shape, plan.rank))
     if getattr(factor, "shape", None) != expected:
       raise ValueError(
           f"PowerSGD factor for leaf {leaf.path} has shape "
