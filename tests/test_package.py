@@ -12,6 +12,7 @@ import sys
 import pytest
 
 import topka2a_jax
+from topka2a_jax._src import lazy
 from topka2a_jax._src.training.step import DataParallelStep
 
 PACKAGE = pathlib.Path(topka2a_jax.__file__).parent
@@ -50,11 +51,19 @@ def module_imports() -> dict[str, set[str]]:
   imports = {}
   for name, path in paths.items():
     found = set()
-    for node in ast.parse(path.read_text()).body:
+    for node in module_level(ast.parse(path.read_text())):
       if isinstance(node, (ast.Import, ast.ImportFrom)):
         found |= imported_modules(node, modules)
     imports[name] = found - {name}
   return imports
+
+
+def module_level(tree: ast.Module) -> list[ast.stmt]:
+  """A module's statements, with those of its ``if TYPE_CHECKING:`` blocks: a
+  public module's names, which it imports on first use."""
+  return [statement for node in tree.body
+          for statement in (node.body if isinstance(node, ast.If) and isinstance(
+              node.test, ast.Name) and node.test.id == "TYPE_CHECKING" else [node])]
 
 
 def longest_chain(imports: dict[str, set[str]]) -> list[str]:
@@ -73,7 +82,7 @@ def test_no_import_chain_is_longer_than_nine_modules():
 
 
 LAYERS = ("training", "checkpointing", "runtime", "transforms", "options", "planner",
-          "collectives", "layout", "states", "buffers", "arguments", "axis", "sizes")
+          "collectives", "layout", "states", "buffers", "arguments", "axis", "sizes", "lazy")
 """The parts and shared records of ``topka2a_jax/_src``, top down: each imports
 only what comes after it (``_src/__init__.py`` and ``docs/layout.md`` say so)."""
 
@@ -122,6 +131,57 @@ def test_a_star_import_works_without_flax_and_the_flax_names_say_what_they_need(
                         check=False, env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert done.returncode == 0, done.stderr
   assert "needs Flax: pip install 'topka2a-jax[nnx]'" in done.stdout
+
+
+def imports_of(*arguments: str) -> tuple[set[str], subprocess.CompletedProcess]:
+  """The modules a fresh interpreter imports to run ``python ARGUMENTS``, and its result."""
+  done = subprocess.run([sys.executable, "-X", "importtime", *arguments],
+                        capture_output=True, text=True, check=False,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  modules = {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines()
+             if line.startswith("import time:") and "|" in line}
+  return modules, done
+
+
+@pytest.mark.parametrize("command", ["plan", "launch"])
+def test_help_of_both_commands_answers_without_importing_jax(command):
+  modules, done = imports_of("-m", f"topka2a_jax.tools.{command}", "--help")
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.startswith(f"usage: topka2a-{command}")
+  assert "topka2a_jax" in modules  # the count sees the package's own imports
+  assert not {"jax", "optax", "flax"} & modules
+
+
+def test_the_face_imports_each_name_on_first_use():
+  script = ("import sys, topka2a_jax, topka2a_jax.collectives, topka2a_jax.cost, "
+            "topka2a_jax.checkpoint, topka2a_jax.distributed\n"
+            "assert 'jax' not in sys.modules and 'optax' not in sys.modules\n"
+            "print(sorted(set(topka2a_jax.__all__) - set(dir(topka2a_jax))))\n"
+            "print(sorted(set(topka2a_jax.cost.__all__) - set(dir(topka2a_jax.cost))))\n"
+            "print(topka2a_jax.cost.NETWORKS['eth10'].name, 'jax' in sys.modules)\n"
+            "print(topka2a_jax.topka2a.__module__, 'jax' in sys.modules)\n")
+  _, done = imports_of("-c", script)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.splitlines() == [
+      "[]", "[]", "eth10 False", "topka2a_jax._src.transforms.topka2a True"]
+
+
+@pytest.mark.parametrize("namespace", ["", *PUBLIC_NAMESPACES])
+def test_what_each_public_module_exports_is_what_it_imports_on_first_use(namespace):
+  module = importlib.import_module(f"topka2a_jax.{namespace}".rstrip("."))
+  public = {name for name in lazy.lazy_sources(module.__file__) if not name.startswith("_")}
+  extra = {*topka2a_jax.NEEDS_FLAX, *PUBLIC_NAMESPACES} if module is topka2a_jax else set()
+  assert public == set(module.__all__) | extra
+  with pytest.raises(AttributeError, match=f"module '{module.__name__}' has no attribute 'nope'"):
+    module.nope  # noqa: B018
+
+
+def test_a_lazy_block_names_a_statement_it_cannot_import_on_first_use(tmp_path):
+  source = tmp_path / "face.py"
+  source.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                    "  from json import dumps\n  LIMIT = 2 ** 10\n")
+  with pytest.raises(ValueError, match=r"face.py:4: .* got 'LIMIT = 2 \*\* 10'"):
+    lazy.lazy_sources(str(source))
 
 
 def test_the_only_public_modules_are_the_four_namespaces_and_the_tools():

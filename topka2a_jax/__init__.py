@@ -8,12 +8,13 @@ ICPP 2024, doi:10.1145/3673038.3673140), whose volume does not grow with the
 number of devices.
 
 The public face is this module (:data:`__all__`, and ``nnx_train_step`` and
-``NnxTrainStep``, imported on first use because they need Flax) and four
-namespaces:
+``NnxTrainStep``, which need Flax) and four namespaces:
 :mod:`topka2a_jax.collectives` (the exchanges, for your own shard_map),
 :mod:`topka2a_jax.cost` (the α-β cost model), :mod:`topka2a_jax.checkpoint`
 and :mod:`topka2a_jax.distributed` (several processes). The code lives in
-``topka2a_jax/_src``; read it top-down from ``_src/__init__.py``.
+``topka2a_jax/_src``; read it top-down from ``_src/__init__.py``. Each name
+is imported on first use, so ``import topka2a_jax`` imports no JAX until you
+use it.
 
 Example:
   >>> mesh = jax.make_mesh((8,), ("data",))
@@ -31,30 +32,37 @@ Example:
   (1.0, True)
 """
 
-from topka2a_jax import checkpoint as checkpoint
-from topka2a_jax import collectives as collectives
-from topka2a_jax import cost as cost
-from topka2a_jax import distributed as distributed
-from topka2a_jax._src.checkpointing.checkpoint import restore, save
-from topka2a_jax._src.checkpointing.checkpoint_manager import CheckpointManager
-from topka2a_jax._src.planner.fusion import FusionPlan, plan_fusion
-from topka2a_jax._src.planner.report import CommReport, comm_report
-from topka2a_jax._src.planner.tuning import tune_fusion
-from topka2a_jax._src.states import (
-  CompressedUpdatesState,
-  ShardedOptimizerState,
-  TopKA2AState,
-)
-from topka2a_jax._src.training.placement import init, state_specs
-from topka2a_jax._src.training.step import TrainStep, train_step
-from topka2a_jax._src.transforms.frozen_variance import (
-  frozen_variance_adam,
-  scale_by_frozen_rms,
-)
-from topka2a_jax._src.transforms.nonfinite import SkipNonFiniteState, skip_nonfinite
-from topka2a_jax._src.transforms.sharded_optimizer import sharded_optimizer
-from topka2a_jax._src.transforms.topka2a import topka2a
-from topka2a_jax._src.transforms.update_compression import compress_updates
+from typing import TYPE_CHECKING
+
+from topka2a_jax._src import lazy
+
+if TYPE_CHECKING:  # the face; at run time each name is imported on first use (_src/lazy.py)
+  from topka2a_jax import checkpoint as checkpoint
+  from topka2a_jax import collectives as collectives
+  from topka2a_jax import cost as cost
+  from topka2a_jax import distributed as distributed
+  from topka2a_jax._src.checkpointing.checkpoint import restore, save
+  from topka2a_jax._src.checkpointing.checkpoint_manager import CheckpointManager
+  from topka2a_jax._src.planner.fusion import FusionPlan, plan_fusion
+  from topka2a_jax._src.planner.report import CommReport, comm_report
+  from topka2a_jax._src.planner.tuning import tune_fusion
+  from topka2a_jax._src.states import (
+    CompressedUpdatesState,
+    ShardedOptimizerState,
+    TopKA2AState,
+  )
+  from topka2a_jax._src.training.nnx_step import NnxTrainStep as NnxTrainStep
+  from topka2a_jax._src.training.nnx_step import nnx_train_step as nnx_train_step
+  from topka2a_jax._src.training.placement import init, state_specs
+  from topka2a_jax._src.training.step import TrainStep, train_step
+  from topka2a_jax._src.transforms.frozen_variance import (
+    frozen_variance_adam,
+    scale_by_frozen_rms,
+  )
+  from topka2a_jax._src.transforms.nonfinite import SkipNonFiniteState, skip_nonfinite
+  from topka2a_jax._src.transforms.sharded_optimizer import sharded_optimizer
+  from topka2a_jax._src.transforms.topka2a import topka2a
+  from topka2a_jax._src.transforms.update_compression import compress_updates
 
 __all__ = [
   "CheckpointManager",
@@ -83,8 +91,8 @@ __all__ = [
 
 
 NEEDS_FLAX = ("NnxTrainStep", "nnx_train_step")
-"""Public names imported on first use, as they import Flax; not in ``__all__``,
-so that ``from topka2a_jax import *`` works without Flax."""
+"""Public names that import Flax; not in ``__all__``, so that ``from
+topka2a_jax import *`` works without Flax."""
 
 _MOVED = {
     "Exchange": "topka2a_jax.collectives.ExchangeResult",
@@ -98,15 +106,17 @@ _MOVED = {
 """Names the top level exported in an earlier release that moved, and where each is now."""
 
 
+_import_on_first_use, __dir__ = lazy.attach(__name__, __file__)
+
+
 def __getattr__(name: str):
-  """``nnx_train_step`` and ``NnxTrainStep`` import Flax, so only on first use."""
-  if name in NEEDS_FLAX:
-    try:
-      from topka2a_jax._src.training import nnx_step
-    except ImportError as error:
-      raise ImportError(f"topka2a_jax.{name} needs Flax: pip install "
-                        f"'topka2a-jax[nnx]' ({error})") from None
-    return getattr(nnx_step, name)
+  """Imports a public name on first use; ``nnx_train_step`` and ``NnxTrainStep`` need Flax."""
   if name in _MOVED:
     raise AttributeError(f"topka2a_jax.{name} has moved: use {_MOVED[name]}")
-  raise AttributeError(f"module 'topka2a_jax' has no attribute {name!r}")
+  try:
+    return _import_on_first_use(name)
+  except ImportError as error:
+    if name not in NEEDS_FLAX:
+      raise
+    raise ImportError(f"topka2a_jax.{name} needs Flax: pip install "
+                      f"'topka2a-jax[nnx]' ({error})") from None

@@ -24,10 +24,15 @@ Example:
   True
 """
 
-from topka2a_jax._src.checkpointing.checkpoint import restore, save
-from topka2a_jax._src.checkpointing.checkpoint_manager import CheckpointManager
-from topka2a_jax._src.checkpointing.integrity import verify
-from topka2a_jax._src.checkpointing.resize import reshard, resize_residual, resize_slices
+from typing import TYPE_CHECKING
+
+from topka2a_jax._src import lazy
+
+if TYPE_CHECKING:  # the namespace; at run time each name is imported on first use
+  from topka2a_jax._src.checkpointing.checkpoint import restore, save
+  from topka2a_jax._src.checkpointing.checkpoint_manager import CheckpointManager
+  from topka2a_jax._src.checkpointing.integrity import verify
+  from topka2a_jax._src.checkpointing.resize import reshard, resize_residual, resize_slices
 
 __all__ = [
   "CheckpointManager",
@@ -38,3 +43,5 @@ __all__ = [
   "save",
   "verify",
 ]
+
+__getattr__, __dir__ = lazy.attach(__name__, __file__)

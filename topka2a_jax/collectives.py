@@ -47,37 +47,42 @@ Example:
   True
 """
 
-from topka2a_jax._src.collectives import algorithms as _algorithms
-from topka2a_jax._src.collectives import exchanges as _exchanges
-from topka2a_jax._src.collectives import selection as _selection
-from topka2a_jax._src.collectives.algorithms import Algorithm
-from topka2a_jax._src.collectives.exchanges import (
-  ExchangeResult,
-  allgather,
-  codes_to_owners,
-  dense,
-  few_bit,
-  onebit,
-  topka2a,
-  topka2a_sparse,
-  two_level,
-)
-from topka2a_jax._src.collectives.low_rank import initial_factor, powersgd
-from topka2a_jax._src.collectives.selection import auto_choice, get_selection
+from typing import TYPE_CHECKING
 
-ALGORITHMS = _algorithms.ALGORITHMS
-"""Every exchange of a flat buffer by the name ``topka2a(algorithm=...)`` takes:
-an :class:`Algorithm` (its phases, cost terms and where unsent entries wait)."""
+from topka2a_jax._src import lazy
 
-COLLECTIVES = _exchanges.COLLECTIVES
-"""The collective of every name in :data:`ALGORITHMS`: ``COLLECTIVES["topka2a"]``
-is :func:`topka2a`."""
+if TYPE_CHECKING:  # the namespace; at run time each name is imported on first use
+  from topka2a_jax._src.collectives import algorithms as _algorithms
+  from topka2a_jax._src.collectives import exchanges as _exchanges
+  from topka2a_jax._src.collectives import selection as _selection
+  from topka2a_jax._src.collectives.algorithms import Algorithm
+  from topka2a_jax._src.collectives.exchanges import (
+    ExchangeResult,
+    allgather,
+    codes_to_owners,
+    dense,
+    few_bit,
+    onebit,
+    topka2a,
+    topka2a_sparse,
+    two_level,
+  )
+  from topka2a_jax._src.collectives.low_rank import initial_factor, powersgd
+  from topka2a_jax._src.collectives.selection import auto_choice, get_selection
 
-SELECTIONS = _selection.SELECTIONS
-"""The ways of choosing which entries to send, by the name ``selection=``
-takes: ``"exact"`` (``lax.top_k``), ``"threshold"`` (a magnitude bound found
-without a sort), ``"approx"`` (``lax.approx_max_k``) and ``"auto"`` (the
-fastest for the backend, :func:`auto_choice`)."""
+  ALGORITHMS = _algorithms.ALGORITHMS
+  """Every exchange of a flat buffer by the name ``topka2a(algorithm=...)`` takes:
+  an :class:`Algorithm` (its phases, cost terms and where unsent entries wait)."""
+
+  COLLECTIVES = _exchanges.COLLECTIVES
+  """The collective of every name in :data:`ALGORITHMS`, by that name
+  (``COLLECTIVES["topka2a"]`` is :func:`topka2a`)."""
+
+  SELECTIONS = _selection.SELECTIONS
+  """The ways of choosing which entries to send, by the name ``selection=``
+  takes: ``"exact"`` (``lax.top_k``), ``"threshold"`` (a magnitude bound found
+  without a sort), ``"approx"`` (``lax.approx_max_k``) and ``"auto"`` (the
+  fastest for the backend, :func:`auto_choice`)."""
 
 __all__ = [
   "ALGORITHMS",
@@ -98,3 +103,5 @@ __all__ = [
   "topka2a_sparse",
   "two_level",
 ]
+
+__getattr__, __dir__ = lazy.attach(__name__, __file__)

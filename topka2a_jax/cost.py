@@ -20,47 +20,52 @@ Example:
   40
 """
 
-from topka2a_jax._src.planner import compute as _compute
-from topka2a_jax._src.planner import cost as _cost
-from topka2a_jax._src.planner.compute import Device
-from topka2a_jax._src.planner.cost import (
-  Cluster,
-  ClusterCost,
-  LowRankStep,
-  Network,
-  breakeven_density,
-  cluster_cost,
-  detected_network,
-  elements_read,
-  exchange_cost,
-  get_network,
-  low_rank_step,
-  selected_entries,
-)
-from topka2a_jax._src.planner.fusion import StepModel
-from topka2a_jax._src.planner.tuning import time_call
+from typing import TYPE_CHECKING
 
-NETWORKS = _cost.NETWORKS
-"""The links the planner knows, by the name ``network=`` takes: ``"nvlink"``,
-``"ib100"``, ``"eth25"``, ``"eth10"``, ``"eth1"``, ... (each a :class:`Network`
-with its source); ``network="auto"`` picks one for the backend
-(:func:`detected_network`)."""
+from topka2a_jax._src import lazy
 
-DEVICES = _compute.DEVICES
-"""Devices' sustained rates by name (``"h100"``, ``"a100"``, ``"tpu-v5e"``,
-``"cpu"``; each a :class:`Device`), which price the backward pass that
-buckets overlap."""
+if TYPE_CHECKING:  # the namespace; at run time each name is imported on first use
+  from topka2a_jax._src.planner import compute as _compute
+  from topka2a_jax._src.planner import cost as _cost
+  from topka2a_jax._src.planner.compute import Device
+  from topka2a_jax._src.planner.cost import (
+    Cluster,
+    ClusterCost,
+    LowRankStep,
+    Network,
+    breakeven_density,
+    cluster_cost,
+    detected_network,
+    elements_read,
+    exchange_cost,
+    get_network,
+    low_rank_step,
+    selected_entries,
+  )
+  from topka2a_jax._src.planner.fusion import StepModel
+  from topka2a_jax._src.planner.tuning import time_call
 
-INNER_NETWORK = _cost.INNER_NETWORK
-"""The link inside a node when ``network=`` names only the one between nodes:
-``"nvlink"``."""
+  NETWORKS = _cost.NETWORKS
+  """The links the planner knows, by the name ``network=`` takes
+  (``"nvlink"``, ``"ib100"``, ``"eth25"``, ``"eth10"``, ``"eth1"``, ...; each a
+  :class:`Network` with its source); ``network="auto"`` picks one for the
+  backend (:func:`detected_network`)."""
 
-FLAT = _cost.FLAT
-"""The route of an exchange over a cluster's devices as one axis."""
+  DEVICES = _compute.DEVICES
+  """Devices' sustained rates by name (``"h100"``, ``"a100"``, ``"tpu-v5e"``,
+  ``"cpu"``; each a :class:`Device`), which price the backward pass that
+  buckets overlap."""
 
-TWO_LEVEL = _cost.TWO_LEVEL
-"""The route of :func:`topka2a_jax.collectives.two_level`: dense inside each
-node, the exchange between nodes."""
+  INNER_NETWORK = _cost.INNER_NETWORK
+  """The link inside a node when ``network=`` names only the one between nodes:
+  ``"nvlink"``."""
+
+  FLAT = _cost.FLAT
+  """The route of an exchange over a cluster's devices as one axis."""
+
+  TWO_LEVEL = _cost.TWO_LEVEL
+  """The route of :func:`topka2a_jax.collectives.two_level`, dense inside each
+  node and the exchange between nodes."""
 
 __all__ = [
   "DEVICES",
@@ -84,3 +89,5 @@ __all__ = [
   "selected_entries",
   "time_call",
 ]
+
+__getattr__, __dir__ = lazy.attach(__name__, __file__)

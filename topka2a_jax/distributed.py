@@ -17,24 +17,30 @@ Example:
   >>> topka2a_jax.distributed.initialize()  # doctest: +SKIP
 """
 
-from topka2a_jax._src.runtime import distributed as _distributed
-from topka2a_jax._src.runtime import watchdog as _watchdog
-from topka2a_jax._src.runtime.distributed import initialize
-from topka2a_jax._src.runtime.launch import launch
-from topka2a_jax._src.runtime.watchdog import watch
+from typing import TYPE_CHECKING
 
-COORDINATOR = _distributed.COORDINATOR
-"""The environment variable with process 0's ``host:port``, set by :func:`launch`."""
+from topka2a_jax._src import lazy
 
-NUM_PROCESSES = _distributed.NUM_PROCESSES
-"""The environment variable with the number of processes, set by :func:`launch`."""
+if TYPE_CHECKING:  # the namespace; at run time each name is imported on first use
+  from topka2a_jax._src.runtime import contract as _contract
+  from topka2a_jax._src.runtime.distributed import initialize
+  from topka2a_jax._src.runtime.launch import launch
+  from topka2a_jax._src.runtime.watchdog import watch
 
-PROCESS_ID = _distributed.PROCESS_ID
-"""The environment variable with this process's rank, set by :func:`launch`."""
+  COORDINATOR = _contract.COORDINATOR
+  """The environment variable with process 0's ``host:port``, set by :func:`launch`."""
 
-STALLED_STATUS = _watchdog.STALLED_STATUS
-"""The exit status (124) of a process whose training step waited past
-``initialize(stall_timeout_seconds=...)`` for a peer that stopped."""
+  NUM_PROCESSES = _contract.NUM_PROCESSES
+  """The environment variable with the number of processes, set by :func:`launch`."""
+
+  PROCESS_ID = _contract.PROCESS_ID
+  """The environment variable with this process's rank, set by :func:`launch`."""
+
+  STALLED_STATUS = _contract.STALLED_STATUS
+  """The exit status (124) of a process whose training step waited past
+  ``initialize(stall_timeout_seconds=...)`` for a peer that stopped."""
 
 __all__ = ["COORDINATOR", "NUM_PROCESSES", "PROCESS_ID", "STALLED_STATUS", "initialize",
            "launch", "watch"]
+
+__getattr__, __dir__ = lazy.attach(__name__, __file__)

@@ -13,7 +13,8 @@ this list (``tests/test_package.py`` holds it so).
   (fingerprints, manifest).
 * ``runtime/``: several processes. ``distributed.py`` (joining the
   runtime), ``launch.py`` (N local processes), ``watchdog.py`` (a stalled
-  one ended).
+  one ended), ``contract.py`` (the variables and exit status the launcher
+  and its processes share).
 * ``transforms/``: the optax transforms. ``topka2a.py`` (the transform),
   ``exchange_state.py`` (its state made and updated, shared by every
   transform), ``exchange_plan.py`` (what every leaf does, decided once per
@@ -41,5 +42,6 @@ this list (``tests/test_package.py`` holds it so).
   ``states.py`` (the transforms' states, and the walk over their per-device
   fields), ``buffers.py`` (flat buffers in rows), ``arguments.py``
   (argument checks), ``axis.py`` (the data axis, parsed once), ``sizes.py``
-  (counts: ``k``, shards, chunks).
+  (counts: ``k``, shards, chunks, PowerSGD's matrices), ``lazy.py`` (the
+  public modules' names imported on first use).
 """

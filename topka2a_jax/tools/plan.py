@@ -36,7 +36,7 @@ import argparse
 import math
 import sys
 
-from topka2a_jax import plan_fusion
+import topka2a_jax
 from topka2a_jax.collectives import ALGORITHMS
 from topka2a_jax.cost import (
   DEVICES,
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                     "axis: give a rank of at least 1 and --model, without "
                     "--devices-per-node")
   try:
-    plan = plan_fusion(
+    plan = topka2a_jax.plan_fusion(  # the first use of JAX: --help needs none
         sizes, args.devices, args.density, names=names, network=network,
         algorithm=args.algorithm, threshold=args.threshold, cluster=cluster,
         **_backward(args))
