@@ -157,3 +157,18 @@ def test_step_benchmark_fits_the_link_and_bounds_the_flat_update_by_its_alpha_be
   sparse = exchange_cost("topka2a_sparse", flat, processes, 0.01)
   assert result["flat_limit_s"] == pytest.approx(seconds(sparse), rel=1e-6)
   assert [r["ratio"] for r in result["rows"]] == pytest.approx([1.0, 0.15])
+
+
+def test_startup_ratios_are_to_the_same_trials_import_of_jax():
+  startup = load("startup")
+  names = list(startup.COMMANDS)
+  trials = [dict.fromkeys(names, 1.0) | {"import jax": 2.0, "topka2a-plan --help": 0.5},
+            dict.fromkeys(names, 1.0) | {"import jax": 1.0, "topka2a-plan --help": 0.25},
+            dict.fromkeys(names, 1.0) | {"import jax": 4.0, "topka2a-plan --help": 3.0}]
+  rows = {row["command"]: row for row in startup.table(trials)}
+  assert rows["import jax"] == {"command": "import jax", "seconds": 2.0, "ratio": 1.0,
+                                "ratio_range": [1.0, 1.0]}
+  # Each trial's own ratio (0.25, 0.25, 0.75), not the ratio of the medians (0.5 / 2.0).
+  assert rows["topka2a-plan --help"]["seconds"] == 0.5
+  assert rows["topka2a-plan --help"]["ratio"] == 0.25
+  assert rows["topka2a-plan --help"]["ratio_range"] == [0.25, 0.75]
