@@ -34,7 +34,7 @@ Example:
 
 from typing import TYPE_CHECKING
 
-from topka2a_jax._src import lazy
+from topka2a_jax._src import lazy as _lazy
 
 if TYPE_CHECKING:  # the face; at run time each name is imported on first use (_src/lazy.py)
   from topka2a_jax import checkpoint as checkpoint
@@ -106,7 +106,7 @@ _MOVED = {
 """Names the top level exported in an earlier release that moved, and where each is now."""
 
 
-_import_on_first_use, __dir__ = lazy.attach(__name__, __file__)
+_import_on_first_use, __dir__ = _lazy.attach(__name__, __file__)
 
 
 def __getattr__(name: str):

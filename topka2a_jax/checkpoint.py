@@ -26,7 +26,7 @@ Example:
 
 from typing import TYPE_CHECKING
 
-from topka2a_jax._src import lazy
+from topka2a_jax._src import lazy as _lazy
 
 if TYPE_CHECKING:  # the namespace; at run time each name is imported on first use
   from topka2a_jax._src.checkpointing.checkpoint import restore, save
@@ -44,4 +44,4 @@ __all__ = [
   "verify",
 ]
 
-__getattr__, __dir__ = lazy.attach(__name__, __file__)
+__getattr__, __dir__ = _lazy.attach(__name__, __file__)

@@ -49,7 +49,7 @@ Example:
 
 from typing import TYPE_CHECKING
 
-from topka2a_jax._src import lazy
+from topka2a_jax._src import lazy as _lazy
 
 if TYPE_CHECKING:  # the namespace; at run time each name is imported on first use
   from topka2a_jax._src.collectives import algorithms as _algorithms
@@ -104,4 +104,4 @@ __all__ = [
   "two_level",
 ]
 
-__getattr__, __dir__ = lazy.attach(__name__, __file__)
+__getattr__, __dir__ = _lazy.attach(__name__, __file__)

@@ -22,7 +22,7 @@ Example:
 
 from typing import TYPE_CHECKING
 
-from topka2a_jax._src import lazy
+from topka2a_jax._src import lazy as _lazy
 
 if TYPE_CHECKING:  # the namespace; at run time each name is imported on first use
   from topka2a_jax._src.planner import compute as _compute
@@ -90,4 +90,4 @@ __all__ = [
   "time_call",
 ]
 
-__getattr__, __dir__ = lazy.attach(__name__, __file__)
+__getattr__, __dir__ = _lazy.attach(__name__, __file__)

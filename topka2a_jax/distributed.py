@@ -19,7 +19,7 @@ Example:
 
 from typing import TYPE_CHECKING
 
-from topka2a_jax._src import lazy
+from topka2a_jax._src import lazy as _lazy
 
 if TYPE_CHECKING:  # the namespace; at run time each name is imported on first use
   from topka2a_jax._src.runtime import contract as _contract
@@ -43,4 +43,4 @@ if TYPE_CHECKING:  # the namespace; at run time each name is imported on first u
 __all__ = ["COORDINATOR", "NUM_PROCESSES", "PROCESS_ID", "STALLED_STATUS", "initialize",
            "launch", "watch"]
 
-__getattr__, __dir__ = lazy.attach(__name__, __file__)
+__getattr__, __dir__ = _lazy.attach(__name__, __file__)
