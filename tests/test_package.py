@@ -118,11 +118,12 @@ def test_the_public_face_is_small_and_every_name_resolves():
       assert getattr(namespace, name) is not None, (namespace.__name__, name)
 
 
-def test_a_star_import_works_without_flax_and_the_flax_names_say_what_they_need():
+def test_a_star_import_and_help_work_without_flax_and_the_flax_names_say_what_they_need():
   script = ("import sys; sys.modules['flax'] = None\n"
             "from topka2a_jax import *\n"
             "assert callable(train_step) and callable(topka2a)\n"
-            "import topka2a_jax\n"
+            "import pydoc, topka2a_jax\n"
+            "assert 'compress_updates' in pydoc.render_doc(topka2a_jax)\n"
             "try:\n"
             "  topka2a_jax.nnx_train_step\n"
             "except ImportError as error:\n"

@@ -106,7 +106,12 @@ _MOVED = {
 """Names the top level exported in an earlier release that moved, and where each is now."""
 
 
-_import_on_first_use, __dir__ = _lazy.attach(__name__, __file__)
+_import_on_first_use, _every_name = _lazy.attach(__name__, __file__)
+
+
+def __dir__() -> list[str]:
+  """The face's names but the two that need Flax: ``help(topka2a_jax)`` works without it."""
+  return [name for name in _every_name() if name not in NEEDS_FLAX]
 
 
 def __getattr__(name: str):
