@@ -158,11 +158,12 @@ def test_a_few_bit_first_phase_matches_its_float64_model(exchange_steps, mesh, n
   """Ten steps of SGD at rate 1: the updates are minus the mean of what was sent.
 
   ``w``'s shards have two chunks each (5,001 entries), ``b``'s one chunk of
-  5 entries with padding; error feedback carries each device's rounding.
+  5 entries with padding, ``v``'s one chunk of 64 entries without; error
+  feedback carries each device's rounding.
   """
   rng = np.random.default_rng(7)
-  grads = [{"w": rng.normal(size=(DEVICES, 40_003)), "b": rng.normal(size=(DEVICES, 37))}
-           for _ in range(10)]
+  grads = [{"w": rng.normal(size=(DEVICES, 40_003)), "b": rng.normal(size=(DEVICES, 37)),
+            "v": rng.normal(size=(DEVICES, DEVICES * 64))} for _ in range(10)]
   tx = topka2a_jax.sharded_optimizer(optax.sgd(1.0), algorithm=name, min_size=1)
   with jax.enable_x64():
     steps = exchange_steps(tx, mesh, grads)

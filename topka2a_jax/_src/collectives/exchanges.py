@@ -463,8 +463,9 @@ def codes_to_owners(
                  ((0, 0), (0, cut.padded - width)))
   shape = (num_devices, cut.chunks, cut.chunk)
   positions = jnp.arange(cut.padded)
-  valid = ((positions < width)[None] & (positions[None] + width * jnp.arange(
-      num_devices)[:, None] < length)).reshape(shape)
+  valid = None if cut.padded * num_devices == length else (  # None: no padding
+      (positions < width)[None] & (positions[None] + width * jnp.arange(
+          num_devices)[:, None] < length)).reshape(shape)
   owned, unsent, _ = _codes_to_owners(rows.reshape(shape), valid, cut, bits, axis_name,
                                       None)
   unsent = unsent.reshape(num_devices, cut.padded)[:, :width].reshape(-1)[:length]
