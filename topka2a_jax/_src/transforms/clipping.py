@@ -38,16 +38,13 @@ _CHAIN_UPDATE = optax.chain(optax.identity()).update.__code__
 ``tests/test_clipping.py`` holds that it closes over its members' updates in order."""
 
 
-def transform_names(fn: Any, seen: set[int] | None = None) -> Iterator[str]:
-  """The optax factories behind ``fn``: itself and everything its closures hold.
+def held(fn: Any, seen: set[int] | None = None) -> Iterator[Any]:
+  """``fn`` and everything its closures hold, depth first, each once.
 
   Args:
-    fn: an update function, a ``GradientTransformation`` or a sequence of them.
+    fn: an update function, a ``GradientTransformation`` or a sequence of them
+      (whose items are walked, not the sequence itself).
     seen: ids already walked (a closure may hold the same function twice).
-
-  Yields:
-    The first part of every function's qualified name (``"chain"``,
-    ``"clip_by_global_norm"``, ``"topka2a"``, ...), depth first.
   """
   seen = set() if seen is None else seen
   if id(fn) in seen:
@@ -55,13 +52,24 @@ def transform_names(fn: Any, seen: set[int] | None = None) -> Iterator[str]:
   seen.add(id(fn))
   if isinstance(fn, (tuple, list)):  # a GradientTransformation, or chain's update_fns
     for item in fn:
-      yield from transform_names(item, seen)
+      yield from held(item, seen)
     return
-  qualname = getattr(fn, "__qualname__", None)
-  if callable(fn) and isinstance(qualname, str):
-    yield qualname.split(".")[0]
+  yield fn
   for contents in _closure(fn).values():
-    yield from transform_names(contents, seen)
+    yield from held(contents, seen)
+
+
+def transform_names(fn: Any) -> Iterator[str]:
+  """The optax factories behind ``fn``: itself and everything its closures hold.
+
+  Yields:
+    The first part of every function's qualified name (``"chain"``,
+    ``"clip_by_global_norm"``, ``"topka2a"``, ...), depth first.
+  """
+  for found in held(fn):
+    qualname = getattr(found, "__qualname__", None)
+    if callable(found) and isinstance(qualname, str):
+      yield qualname.split(".")[0]
 
 
 def _closure(fn: Any) -> dict[str, Any]:
@@ -76,22 +84,12 @@ def _closure(fn: Any) -> dict[str, Any]:
   return contents
 
 
-def chained(fn: Any, seen: set[int] | None = None) -> Iterator[tuple[Any, ...]]:
+def chained(fn: Any) -> Iterator[tuple[Any, ...]]:
   """Every ``optax.chain`` behind ``fn``: its update functions, in the order it runs them."""
-  seen = set() if seen is None else seen
-  if id(fn) in seen:
-    return
-  seen.add(id(fn))
-  if isinstance(fn, (tuple, list)):
-    for item in fn:
-      yield from chained(item, seen)
-    return
-  closure = _closure(fn)
-  if getattr(fn, "__code__", None) is _CHAIN_UPDATE:  # what it closes over: its members
-    yield next(tuple(value) for value in closure.values()
-               if isinstance(value, (tuple, list)))
-  for contents in closure.values():
-    yield from chained(contents, seen)
+  for found in held(fn):
+    if getattr(found, "__code__", None) is _CHAIN_UPDATE:  # it closes over its members
+      yield next(tuple(value) for value in _closure(found).values()
+                 if isinstance(value, (tuple, list)))
 
 
 def warn_if_clipped_before_exchange(tx: Any, stacklevel: int = 2) -> None:
