@@ -181,21 +181,21 @@ def sharded_optimizer(inner: optax.GradientTransformation, density: float | None
         f"sharded_optimizer runs the optimizer where TopKA2A's first phase "
         f"leaves each device its summed shard; algorithm={algorithm!r} has no "
         f"such phase. Choose one of {', '.join(map(repr, OWNER_SHARD_ALGORITHMS))}.")
-  opts = Options.create(density, **options)
-  if opts.axis.is_pair:
+  checked = Options.create(density, **options)
+  if checked.axis.is_pair:
     raise ValueError(
-        f"sharded_optimizer shards over one data axis; axis_name={opts.axis.name!r} is "
+        f"sharded_optimizer shards over one data axis; axis_name={checked.axis.name!r} is "
         "a pair. Use optax.chain(topka2a_jax.topka2a(..., axis_name=...), inner) "
         "for the two-level exchange.")
   check_element_wise(inner)
 
   def init_fn(params: optax.Params) -> ShardedOptimizerState:
-    return ShardedOptimizerState(init_state(opts, params),
-                                 _init_inner(opts, inner, params))
+    return ShardedOptimizerState(init_state(checked, params),
+                                 _init_inner(checked, inner, params))
 
   def update_fn(updates: optax.Updates, state: ShardedOptimizerState,
                 params: optax.Params | None = None, **extra_args: Any):
-    return _update(opts, inner, updates, state, params, extra_args)
+    return _update(checked, inner, updates, state, params, extra_args)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -235,28 +235,28 @@ def _without_exchange(state: Any) -> Any:
   return state
 
 
-def _local_inner_init(opts: Options, inner: optax.GradientTransformation,
+def _local_inner_init(options: Options, inner: optax.GradientTransformation,
                       leaves: Sequence[jax.Array], treedef: Any) -> Any:
   """Inside shard_map: ``inner``'s state for this device's shards, per device."""
-  num_devices = bound_axis_size(opts.axis_name)
-  shards = treedef.unflatten([_own_shard(leaf, num_devices, opts.axis_name)
+  num_devices = bound_axis_size(options.axis_name)
+  shards = treedef.unflatten([_own_shard(leaf, num_devices, options.axis_name)
                               for leaf in leaves])
   state = _without_exchange(inner.init(shards))
-  return per_device_blocks(state, opts.axis_name)
+  return per_device_blocks(state, options.axis_name)
 
 
-def _init_inner(opts: Options, inner: optax.GradientTransformation,
+def _init_inner(options: Options, inner: optax.GradientTransformation,
                 params: optax.Params) -> Any:
   """``inner``'s state: per device inside shard_map, else global arrays on the mesh."""
   tree = leaves_of(params)
   leaves, treedef = tree.values, tree.structure
-  if is_bound(opts.axis_name):
-    return _local_inner_init(opts, inner, leaves, treedef)
-  mesh = layout_mesh(opts, leaves)  # init_state has refused a missing one
-  others = layout.automatic_axes(mesh, opts.axis)
+  if is_bound(options.axis_name):
+    return _local_inner_init(options, inner, leaves, treedef)
+  mesh = layout_mesh(options, leaves)  # init_state has refused a missing one
+  others = layout.automatic_axes(mesh, options.axis)
   specs = [layout.restrict_spec(layout.param_spec_of(leaf, mesh), leaf.shape, others)
            for leaf in leaves]
-  num_devices = opts.axis.size(mesh)
+  num_devices = options.axis.size(mesh)
   shards = [jax.ShapeDtypeStruct(_present_shape(shard_length(
       math.prod(layout.local_shape(leaf.shape, spec, others)), num_devices),
       leaf.ndim), leaf.dtype) for leaf, spec in zip(leaves, specs)]
@@ -264,29 +264,29 @@ def _init_inner(opts: Options, inner: optax.GradientTransformation,
     local = _without_exchange(jax.eval_shape(inner.init, treedef.unflatten(shards)))
   out_specs = layout.inner_specs(
       jax.tree.map(lambda x: jax.ShapeDtypeStruct((1, *x.shape), x.dtype), local),
-      treedef, specs, opts.axis_name)
+      treedef, specs, options.axis_name)
   make = jax.jit(jax.shard_map(
-      lambda *leaves: _local_inner_init(opts, inner, leaves, treedef), mesh=mesh,
+      lambda *leaves: _local_inner_init(options, inner, leaves, treedef), mesh=mesh,
       in_specs=tuple(specs), out_specs=out_specs))
   values = [jnp.zeros(leaf.shape, leaf.dtype) if isinstance(leaf, jax.ShapeDtypeStruct)
             else leaf for leaf in leaves]
   return make(*jax.device_put(values, [NamedSharding(mesh, s) for s in specs]))
 
 
-def _sparse(opts: Options, size: int, num_devices: int) -> bool:
+def _sparse(options: Options, size: int, num_devices: int) -> bool:
   """Whether a leaf of ``size`` entries goes through TopKA2A's owner phase.
 
   As in :func:`topka2a_jax.topka2a`, leaves under ``min_size`` go dense, with
   or without error feedback; with ``"auto"``, a leaf takes the cheaper of
   the two as the planner prices them (selection included).
   """
-  if size == 0 or size < opts.min_size or opts.algorithm == DENSE.name:
+  if size == 0 or size < options.min_size or options.algorithm == DENSE.name:
     return False
-  if opts.algorithm != AUTO:  # TopKA2A's owner phase or a few-bit one
+  if options.algorithm != AUTO:  # TopKA2A's owner phase or a few-bit one
     return True
-  model = step_model([size], num_devices, opts.density,
-                     network=opts.outer_network(), min_size=0,
-                     value_bytes=opts.value_bytes)
+  model = step_model([size], num_devices, options.density,
+                     network=options.outer_network(), min_size=0,
+                     value_bytes=options.value_bytes)
   return model.seconds(TOPKA2A.name, size) < model.seconds(DENSE.name, size)
 
 
@@ -318,26 +318,26 @@ def _gather(shards: Sequence[jax.Array], shapes: Sequence[tuple[int, ...]],
   return whole
 
 
-def _to_owners(opts: Options, acc: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _to_owners(options: Options, acc: jax.Array) -> tuple[jax.Array, jax.Array]:
   """This device's shard of the sum of every device's ``acc`` sent, and what it did not send.
 
   TopKA2A's first phase (a top-k of each shard), or with a few-bit
   algorithm every entry coded in its first width.
   """
-  codes = ALGORITHMS[opts.algorithm].codes if opts.algorithm in ALGORITHMS else None
+  codes = ALGORITHMS[options.algorithm].codes if options.algorithm in ALGORITHMS else None
   if codes is not None:
-    return exchanges.codes_to_owners(acc, opts.axis_name, codes.bits, chunk=codes.chunk)
-  first_phase = exchanges.to_owners(acc, opts.axis_name, opts.density, opts.value_dtype,
-                                    get_selection(opts.selection))
+    return exchanges.codes_to_owners(acc, options.axis_name, codes.bits, chunk=codes.chunk)
+  first_phase = exchanges.to_owners(acc, options.axis_name, options.density, options.value_dtype,
+                                    get_selection(options.selection))
   return first_phase.owned, first_phase.unsent.reshape(-1)[: acc.size]
 
 
-def owner_phase(opts: Options, grads: Sequence[jax.Array], residuals: Sequence[Any],
+def owner_phase(options: Options, grads: Sequence[jax.Array], residuals: Sequence[Any],
                 sparse: bool) -> tuple[list[jax.Array], list[Any]]:
   """This device's shard of the mean of ``grads + residuals``, and the new residuals.
 
   Args:
-    opts: the options.
+    options: the options.
     grads: this device's non-empty gradient leaves.
     residuals: theirs, or ``optax.MaskedNode()``.
     sparse: False reduces every leaf densely (warm-up): nothing stays behind.
@@ -345,7 +345,7 @@ def owner_phase(opts: Options, grads: Sequence[jax.Array], residuals: Sequence[A
   Returns:
     ``(flat mean shards, residuals)``, leaf by leaf.
   """
-  num_devices = bound_axis_size(opts.axis_name)
+  num_devices = bound_axis_size(options.axis_name)
   shards: list[Any] = [None] * len(grads)
   new: list[Any] = [optax.MaskedNode()] * len(grads)
   keeps = [not isinstance(r, optax.MaskedNode) for r in residuals]
@@ -353,8 +353,8 @@ def owner_phase(opts: Options, grads: Sequence[jax.Array], residuals: Sequence[A
           if keep else jnp.ravel(g) for g, r, keep in zip(grads, residuals, keeps)]
   dense = []
   for i, (grad, acc) in enumerate(zip(grads, accs)):
-    if sparse and _sparse(opts, grad.size, num_devices):
-      owned, unsent = _to_owners(opts, acc)
+    if sparse and _sparse(options, grad.size, num_devices):
+      owned, unsent = _to_owners(options, acc)
       shards[i] = owned / num_devices
       if keeps[i]:
         new[i] = unsent.reshape(residuals[i].shape).astype(residuals[i].dtype)
@@ -365,25 +365,25 @@ def owner_phase(opts: Options, grads: Sequence[jax.Array], residuals: Sequence[A
   for group in grouped_by_varying_axes([accs[i] for i in dense]):
     members = [dense[j] for j in group]
     for i, shard in zip(members, _reduce_scatter([accs[i] for i in members],
-                                                 opts.axis_name, num_devices)):
+                                                 options.axis_name, num_devices)):
       shards[i] = shard
   return shards, new
 
 
-def _step(opts: Options, inner: optax.GradientTransformation, treedef: Any,
+def _step(options: Options, inner: optax.GradientTransformation, treedef: Any,
           grads: list, residuals: list, param_leaves: list | None, count: jax.Array,
           nonfinite: jax.Array, inner_state: Any, bad: jax.Array | None):
   """One device's step on its pieces of the parameters (manual over every axis)."""
-  num_devices = bound_axis_size(opts.axis_name)
+  num_devices = bound_axis_size(options.axis_name)
   shapes = [g.shape for g in grads]
 
   def applied(grads, residuals, count, inner_state):
     shards, new = error_feedback.dense_while_warming_up(
-        opts.warmup_steps, count, functools.partial(owner_phase, opts), grads, residuals)
+        options.warmup_steps, count, functools.partial(owner_phase, options), grads, residuals)
     mean = treedef.unflatten([_present(s.astype(g.dtype), g.ndim)
                               for s, g in zip(shards, grads)])
     own_params = None if param_leaves is None else treedef.unflatten(
-        [_own_shard(p, num_devices, opts.axis_name) for p in param_leaves])
+        [_own_shard(p, num_devices, options.axis_name) for p in param_leaves])
     out, inner_state = inner.update(mean, inner_state, own_params)
     return treedef.flatten_up_to(out), new, optax.safe_increment(count), inner_state
 
@@ -396,30 +396,30 @@ def _step(opts: Options, inner: optax.GradientTransformation, treedef: Any,
   out, new, count, inner_state = applied_or_skipped(bad, applied, skipped, *args)
   if bad is not None:
     nonfinite = counted(nonfinite, bad)
-  whole = _gather(out, shapes, opts.axis_name, num_devices)
-  inner_state = per_device_blocks(inner_state, opts.axis_name)
+  whole = _gather(out, shapes, options.axis_name, num_devices)
+  inner_state = per_device_blocks(inner_state, options.axis_name)
   return whole, new, count, nonfinite, inner_state
 
 
-def _update(opts: Options, inner: optax.GradientTransformation, updates: Any,
+def _update(options: Options, inner: optax.GradientTransformation, updates: Any,
             state: ShardedOptimizerState, params: Any, extra_args: dict[str, Any]):
   """The per-device update, nested over the other mesh axes where they are automatic."""
-  bound_axis_size(opts.axis_name)
+  bound_axis_size(options.axis_name)
   tree = leaves_of(updates)
   paths, grads, treedef, full = tree.paths, tree.values, tree.structure, tree.full
   if not isinstance(state, ShardedOptimizerState):
     raise TypeError(f"expected the ShardedOptimizerState made by this transform's "
                     f"init, got {type(state).__name__}")
   given = extra_args.get(PARAM_SPECS)
-  _, residuals, _ = planned(opts, treedef, state.exchange, grads, paths,
+  _, residuals, _ = planned(options, treedef, state.exchange, grads, paths,
                             given_specs(treedef, given))
-  check_per_device(grads, paths, opts.axis_name)
+  check_per_device(grads, paths, options.axis_name)
   param_leaves = None if params is None else leaves_of(params).values
-  bad = step_is_bad(extra_args.get(NONFINITE), grads, opts.axis_name, opts.skip_nonfinite)
-  step = functools.partial(_step, opts, inner, treedef)
+  bad = step_is_bad(extra_args.get(NONFINITE), grads, options.axis_name, options.skip_nonfinite)
+  step = functools.partial(_step, options, inner, treedef)
   args = (grads, residuals, param_leaves, state.exchange.count,
           state.exchange.nonfinite_steps, state.inner, bad)
-  others = layout.automatic_axes(jax.sharding.get_abstract_mesh(), opts.axis)
+  others = layout.automatic_axes(jax.sharding.get_abstract_mesh(), options.axis)
   if others:  # each device on its piece of every parameter, as topka2a does
     specs = shard_specs(grads, given_specs(treedef, given), others)
     inner_in = layout.inner_specs(state.inner, treedef, specs, None)

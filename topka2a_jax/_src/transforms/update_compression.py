@@ -151,38 +151,38 @@ def compress_updates(inner: optax.GradientTransformation, density: float | None 
   """
   if options.get("algorithm") is None:
     options["algorithm"] = DEFAULT_ALGORITHM if density is None else AUTO
-  opts = dataclasses.replace(Options.create(density, **options), whole_selection=True)
+  checked = dataclasses.replace(Options.create(density, **options), whole_selection=True)
   inner = optax.with_extra_args_support(checked_optimizer("inner", inner))
 
   def init_fn(params: optax.Params) -> CompressedUpdatesState:
-    exchange = init_state(opts, params)
-    return CompressedUpdatesState(exchange, _init_inner(opts, inner, params))
+    exchange = init_state(checked, params)
+    return CompressedUpdatesState(exchange, _init_inner(checked, inner, params))
 
   def update_fn(updates: optax.Updates, state: CompressedUpdatesState,
                 params: optax.Params | None = None,
                 **extra_args: Any) -> tuple[optax.Updates, CompressedUpdatesState]:
-    return _update(opts, inner, updates, state, params, extra_args)
+    return _update(checked, inner, updates, state, params, extra_args)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _init_inner(opts: Options, inner: optax.GradientTransformation,
+def _init_inner(options: Options, inner: optax.GradientTransformation,
                 params: optax.Params) -> Any:
   """``inner``'s state: per device inside shard_map, else global arrays on the mesh."""
   tree = leaves_of(params)
   leaves, treedef = tree.values, tree.structure
-  if is_bound(opts.axis_name):
-    return _checked(per_device_blocks(inner.init(params), opts.axis_name))
-  mesh = layout_mesh(opts, leaves)  # init_state has refused a missing one
-  others = layout.automatic_axes(mesh, opts.axis)
+  if is_bound(options.axis_name):
+    return _checked(per_device_blocks(inner.init(params), options.axis_name))
+  mesh = layout_mesh(options, leaves)  # init_state has refused a missing one
+  others = layout.automatic_axes(mesh, options.axis)
   specs = [layout.restrict_spec(layout.param_spec_of(leaf, mesh), leaf.shape, others)
            for leaf in leaves]
-  devices = opts.axis.size(mesh)
+  devices = options.axis.size(mesh)
   with layout.laid_out_for(mesh):  # an exchange inside is refused, not asked for a mesh
     one = _checked(inner.init(params))
   shardings = jax.tree.map(
       lambda spec: NamedSharding(mesh, spec),
-      layout.replica_specs(one, opts.axis, treedef, specs),
+      layout.replica_specs(one, options.axis, treedef, specs),
       is_leaf=lambda node: isinstance(node, P))
 
   def copies(state: Any) -> Any:
@@ -204,34 +204,34 @@ def _checked(state: Any) -> Any:
   return state
 
 
-def _update(opts: Options, inner: optax.GradientTransformationExtraArgs,
+def _update(options: Options, inner: optax.GradientTransformationExtraArgs,
             updates: optax.Updates, state: CompressedUpdatesState,
             params: optax.Params | None, extra_args: dict[str, Any]):
   """One device's step: ``inner`` on its own gradient, then the sparse exchange."""
-  bound_axis_size(opts.axis_name)  # refuses outside shard_map, naming the fix
+  bound_axis_size(options.axis_name)  # refuses outside shard_map, naming the fix
   if not isinstance(state, CompressedUpdatesState):
     raise TypeError(f"expected the CompressedUpdatesState made by this transform's "
                     f"init, got {type(state).__name__}")
   tree = leaves_of(updates)
   paths, grads = tree.paths, tree.values
-  check_per_device(grads, paths, opts.axis_name)
+  check_per_device(grads, paths, options.axis_name)
   decided = extra_args.get(NONFINITE)  # by skip_nonfinite around this transform
   own = jax.tree.map(lambda x: x[0], state.inner)
 
   def applied(updates, own):
     steps, own = inner.update(updates, own, params, **extra_args)
-    return steps, jax.tree.map(lambda x: as_varying(x, opts.axis_name), own)
+    return steps, jax.tree.map(lambda x: as_varying(x, options.axis_name), own)
 
   def skipped(updates, own):
     return jax.tree.map(lambda x: vary_like(jnp.zeros(x.shape, x.dtype), x),
                         updates), own
 
-  if decided is None and opts.skip_nonfinite:
+  if decided is None and options.skip_nonfinite:
     # One check, after the inner step, of the gradients and of the steps:
     # finite gradients can still give a non-finite step (Adam in float16,
     # whose eps is 0 there), which is skipped too, inner state and all.
     steps, new_own = applied(updates, own)
-    bad = nonfinite_on_any_device([*grads, *leaves_of(steps).values], opts.axis_name)
+    bad = nonfinite_on_any_device([*grads, *leaves_of(steps).values], options.axis_name)
     new_own = jax.tree.map(lambda old, made: jnp.where(bad, old, made), own, new_own)
     steps = jax.tree.map(lambda step: jnp.where(bad, jnp.zeros_like(step), step), steps)
   else:
@@ -240,5 +240,5 @@ def _update(opts: Options, inner: optax.GradientTransformationExtraArgs,
   if bad is not None:
     extra_args = {**extra_args, NONFINITE: bad}  # the exchange takes the same decision
   own = new_own
-  means, exchange = update_state(opts, steps, state.exchange, extra_args)
-  return means, CompressedUpdatesState(exchange, per_device_blocks(own, opts.axis_name))
+  means, exchange = update_state(options, steps, state.exchange, extra_args)
+  return means, CompressedUpdatesState(exchange, per_device_blocks(own, options.axis_name))
