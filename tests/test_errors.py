@@ -87,7 +87,9 @@ def test_the_signature_defaults_are_the_options_defaults():
         assert parameter.default == fields[name], (builder.__name__, name)
   assert inspect.signature(topka2a_jax.compress_updates).parameters[
       "algorithm"].default is None
-  assert set(fields) - {"whole_selection"} <= set(
+  own = {f.name for f in dataclasses.fields(Options) if not f.metadata.get("user", True)}
+  assert own == {"whole_selection", "auto_forms"}  # the library's own settings
+  assert set(fields) - own <= set(
       inspect.signature(topka2a_jax.topka2a).parameters)
 
 

@@ -352,6 +352,12 @@ class Options:
       "whether ``\"auto\"`` takes only exchanges whose mean holds every device's "
       "whole selection (:func:`topka2a_jax.compress_updates` sets it).",
       _flagged("whole_selection"), user=False)
+  auto_forms: tuple[str, ...] | None = _option(
+      None,
+      "the exchanges ``\"auto\"`` may plan a bucket with, or None for every top-k "
+      "form and dense: set from the optimizer after the exchange in its chain "
+      "(``transforms/following.py``).",
+      lambda value, given: value, user=False)
 
   @classmethod
   def create(cls, density: Any, **options: Any) -> Options:

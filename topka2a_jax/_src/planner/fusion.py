@@ -245,6 +245,11 @@ class StepModel:
     residual_slices: on a cluster, whether devices keep residuals (of their
       slices), so that a flat sparse bucket reduce-scatters its unsent
       inside the node; False without error feedback.
+    whole_selection: whether ``"auto"`` takes only exchanges whose mean
+      holds every device's whole selection.
+    forms: the exchanges ``"auto"`` may take, or None for every one but the
+      quantizing ones (``transforms/following.py`` sets it from the
+      optimizer after the exchange).
   """
 
   sizes: tuple[int, ...]
@@ -260,20 +265,24 @@ class StepModel:
   cluster: Cluster | None = None
   residual_slices: bool = True
   whole_selection: bool = False
+  forms: tuple[str, ...] | None = None
   _seconds: dict[tuple[str, int, str], float] = dataclasses.field(
       default_factory=dict, init=False, repr=False, compare=False)
 
   def candidates(self, algorithm: str) -> list[str]:
     """The exchanges a bucket labelled ``algorithm`` may take.
 
-    ``"auto"`` takes any but the quantizing ones (they are named, never
-    picked), or with ``whole_selection`` only those whose mean holds every
-    device's whole selection.
+    ``"auto"`` takes ``forms`` (the forms that keep the quality of the
+    optimizer after the exchange), by default any but the quantizing ones;
+    with ``whole_selection`` only those whose mean holds every device's whole
+    selection.
     """
     if algorithm != AUTO:
       return [algorithm]
-    return [name for name, entry in ALGORITHMS.items() if not entry.quantizes
-            and not (self.whole_selection and entry.holds_back)]
+    forms = self.forms if self.forms is not None else [
+        name for name, entry in ALGORITHMS.items() if not entry.quantizes]
+    return [name for name in forms
+            if not (self.whole_selection and ALGORITHMS[name].holds_back)]
 
   def routes(self) -> tuple[str, ...]:
     """The routes a bucket may take: two-level too on a cluster."""
@@ -345,6 +354,7 @@ def step_model(
     cluster: Cluster | None = None,
     residual_slices: bool = True,
     whole_selection: bool = False,
+    forms: Sequence[str] | None = None,
 ) -> StepModel:
   """Validates the inputs and builds a :class:`StepModel`.
 
@@ -371,7 +381,8 @@ def step_model(
   return StepModel(tuple(sizes), num_devices, density, net, min_size,
                    backward_seconds, selection_seconds_per_element, value_bytes,
                    index_bytes, selection_seconds_per_entry, cluster,
-                   residual_slices, whole_selection)
+                   residual_slices, whole_selection,
+                   None if forms is None else tuple(forms))
 
 
 def plan_fusion(
@@ -401,7 +412,8 @@ def plan_fusion(
     **model_options: ``network`` (preset name or :class:`topka2a_jax.cost.Network`,
       default ``"eth10"``), ``min_size``, ``backward_seconds``,
       ``selection_seconds_per_element``, ``selection_seconds_per_entry``,
-      ``value_bytes``, ``index_bytes``, ``cluster``; see :func:`step_model`.
+      ``value_bytes``, ``index_bytes``, ``cluster``, ``forms``; see
+      :func:`step_model`.
 
   Returns:
     The :class:`FusionPlan`, with all-dense and all-TopkA baselines planned

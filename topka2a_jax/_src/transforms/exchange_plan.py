@@ -68,6 +68,7 @@ class BucketPlanner:
     residual_slices: whether residuals are kept (error feedback).
     whole_selection: whether ``"auto"`` takes only exchanges whose mean
       holds every device's whole selection.
+    forms: the exchanges ``"auto"`` may take, or None for its default set.
   """
 
   algorithm: str
@@ -79,6 +80,7 @@ class BucketPlanner:
   value_bytes: int
   residual_slices: bool
   whole_selection: bool
+  forms: tuple[str, ...] | None = None
 
   def plan(self, sizes: Sequence[int], num_devices: int, density: float) -> list[Bucket]:
     """The buckets for leaves of ``sizes``, as the planner or ``fusion`` sets them."""
@@ -87,7 +89,7 @@ class BucketPlanner:
                        backward_seconds=self.backward_seconds,
                        value_bytes=self.value_bytes,
                        residual_slices=self.residual_slices,
-                       whole_selection=self.whole_selection)
+                       whole_selection=self.whole_selection, forms=self.forms)
     threshold = (model.best_threshold(self.algorithm) if self.fusion == "auto"
                  else self.fusion)
     return [planned.bucket for planned in model.layout(self.algorithm, threshold)]
@@ -139,7 +141,6 @@ class ExchangePlan:
         LeafPlan(path, tuple(shape), options.keeps_residual(math.prod(shape), shape),
                  options.sends_low_rank(tuple(shape)))
         for path, shape in zip(paths, local_shapes))
-    entry = algorithms.ALGORITHMS.get(options.algorithm)
     if options.backward_seconds is not None:
       backward_seconds = options.backward_seconds
     planner = BucketPlanner(
@@ -148,11 +149,15 @@ class ExchangePlan:
         fusion=options.fusion, network=options.outer_network(),
         cluster=options.cluster(), min_size=options.min_size,
         backward_seconds=backward_seconds, value_bytes=options.value_bytes,
-        residual_slices=options.error_feedback, whole_selection=options.whole_selection)
+        residual_slices=options.error_feedback, whole_selection=options.whole_selection,
+        forms=options.auto_forms)
+    names = (planner.forms or () if options.algorithm == algorithms.AUTO
+             else (options.algorithm,))
     return cls(axis=options.axis, density=options.density, selection=options.selection,
                value_dtype=options.value_dtype, warmup_steps=options.warmup_steps,
                skip_nonfinite=options.skip_nonfinite,
-               quantizes=entry is not None and entry.quantizes,
+               quantizes=any(algorithms.ALGORITHMS[name].quantizes for name in names
+                             if name in algorithms.ALGORITHMS),
                rank=options.rank if options.is_low_rank else None, leaves=leaves,
                planner=planner)
 

@@ -44,6 +44,7 @@ import optax
 from topka2a_jax._src.options import Options, takes_options
 from topka2a_jax._src.states import TopKA2AState
 from topka2a_jax._src.transforms.exchange_state import init_state, update_state
+from topka2a_jax._src.transforms.following import follower, for_follower
 
 
 @takes_options()
@@ -83,14 +84,16 @@ def topka2a(density: float | None = None,
     (512, 32)
   """
   checked = Options.create(density, **options)
+  said: set[str] = set()  # what the transform has said of the optimizer after it
 
   def init_fn(params: optax.Params) -> TopKA2AState:
-    return init_state(checked, params)
+    return init_state(for_follower(checked, follower(init_fn), said), params)
 
   def update_fn(updates: optax.Updates, state: TopKA2AState,
                 params: optax.Params | None = None,
                 **extra_args: Any) -> tuple[optax.Updates, TopKA2AState]:
     del params
-    return update_state(checked, updates, state, extra_args)
+    return update_state(for_follower(checked, follower(update_fn), said), updates,
+                        state, extra_args)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,244 @@
+"""What follows the exchange in its chain, and the forms that keep that optimizer's quality.
+
+``optax.chain(topka2a(0.01), optax.adam(1e-3))`` hands Adam the exchange's
+mean. A top-k with error feedback delivers each entry as a rare burst, the
+sum of many steps' gradients: plain SGD does not mind when mass arrives, but
+Adam's moments go wrong on bursts (+44% above dense's final loss on the link
+benchmark), and momentum SGD multiplies each burst by about ``1 / (1 - b)``
+and can diverge where dense momentum SGD converges. A few-bit code with
+error feedback sends every entry every step, its error bounded by half a
+quantization step, and trains on dense's curve before both.
+
+:func:`follower` reads the optimizer after the exchange from the chain that
+is running it: ``optax.chain`` calls each member from its own ``init`` and
+``update``, so the calling frames hold the chain's members in order (nested
+chains, one frame each). :func:`kind_of` sorts what it finds by the optax
+factories behind it (their functions' qualified names, found by walking
+closures as ``clipping.py`` does): Adam's family (:data:`ADAPTIVE`), momentum
+(:data:`MOMENTUM`), plain SGD or nothing (:data:`PLAIN`), or
+:data:`UNKNOWN`. With ``algorithm="auto"`` the planner then takes, per bucket,
+the cheapest of :data:`FORMS` of that kind.
+
+Example:
+  >>> def kind_after(optimizer):
+  ...   seen = []
+  ...   def update(updates, state, params=None):
+  ...     seen.append(kind_of(follower(update)))
+  ...     return updates, state
+  ...   tx = optax.chain(optax.GradientTransformation(lambda p: (), update), optimizer)
+  ...   tx.update({"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}))
+  ...   return seen[0]
+  >>> kind_after(optax.adam(1e-3)), kind_after(optax.sgd(0.1, momentum=0.9))
+  ('adaptive', 'momentum')
+  >>> kind_after(optax.sgd(0.1))
+  'plain'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optax
+
+from topka2a_jax._src.collectives import algorithms
+from topka2a_jax._src.options import Options
+from topka2a_jax._src.transforms.clipping import held
+
+ADAPTIVE, MOMENTUM, PLAIN, UNKNOWN = "adaptive", "momentum", "plain", "unknown"
+"""The kinds of optimizer that can follow the exchange."""
+
+CODED_FORM = "quantized_8_8_fine"
+"""The form that keeps quality before Adam and momentum SGD: every entry in 8
+bits, one scale per 256 entries, both phases' rounding fed back (training
+evidence page: within 1.5% of dense on every run before Adam; the README's
+program with momentum SGD on dense's curve at every learning rate tried)."""
+
+FORMS: dict[str, tuple[str, ...]] = {
+    ADAPTIVE: (CODED_FORM, algorithms.DENSE.name),
+    MOMENTUM: (CODED_FORM, algorithms.DENSE.name),
+    UNKNOWN: (CODED_FORM, algorithms.DENSE.name),
+    PLAIN: tuple(name for name, entry in algorithms.ALGORITHMS.items()
+                 if not entry.quantizes),
+}
+"""For each kind of optimizer after the exchange, the exchanges ``"auto"`` may
+plan a bucket with (the cheapest under the cost model wins). An unknown
+optimizer gets the form that is safe for both SGD and Adam."""
+
+WHY: dict[str, str] = {
+    ADAPTIVE: "an adaptive optimizer (Adam's family) follows: a top-k's bursts "
+              "derail its moments, a few-bit code sends every entry every step",
+    MOMENTUM: "momentum SGD follows: it multiplies a top-k's bursts by "
+              "1 / (1 - momentum), a few-bit code sends every entry every step",
+    PLAIN: "plain SGD (or nothing) follows: a top-k with error feedback keeps its "
+           "quality",
+    UNKNOWN: "the optimizer after it is not one the library knows: the few-bit "
+             "code, safe before both SGD and Adam",
+}
+"""Why each kind gets its forms, for the plan's line and the planner's table."""
+
+_ADAPTIVE_NAMES = frozenset({
+    "scale_by_adam", "scale_by_adamax", "scale_by_amsgrad", "scale_by_belief",
+    "scale_by_rms", "scale_by_stddev", "scale_by_factored_rms", "scale_by_lion",
+    "scale_by_radam", "scale_by_yogi", "scale_by_novograd", "scale_by_adadelta",
+    "scale_by_sm3", "scale_by_adan", "scale_by_rss", "scale_by_sign",
+    "scale_by_param_block_rms", "scale_by_muon", "scale_by_frozen_rms",
+    "adam", "adamw", "nadam", "nadamw", "radam", "amsgrad", "adabelief", "adamax",
+    "adamaxw", "rmsprop", "adafactor", "lion", "lamb", "adagrad", "yogi", "novograd",
+    "adadelta", "sm3", "adan", "sign_sgd", "muon", "frozen_variance_adam"})
+"""Factories of per-entry adaptive steps (Adam and its family, signs, Muon)."""
+
+_MOMENTUM_NAMES = frozenset({"trace", "ema", "sgd", "lars"})
+"""Factories of momentum (``optax.sgd(lr, momentum=...)`` is a ``trace``)."""
+
+_NEUTRAL_NAMES = frozenset({
+    "chain", "named_chain", "identity", "init_empty_state", "scale",
+    "scale_by_learning_rate", "scale_by_schedule", "with_extra_args_support",
+    "add_decayed_weights", "clip", "clip_by_global_norm", "clip_by_block_rms",
+    "adaptive_grad_clip", "zero_nans", "masked", "add_noise", "noisy_sgd",
+    "keep_params_nonnegative", "scale_by_trust_ratio", "inject_hyperparams",
+    "inject_stateful_hyperparams", "apply_if_finite", "skip_nonfinite",
+    "skip_not_finite", "centralize", "scale_by_polyak", "polyak_sgd"})
+"""Factories that change no entry's timing: scales, decays, clips, masks."""
+
+
+def _is_update(fn: Any) -> bool:
+  """Whether ``fn`` takes updates and a state (an update function), not a schedule."""
+  code = getattr(fn, "__code__", None)
+  return code is not None and code.co_argcount + code.co_kwonlyargcount >= 2
+
+
+def _factories(fns: Sequence[Any], updates_only: bool) -> set[str]:
+  """The first part of the qualified name of every function behind ``fns``."""
+  names = set()
+  for found in held(tuple(fns)):
+    qualname = getattr(found, "__qualname__", None)
+    if callable(found) and isinstance(qualname, str) and (
+        not updates_only or _is_update(found)):
+      names.add(qualname.split(".")[0])
+  return names
+
+
+_CHAIN = optax.chain(optax.identity())
+_CHAIN_FRAMES = {_CHAIN.init.__code__: "init_fns", _CHAIN.update.__code__: "update_fns"}
+"""The codes of every ``optax.chain``'s init and update, and the member
+functions each closes over. ``tests/test_following.py`` holds them to optax."""
+
+
+def follower(own: Callable[..., Any]) -> tuple[tuple[Any, ...], bool] | None:
+  """The functions after ``own`` in every chain now running it, innermost first.
+
+  Call it from inside ``own`` (a transform's ``init`` or ``update``).
+
+  Args:
+    own: the running transform's init or update function.
+
+  Returns:
+    ``(functions, updates)``: what follows, and whether they are update
+    functions (from a chain's update) or init functions; None where no
+    chain runs ``own`` (the transform was called alone).
+  """
+  frame, after, updates, inner = sys._getframe(1), [], False, own
+  found = False
+  while frame is not None:
+    field = _CHAIN_FRAMES.get(frame.f_code)
+    members = frame.f_locals.get(field) if field else None
+    if members is not None:
+      position = next((i for i, member in enumerate(members)
+                       if any(one is inner for one in held(member))), None)
+      if position is not None:
+        after += members[position + 1:]
+        updates, found = field == "update_fns", True
+        inner = members[position]
+    frame = frame.f_back
+  return (tuple(after), updates) if found else None
+
+
+def kind_of(followed: tuple[tuple[Any, ...], bool] | None) -> str:
+  """The kind of optimizer :func:`follower` found: one of the four kinds.
+
+  From a chain's init (which holds no update functions) only Adam's family
+  and momentum are told apart; everything else reads as :data:`PLAIN`.
+  """
+  if followed is None:
+    return PLAIN
+  fns, updates = followed
+  names = _factories(fns, updates_only=updates)
+  if names & _ADAPTIVE_NAMES:
+    return ADAPTIVE
+  if names & _MOMENTUM_NAMES:
+    return MOMENTUM
+  if not updates or names <= _NEUTRAL_NAMES:
+    return PLAIN
+  return UNKNOWN
+
+
+def unknown_names(followed: tuple[tuple[Any, ...], bool] | None) -> list[str]:
+  """The factories after the exchange that the library does not know, sorted."""
+  if followed is None:
+    return []
+  return sorted(_factories(followed[0], followed[1]) - _NEUTRAL_NAMES - _ADAPTIVE_NAMES
+                - _MOMENTUM_NAMES)
+
+
+_SENDS_BURSTS = frozenset({"topka2a", "topka2a_sparse", "allgather", "onebit", "onebit_4",
+                           "onebit_1"})
+"""The exchanges whose error feedback hands an optimizer bursts: a top-k, or
+the gradient's signs."""
+
+_LOG = logging.getLogger("topka2a_jax")
+
+
+def for_follower(options: Options, followed: tuple[tuple[Any, ...], bool] | None,
+                 said: set[str]) -> Options:
+  """``options`` with ``"auto"``'s forms set for the optimizer after the exchange.
+
+  Says each thing once per transform (``said`` remembers): the forms
+  ``"auto"`` plans with and why, at INFO on the ``topka2a_jax`` logger; a
+  warning for an optimizer it cannot classify; a warning for an explicit
+  top-k or sign of the gradient before an adaptive optimizer (kept: the user
+  asked for it).
+
+  Args:
+    options: the transform's checked options.
+    followed: :func:`follower` of the transform's init or update.
+    said: what this transform has said already; updated.
+
+  Returns:
+    The options the exchange runs with.
+
+  Warns:
+    UserWarning: as above.
+  """
+  kind = kind_of(followed)
+  if options.algorithm != algorithms.AUTO:
+    if kind == ADAPTIVE and options.algorithm in _SENDS_BURSTS and "bursts" not in said:
+      said.add("bursts")
+      warnings.warn(
+          f"topka2a(algorithm={options.algorithm!r}) sends the gradient's "
+          f"{'signs' if options.algorithm.startswith('onebit') else 'top-k'} to an "
+          "adaptive optimizer (Adam's family): error feedback hands it each entry "
+          "as a burst of many steps' gradients and its moments go wrong (measured on "
+          "the link benchmark: the top-k at 1% ends +44% above dense's final loss, "
+          "the signs +23% to +63%). Leave algorithm= out: topka2a(...) before Adam "
+          "sends every entry in 8 bits (algorithm='quantized_8_8_fine', within 1.5% "
+          "of dense), or dense where that is cheaper.", UserWarning, stacklevel=4)
+    return options
+  if options.value_dtype is not None or options.density >= 1.0:
+    kind = PLAIN  # a narrow top-k was asked for, or one that sends every entry
+  if kind == UNKNOWN and "unknown" not in said:
+    said.add("unknown")
+    warnings.warn(
+        "topka2a(algorithm='auto') does not know the optimizer after it in the chain "
+        f"({', '.join(unknown_names(followed))}), so it plans the form safe before "
+        f"both SGD and Adam: every entry in 8 bits ({CODED_FORM!r}), or dense where "
+        "that is cheaper. Pass algorithm= to choose.", UserWarning, stacklevel=4)
+  if kind not in said and followed is not None and followed[1]:
+    said.add(kind)
+    _LOG.info("topka2a(algorithm='auto') plans each bucket among %s: %s.",
+              ", ".join(FORMS[kind]), WHY[kind])
+  return dataclasses.replace(options, auto_forms=FORMS[kind])
