@@ -178,11 +178,14 @@ def kind_of(followed: tuple[tuple[Any, ...], bool] | None) -> str:
 
 
 def unknown_names(followed: tuple[tuple[Any, ...], bool] | None) -> list[str]:
-  """The factories after the exchange that the library does not know, sorted."""
+  """The qualified names of the functions after the exchange that it does not know."""
   if followed is None:
     return []
-  return sorted(_factories(followed[0], followed[1]) - _NEUTRAL_NAMES - _ADAPTIVE_NAMES
-                - _MOMENTUM_NAMES)
+  known = _NEUTRAL_NAMES | _ADAPTIVE_NAMES | _MOMENTUM_NAMES
+  return sorted({found.__qualname__ for found in held(tuple(followed[0]))
+                 if callable(found) and isinstance(getattr(found, "__qualname__", None), str)
+                 and (not followed[1] or _is_update(found))
+                 and found.__qualname__.split(".")[0] not in known})
 
 
 _SENDS_BURSTS = frozenset({"topka2a", "topka2a_sparse", "allgather", "onebit", "onebit_4",
