@@ -254,9 +254,12 @@ class Options:
       _checked_mesh)
   algorithm: str = _option(
       DEFAULT_ALGORITHM,
-      "``\"auto\"`` (the default): each bucket takes the cheapest exchange under the "
+      "``\"auto\"`` (the default): the forms that keep the quality of the optimizer "
+      "after the exchange in its chain, each bucket the cheapest of them under the "
       "cost model on ``network``, dense where compression does not pay (small "
-      "buckets, fast links). Or one name in :data:`topka2a_jax.collectives.ALGORITHMS` "
+      "buckets, fast links): before Adam's family, momentum SGD or an optimizer it "
+      "does not know, every entry in 8 bits (``\"quantized_8_8_fine\"``); before plain "
+      "SGD or nothing, a top-k at ``density`` (the TopKA2A forms or TopkA). Or one name in :data:`topka2a_jax.collectives.ALGORITHMS` "
       "for every large bucket: the paper's TopKA2A; its sparse-second-phase variant, "
       "O(k) volume; TopkA, whose volume grows with the number of devices; dense "
       "``lax.pmean``, which ignores ``density``. Or ``\"quantized_8_8\"`` (and the "
@@ -267,8 +270,9 @@ class Options:
       "Adam's compressed all-reduce, :func:`topka2a_jax.collectives.onebit`) and the "
       "means back in 8, 4 or 1 bits. Or ``\"powersgd\"``: every matrix leaf as a "
       "rank-``rank`` product in two all-reduces, vectors and small matrices dense "
-      "(:func:`topka2a_jax.collectives.powersgd`). These last ignore ``density``, and "
-      "``\"auto\"`` never picks them.",
+      "(:func:`topka2a_jax.collectives.powersgd`). These last ignore ``density``; "
+      "``\"auto\"`` picks only ``\"quantized_8_8_fine\"`` of them. An explicit top-k "
+      "or sign before Adam's family is kept, with a warning.",
       _algorithm)
   error_feedback: bool = _option(
       True,

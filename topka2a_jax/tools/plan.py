@@ -53,6 +53,9 @@ from topka2a_jax.tools.model_shapes import FORWARD_FLOPS, MODELS, Shapes
 AUTO = "auto"
 """``--algorithm``'s default, as ``topka2a``'s: each bucket its cheapest."""
 
+OPTIMIZERS = {"adam": "adaptive", "momentum": "momentum", "sgd": "plain"}
+"""``--optimizer``'s names and the kinds of ``transforms/following.py``."""
+
 DENSE, ALLGATHER, TOPKA2A, TOPKA2A_SPARSE = (
     ALGORITHMS[name] for name in ("dense", "allgather", "topka2a", "topka2a_sparse"))
 
@@ -83,6 +86,12 @@ def _parser() -> argparse.ArgumentParser:
       help=f"the exchange of every large bucket; default {AUTO}: each bucket its "
            f"cheapest, as in topka2a(...). "
            + "; ".join(f"{a.name}: {a.summary}" for a in ALGORITHMS.values()))
+  parser.add_argument(
+      "--optimizer", default="sgd", choices=sorted(OPTIMIZERS),
+      help="what follows topka2a(...) in the chain, which decides the forms "
+           "--algorithm auto plans with: adam (Adam's family) and momentum (momentum "
+           "SGD) get the 8-bit gradient or dense, sgd (plain SGD, the default) the "
+           "top-k forms or dense")
   parser.add_argument("--rank", type=int,
                       help="also price PowerSGD at this rank (algorithm='powersgd'); "
                            "needs --model, whose layer shapes it compresses")
@@ -118,10 +127,14 @@ def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(argv)
   if args.devices < 1:
     _parser().error("--devices must be at least 1")
+  from topka2a_jax._src.transforms.following import FORMS, WHY  # after --help
+
+  kind = OPTIMIZERS[args.optimizer]
+  forms = FORMS[kind] if args.algorithm == AUTO else (args.algorithm,)
   selecting = args.density is not None
   if not selecting:
-    if args.algorithm not in ALGORITHMS or not (
-        ALGORITHMS[args.algorithm].quantizes or args.algorithm == DENSE.name):
+    if not all(name in ALGORITHMS and (ALGORITHMS[name].quantizes or name == DENSE.name)
+               for name in forms):
       _parser().error(f"--density is required with --algorithm {args.algorithm} "
                       "(give e.g. --density 0.01)")
     args.density = 1.0
@@ -158,9 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     plan = topka2a_jax.plan_fusion(  # the first use of JAX: --help needs none
         sizes, args.devices, args.density, names=names, network=network,
         algorithm=args.algorithm, threshold=args.threshold, cluster=cluster,
-        **_backward(args))
+        forms=FORMS[kind], **_backward(args))
   except ValueError as error:
     _parser().error(str(error))
+  if args.algorithm == AUTO:
+    print(f"--optimizer {args.optimizer}: each bucket the cheapest of "
+          f"{', '.join(FORMS[kind])} ({WHY[kind]})")
   print(plan)
   if args.rank is not None:
     _print_low_rank(shapes, args.devices, args.rank, network, plan)

@@ -123,10 +123,11 @@ class FusionPlan:
   cluster: Cluster | None = None
 
   def __str__(self) -> str:
+    selects = self.density < 1  # else no top-k: every bucket sends every entry
     header = (f"fusion plan: {len(self.names)} leaves, "
               f"{sum(b.bucket.size for b in self.buckets):,} elements, "
-              f"P={self.num_devices}, density={self.density:g}, "
-              f"network={self.network.name}, threshold={self.threshold:,} elements")
+              f"P={self.num_devices}, " + (f"density={self.density:g}, " if selects else "")
+              + f"network={self.network.name}, threshold={self.threshold:,} elements")
     if self.cluster is not None:
       header += (f"; {self.cluster.nodes} nodes of {self.cluster.per_node} "
                  f"devices, {self.cluster.inner.name} inside a node")
@@ -151,9 +152,10 @@ class FusionPlan:
     lines.append(
         f"predicted step end: {1e3 * self.step_seconds:.3f} ms; all dense: "
         f"{1e3 * self.dense_seconds:.3f} ms "
-        f"(speedup {self.dense_seconds / self.step_seconds:.2f}x); all TopkA: "
-        f"{1e3 * self.allgather_seconds:.3f} ms "
-        f"(speedup {self.allgather_seconds / self.step_seconds:.2f}x)")
+        f"(speedup {self.dense_seconds / self.step_seconds:.2f}x)"
+        + (f"; all TopkA: {1e3 * self.allgather_seconds:.3f} ms "
+           f"(speedup {self.allgather_seconds / self.step_seconds:.2f}x)" if selects
+           else ""))
     return "\n".join(lines)
 
 

@@ -22,6 +22,10 @@ parameter shard only (``layout.py``).
 :func:`topka2a_jax.train_step` and :func:`topka2a_jax.nnx_train_step` build
 the shard_map for you.
 
+With ``algorithm="auto"`` (the default) the exchange's form follows the
+optimizer after it in the chain (``following.py``): the gradient in 8 bits
+before Adam, a top-k before plain SGD.
+
 Example:
   >>> mesh = jax.make_mesh((8,), ("data",))
   >>> tx = optax.chain(topka2a(density=0.01, mesh=mesh), optax.adam(1e-3))
@@ -50,9 +54,14 @@ from topka2a_jax._src.transforms.following import follower, for_follower
 @takes_options()
 def topka2a(density: float | None = None,
             **options: Any) -> optax.GradientTransformationExtraArgs:
-  """Averages gradients across a mesh axis, sending only the top ``density``.
+  """Averages gradients across a mesh axis in the form the optimizer after it trains with.
 
-  Use it first in an optax chain. Its update runs inside a ``jax.shard_map``
+  Use it first in an optax chain. With the default ``algorithm="auto"`` it
+  reads the optimizer after it in its chain: before Adam's family (and
+  momentum SGD, or an optimizer it does not know) it sends every entry in 8
+  bits, both roundings fed back, which trains on dense's curve; before plain
+  SGD it sends the top ``density`` of every bucket, with error feedback. The
+  cost model may plan a bucket dense where compression does not pay. Its update runs inside a ``jax.shard_map``
   over ``axis_name`` on per-device gradients (:func:`topka2a_jax.train_step`
   and :func:`topka2a_jax.nnx_train_step` build that step; by hand,
   differentiate with respect to ``jax.lax.pcast(params, axis_name,
@@ -61,10 +70,11 @@ def topka2a(density: float | None = None,
   identical on every device and typed invariant along the axis.
 
   Args:
-    density: fraction of every bucket's entries each device sends, in (0, 1].
-      1.0 sends everything and equals ``lax.pmean``. Leave it out only for
-      ``algorithm="powersgd"``, ``"dense"`` and the exchanges that send
-      codes (``"quantized_A_B"``, ``"onebit"``...), which ignore it.
+    density: fraction of every bucket's entries each device sends where a
+      top-k is chosen, in (0, 1]. 1.0 sends everything and equals
+      ``lax.pmean``. Leave it out only for ``algorithm="powersgd"``,
+      ``"dense"`` and the exchanges that send codes (``"quantized_A_B"``,
+      ``"onebit"``...), which ignore it.
     **options: every option of the exchange, below.
 
   Returns:

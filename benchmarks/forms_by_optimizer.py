@@ -1,0 +1,106 @@
+"""Which exchange keeps which optimizer's quality: the rule ``algorithm="auto"`` follows.
+
+Trains the README's program (its MLP fitted to sin(x), full batch, 8
+emulated CPU devices, 100 steps) once per optimizer and form, from the same
+initialisation:
+
+* ``dense``: ``optax.chain(topka2a(algorithm="dense"), optimizer)``, the
+  mean gradient by ``lax.pmean``, the reference;
+* ``top-k 1%``: ``topka2a(0.01, algorithm="topka2a_sparse")``, the top-k that
+  ``"auto"`` sends before plain SGD;
+* ``8 bits``: ``topka2a(algorithm="quantized_8_8_fine")``;
+* ``headline``: ``topka2a(0.01)`` with no other option, whatever ``"auto"``
+  reads from the chain.
+
+Prints the final loss of each and its ratio to dense's, and the bytes each
+device sends a step (:func:`topka2a_jax.comm_report` of the compiled step).
+
+Run:
+  python benchmarks/forms_by_optimizer.py [--steps 100] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import warnings
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+import topka2a_jax  # noqa: E402
+
+OPTIMIZERS = {
+    "sgd(0.1)": lambda: optax.sgd(0.1),
+    "sgd(0.01, momentum=0.9)": lambda: optax.sgd(0.01, momentum=0.9),
+    "sgd(0.05, momentum=0.9)": lambda: optax.sgd(0.05, momentum=0.9),
+    "sgd(0.1, momentum=0.9)": lambda: optax.sgd(0.1, momentum=0.9),
+    "adam(1e-2)": lambda: optax.adam(1e-2),
+    "lion(1e-3)": lambda: optax.lion(1e-3),
+    "adafactor(1e-2)": lambda: optax.adafactor(1e-2),
+}
+"""The optimizers after the exchange: name -> a fresh one."""
+
+FORMS = {
+    "dense": {"algorithm": "dense"},
+    "top-k 1%": {"density": 0.01, "algorithm": "topka2a_sparse"},
+    "8 bits": {"algorithm": "quantized_8_8_fine"},
+    "headline": {"density": 0.01},
+}
+"""The exchanges compared: name -> options of ``topka2a``."""
+
+
+def loss_fn(params, batch):
+  x, y = batch
+  return jnp.mean((jnp.tanh(x @ params["w1"]) @ params["w2"] - y) ** 2)
+
+
+def train(tx, mesh, steps: int) -> tuple[float, float]:
+  """The final loss and the bytes each device sends a step."""
+  params = {"w1": jax.random.normal(jax.random.key(0), (16, 256)) / 4,
+            "w2": jax.random.normal(jax.random.key(1), (256, 4)) / 16}
+  x = jax.random.normal(jax.random.key(2), (512, 16))
+  batch = (x, jnp.sin(x[:, :4]))
+  state, step = tx.init(params), topka2a_jax.train_step(loss_fn, tx, mesh)
+  sent = topka2a_jax.comm_report(step.lower(params, state, batch)).total_bytes
+  for _ in range(steps):
+    params, state, loss = step(params, state, batch)
+  return float(loss), sent
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--steps", type=int, default=100)
+  parser.add_argument("--json", help="also write the rows here")
+  args = parser.parse_args()
+  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  rows = []
+  print(f"{'optimizer':26s} {'form':10s} {'final':>10s} {'vs dense':>9s} {'bytes':>8s}")
+  for optimizer, make in OPTIMIZERS.items():
+    dense = None
+    for form, options in FORMS.items():
+      with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the warning of a top-k before Adam
+        options = dict(options)
+        tx = optax.chain(topka2a_jax.topka2a(options.pop("density", None), mesh=mesh,
+                                             **options), make())
+        final, sent = train(tx, mesh, args.steps)
+      dense = final if dense is None else dense
+      rows.append({"optimizer": optimizer, "form": form, "final": final,
+                   "ratio": final / dense, "bytes": sent})
+      print(f"{optimizer:26s} {form:10s} {final:10.4g} {final / dense:8.2f}x "
+            f"{sent:8.0f}", flush=True)
+  if args.json:
+    Path(args.json).write_text(json.dumps({"steps": args.steps, "rows": rows}, indent=1))
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
