@@ -7,8 +7,15 @@ initialisation:
 * ``dense``: ``optax.chain(topka2a(algorithm="dense"), optimizer)``, the
   mean gradient by ``lax.pmean``, the reference;
 * ``top-k 1%``: ``topka2a(0.01, algorithm="topka2a_sparse")``, the top-k that
-  ``"auto"`` sends before plain SGD;
-* ``8 bits``: ``topka2a(algorithm="quantized_8_8_fine")``;
+  ``"auto"`` sends before plain SGD, and the same after 30 dense steps
+  (``warmup_steps=30``);
+* ``DGC``: ``compress_updates(optimizer, 0.01)``, the optimizer on each
+  device's gradient and its step's top-k exchanged (DGC's momentum
+  correction, for momentum SGD);
+* ``8 bits``: ``topka2a(algorithm="quantized_8_8_fine")``, what ``"auto"``
+  sends before Adam's family;
+* ``4 / 8 bits``: ``topka2a(algorithm="quantized_4_8")``, 4 bits to the
+  owners and 8 back, what ``"auto"`` sends before momentum SGD;
 * ``headline``: ``topka2a(0.01)`` with no other option, whatever ``"auto"``
   reads from the chain.
 
@@ -48,13 +55,24 @@ OPTIMIZERS = {
 }
 """The optimizers after the exchange: name -> a fresh one."""
 
+def exchange(density=None, **options):
+  """The chain of ``topka2a(density, **options)`` and the optimizer."""
+  return lambda optimizer, mesh: optax.chain(
+      topka2a_jax.topka2a(density, mesh=mesh, **options), optimizer)
+
+
 FORMS = {
-    "dense": {"algorithm": "dense"},
-    "top-k 1%": {"density": 0.01, "algorithm": "topka2a_sparse"},
-    "8 bits": {"algorithm": "quantized_8_8_fine"},
-    "headline": {"density": 0.01},
+    "dense": exchange(algorithm="dense"),
+    "top-k 1%": exchange(0.01, algorithm="topka2a_sparse"),
+    "top-k 1%, 30 dense steps": exchange(0.01, algorithm="topka2a_sparse",
+                                         warmup_steps=30),
+    "DGC": lambda optimizer, mesh: topka2a_jax.compress_updates(optimizer, 0.01,
+                                                                mesh=mesh),
+    "8 bits": exchange(algorithm="quantized_8_8_fine"),
+    "4 / 8 bits": exchange(algorithm="quantized_4_8"),
+    "headline": exchange(0.01),
 }
-"""The exchanges compared: name -> options of ``topka2a``."""
+"""The exchanges compared: name -> ``(optimizer, mesh) -> the optimizer to train``."""
 
 
 def loss_fn(params, batch):
@@ -82,20 +100,17 @@ def main() -> int:
   args = parser.parse_args()
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
   rows = []
-  print(f"{'optimizer':26s} {'form':10s} {'final':>10s} {'vs dense':>9s} {'bytes':>8s}")
+  print(f"{'optimizer':26s} {'form':24s} {'final':>10s} {'vs dense':>9s} {'bytes':>8s}")
   for optimizer, make in OPTIMIZERS.items():
     dense = None
     for form, options in FORMS.items():
       with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the warning of a top-k before Adam
-        options = dict(options)
-        tx = optax.chain(topka2a_jax.topka2a(options.pop("density", None), mesh=mesh,
-                                             **options), make())
-        final, sent = train(tx, mesh, args.steps)
+        final, sent = train(options(make(), mesh), mesh, args.steps)
       dense = final if dense is None else dense
       rows.append({"optimizer": optimizer, "form": form, "final": final,
                    "ratio": final / dense, "bytes": sent})
-      print(f"{optimizer:26s} {form:10s} {final:10.4g} {final / dense:8.2f}x "
+      print(f"{optimizer:26s} {form:24s} {final:10.4g} {final / dense:8.2f}x "
             f"{sent:8.0f}", flush=True)
   if args.json:
     Path(args.json).write_text(json.dumps({"steps": args.steps, "rows": rows}, indent=1))

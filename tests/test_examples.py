@@ -79,21 +79,20 @@ def test_sparse_runs_are_within_a_point_of_dense_late_in_training(default_run):
   _, runs = default_run
   dense = late(runs["dense (pmean)"])
   assert dense > 0.95
-  for name in ("defaults 1%", "updates 1%"):
+  for name, share in (("defaults 1%", 0.2), ("updates 1%", 0.1)):
     assert late(runs[name]) > dense - 0.01, name
-    assert runs[name]["bytes_per_step"] < 0.1 * runs["dense (pmean)"]["bytes_per_step"]
+    assert runs[name]["bytes_per_step"] < share * runs["dense (pmean)"]["bytes_per_step"]
 
 
 def test_without_error_feedback_the_chain_ends_worse(default_run):
-  meta, runs = default_run
-  name = "defaults 1%, no error feedback"
-  without, = compare({name: lambda **mesh: train_digits.optimizer(
-      train_digits.WEIGHT_DECAY, **train_digits.RUNS[name], **mesh)},
+  meta, _ = default_run
+  names = ("topka2a 1%", "topka2a 1%, no error feedback")
+  with_feedback, without = compare({name: lambda name=name, **mesh: train_digits.optimizer(
+      train_digits.WEIGHT_DECAY, **train_digits.RUNS[name], **mesh) for name in names},
       train_digits.make_task(), steps=meta["steps"], seeds=tuple(meta["seeds"]),
       batch_per_device=train_digits.BATCH_PER_DEVICE,
       mesh=jax.make_mesh((8,), ("data",)))
-  with_feedback = runs["defaults 1%"]
-  assert without.late < late(with_feedback) - 0.01
+  assert without.late < with_feedback.late - 0.01
   steps = meta["steps"]
-  late_loss = np.mean([losses[-steps // 10:] for losses in with_feedback["losses"]])
+  late_loss = np.mean([losses[-steps // 10:] for losses in with_feedback.losses])
   assert without.late_loss > 2 * late_loss
