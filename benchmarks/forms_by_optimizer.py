@@ -38,11 +38,11 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
+import jax
+import jax.numpy as jnp
+import optax
 
-import topka2a_jax  # noqa: E402
+import topka2a_jax
 
 OPTIMIZERS = {
     "sgd(0.1)": lambda: optax.sgd(0.1),

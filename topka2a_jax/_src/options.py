@@ -257,10 +257,12 @@ class Options:
       "``\"auto\"`` (the default): the forms that keep the quality of the optimizer "
       "after the exchange in its chain, each bucket the cheapest of them under the "
       "cost model on ``network``, dense where compression does not pay (small "
-      "buckets, fast links): before Adam's family, momentum SGD or an optimizer it "
-      "does not know, every entry in 8 bits (``\"quantized_8_8_fine\"``); before plain "
-      "SGD or nothing, a top-k at ``density`` (the TopKA2A forms or TopkA). Or one name in :data:`topka2a_jax.collectives.ALGORITHMS` "
-      "for every large bucket: the paper's TopKA2A; its sparse-second-phase variant, "
+      "buckets, fast links): before Adam's family or an optimizer it does not know, "
+      "every entry in 8 bits (``\"quantized_8_8_fine\"``); before momentum SGD, 4 "
+      "bits up and 8 back (``\"quantized_4_8\"``); before plain SGD or nothing, a "
+      "top-k at ``density`` (the TopKA2A forms or TopkA). Or one name in "
+      ":data:`topka2a_jax.collectives.ALGORITHMS` for every large bucket: the paper's "
+      "TopKA2A; its sparse-second-phase variant, "
       "O(k) volume; TopkA, whose volume grows with the number of devices; dense "
       "``lax.pmean``, which ignores ``density``. Or ``\"quantized_8_8\"`` (and the "
       "other ``\"quantized_A_B\"``): every entry in A bits (one scale per chunk) to "
@@ -271,7 +273,8 @@ class Options:
       "means back in 8, 4 or 1 bits. Or ``\"powersgd\"``: every matrix leaf as a "
       "rank-``rank`` product in two all-reduces, vectors and small matrices dense "
       "(:func:`topka2a_jax.collectives.powersgd`). These last ignore ``density``; "
-      "``\"auto\"`` picks only ``\"quantized_8_8_fine\"`` of them. An explicit top-k "
+      "``\"auto\"`` picks only ``\"quantized_8_8_fine\"`` and ``\"quantized_4_8\"`` of "
+      "them. An explicit top-k "
       "or sign before Adam's family is kept, with a warning.",
       _algorithm)
   error_feedback: bool = _option(

@@ -57,11 +57,14 @@ def topka2a(density: float | None = None,
   """Averages gradients across a mesh axis in the form the optimizer after it trains with.
 
   Use it first in an optax chain. With the default ``algorithm="auto"`` it
-  reads the optimizer after it in its chain: before Adam's family (and
-  momentum SGD, or an optimizer it does not know) it sends every entry in 8
-  bits, both roundings fed back, which trains on dense's curve; before plain
-  SGD it sends the top ``density`` of every bucket, with error feedback. The
-  cost model may plan a bucket dense where compression does not pay. Its update runs inside a ``jax.shard_map``
+  reads the optimizer after it in its chain: before Adam's family (or an
+  optimizer it does not know) it sends every entry in 8 bits, before
+  momentum SGD in 4 bits with 8-bit means back, both roundings fed back,
+  which train on dense's curve; before plain SGD it sends the top
+  ``density`` of every bucket, with error feedback. The cost model may plan
+  a bucket dense where compression does not pay.
+
+  Its update runs inside a ``jax.shard_map``
   over ``axis_name`` on per-device gradients (:func:`topka2a_jax.train_step`
   and :func:`topka2a_jax.nnx_train_step` build that step; by hand,
   differentiate with respect to ``jax.lax.pcast(params, axis_name,
