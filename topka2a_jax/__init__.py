@@ -21,8 +21,8 @@ Example:
   >>> def loss_fn(params, x):
   ...   return jnp.mean((x @ params["w"] - 1.0) ** 2)
   >>> params = {"w": jnp.zeros((16, 4))}
-  >>> tx = topka2a_jax.compress_updates(optax.adam(1e-2), density=0.01, mesh=mesh)
-  >>> opt_state = tx.init(params)  # Adam per device, residuals per device
+  >>> tx = optax.chain(topka2a_jax.topka2a(0.01, mesh=mesh), optax.adam(1e-2))
+  >>> opt_state = tx.init(params)  # residuals per device, one Adam
   >>> step = topka2a_jax.train_step(loss_fn, tx, mesh)
   >>> losses = []
   >>> for _ in range(50):
