@@ -27,6 +27,7 @@ from topka2a_jax._src import lazy as _lazy
 if TYPE_CHECKING:  # the namespace; at run time each name is imported on first use
   from topka2a_jax._src.planner import compute as _compute
   from topka2a_jax._src.planner import cost as _cost
+  from topka2a_jax._src.planner import forms as _forms
   from topka2a_jax._src.planner.compute import Device
   from topka2a_jax._src.planner.cost import (
     Cluster,
@@ -60,6 +61,16 @@ if TYPE_CHECKING:  # the namespace; at run time each name is imported on first u
   """The link inside a node when ``network=`` names only the one between nodes:
   ``"nvlink"``."""
 
+  AUTO_FORMS = _forms.FORMS
+  """The exchanges ``algorithm="auto"`` plans each bucket among, by the kind of
+  optimizer after it in the chain: ``"adaptive"`` (Adam's family) and
+  ``"unknown"`` the 8-bit gradient or dense, ``"momentum"`` (momentum SGD)
+  4 bits up and 8 back or dense, ``"plain"`` (SGD or nothing) the top-k forms
+  or dense."""
+
+  AUTO_FORMS_WHY = _forms.WHY
+  """Why each kind of optimizer in :data:`AUTO_FORMS` gets its forms, in words."""
+
   FLAT = _cost.FLAT
   """The route of an exchange over a cluster's devices as one axis."""
 
@@ -68,6 +79,8 @@ if TYPE_CHECKING:  # the namespace; at run time each name is imported on first u
   node and the exchange between nodes."""
 
 __all__ = [
+  "AUTO_FORMS",
+  "AUTO_FORMS_WHY",
   "DEVICES",
   "FLAT",
   "INNER_NETWORK",

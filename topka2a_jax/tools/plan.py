@@ -40,6 +40,8 @@ import sys
 import topka2a_jax
 from topka2a_jax.collectives import ALGORITHMS
 from topka2a_jax.cost import (
+  AUTO_FORMS,
+  AUTO_FORMS_WHY,
   DEVICES,
   INNER_NETWORK,
   NETWORKS,
@@ -55,7 +57,7 @@ AUTO = "auto"
 """``--algorithm``'s default, as ``topka2a``'s: each bucket its cheapest."""
 
 OPTIMIZERS = {"adam": "adaptive", "momentum": "momentum", "sgd": "plain"}
-"""``--optimizer``'s names and the kinds of ``transforms/following.py``."""
+"""``--optimizer``'s names and the kinds of :data:`topka2a_jax.cost.AUTO_FORMS`."""
 
 DENSE, ALLGATHER, TOPKA2A, TOPKA2A_SPARSE = (
     ALGORITHMS[name] for name in ("dense", "allgather", "topka2a", "topka2a_sparse"))
@@ -128,10 +130,8 @@ def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(argv)
   if args.devices < 1:
     _parser().error("--devices must be at least 1")
-  from topka2a_jax._src.transforms.following import FORMS, WHY  # after --help
-
   kind = OPTIMIZERS[args.optimizer]
-  forms = FORMS[kind] if args.algorithm == AUTO else (args.algorithm,)
+  forms = AUTO_FORMS[kind] if args.algorithm == AUTO else (args.algorithm,)
   selecting = args.density is not None
   if not selecting:
     if not all(name in ALGORITHMS and (ALGORITHMS[name].quantizes or name == DENSE.name)
@@ -172,13 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     plan = topka2a_jax.plan_fusion(  # the first use of JAX: --help needs none
         sizes, args.devices, args.density, names=names, network=network,
         algorithm=args.algorithm, threshold=args.threshold, cluster=cluster,
-        forms=FORMS[kind], **_backward(args))
+        forms=AUTO_FORMS[kind], **_backward(args))
   except ValueError as error:
     _parser().error(str(error))
   print(plan)
   if args.algorithm == AUTO:
     print(f"--optimizer {args.optimizer}: each bucket the cheapest of "
-          f"{', '.join(FORMS[kind])} ({WHY[kind]})")
+          f"{', '.join(AUTO_FORMS[kind])} ({AUTO_FORMS_WHY[kind]})")
   if args.rank is not None:
     _print_low_rank(shapes, args.devices, args.rank, network, plan)
   if args.devices > 1 and cluster is None and selecting:  # the top-k's breakevens

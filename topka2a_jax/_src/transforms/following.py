@@ -17,7 +17,7 @@ factories behind it (their functions' qualified names, found by walking
 closures as ``clipping.py`` does): Adam's family (:data:`ADAPTIVE`), momentum
 (:data:`MOMENTUM`), plain SGD or nothing (:data:`PLAIN`), or
 :data:`UNKNOWN`. With ``algorithm="auto"`` the planner then takes, per bucket,
-the cheapest of :data:`FORMS` of that kind.
+the cheapest of that kind's forms (``planner/forms.py``).
 
 Example:
   >>> def kind_after(optimizer):
@@ -47,45 +47,16 @@ import optax
 
 from topka2a_jax._src.collectives import algorithms
 from topka2a_jax._src.options import Options
+from topka2a_jax._src.planner.forms import (
+  ADAPTIVE,
+  CODED_FORM,
+  FORMS,
+  MOMENTUM,
+  PLAIN,
+  UNKNOWN,
+  WHY,
+)
 from topka2a_jax._src.transforms.clipping import held
-
-ADAPTIVE, MOMENTUM, PLAIN, UNKNOWN = "adaptive", "momentum", "plain", "unknown"
-"""The kinds of optimizer that can follow the exchange."""
-
-CODED_FORM = "quantized_8_8_fine"
-"""The form that keeps quality before Adam: every entry in 8 bits, one scale
-per 256 entries, both phases' rounding fed back (training evidence page:
-within 1.5% of dense on every run of the link benchmark)."""
-
-MOMENTUM_FORM = "quantized_4_8"
-"""The form before momentum SGD: 4 bits to the owners, their means back in 8
-(0.75x the 8-bit form's bytes). On the README's program it ends on dense's
-loss at learning rates 0.01, 0.05 and 0.1, where a top-k diverges; on the
-digits example it ends at or above dense's accuracy
-(``benchmarks/forms_by_optimizer.py``, the accuracy evidence page)."""
-
-FORMS: dict[str, tuple[str, ...]] = {
-    ADAPTIVE: (CODED_FORM, algorithms.DENSE.name),
-    MOMENTUM: (MOMENTUM_FORM, algorithms.DENSE.name),
-    UNKNOWN: (CODED_FORM, algorithms.DENSE.name),
-    PLAIN: tuple(name for name, entry in algorithms.ALGORITHMS.items()
-                 if not entry.quantizes),
-}
-"""For each kind of optimizer after the exchange, the exchanges ``"auto"`` may
-plan a bucket with (the cheapest under the cost model wins). An unknown
-optimizer gets the form that is safe for both SGD and Adam."""
-
-WHY: dict[str, str] = {
-    ADAPTIVE: "an adaptive optimizer (Adam's family) follows: a top-k's bursts "
-              "derail its moments, a few-bit code sends every entry every step",
-    MOMENTUM: "momentum SGD follows: it multiplies a top-k's bursts by about "
-              "1 / (1 - momentum), a few-bit code sends every entry every step",
-    PLAIN: "plain SGD (or nothing) follows: a top-k with error feedback keeps its "
-           "quality",
-    UNKNOWN: "the optimizer after it is not one the library knows: the few-bit "
-             "code, safe before both SGD and Adam",
-}
-"""Why each kind gets its forms, for the plan's line and the planner's table."""
 
 _ADAPTIVE_NAMES = frozenset({
     "scale_by_adam", "scale_by_adamax", "scale_by_amsgrad", "scale_by_belief",
