@@ -89,15 +89,16 @@ def _is_update(fn: Any) -> bool:
   return code is not None and code.co_argcount + code.co_kwonlyargcount >= 2
 
 
+def _qualnames(fns: Sequence[Any], updates_only: bool) -> set[str]:
+  """The qualified name of every function behind ``fns`` (update functions only, if asked)."""
+  return {found.__qualname__ for found in held(tuple(fns))
+          if callable(found) and isinstance(getattr(found, "__qualname__", None), str)
+          and (not updates_only or _is_update(found))}
+
+
 def _factories(fns: Sequence[Any], updates_only: bool) -> set[str]:
-  """The first part of the qualified name of every function behind ``fns``."""
-  names = set()
-  for found in held(tuple(fns)):
-    qualname = getattr(found, "__qualname__", None)
-    if callable(found) and isinstance(qualname, str) and (
-        not updates_only or _is_update(found)):
-      names.add(qualname.split(".")[0])
-  return names
+  """The factory behind every function behind ``fns``: its qualified name's first part."""
+  return {name.split(".")[0] for name in _qualnames(fns, updates_only)}
 
 
 _CHAIN = optax.chain(optax.identity())
@@ -159,10 +160,7 @@ def unknown_names(followed: tuple[tuple[Any, ...], bool] | None) -> list[str]:
   if followed is None:
     return []
   known = _NEUTRAL_NAMES | _ADAPTIVE_NAMES | _MOMENTUM_NAMES
-  return sorted({found.__qualname__ for found in held(tuple(followed[0]))
-                 if callable(found) and isinstance(getattr(found, "__qualname__", None), str)
-                 and (not followed[1] or _is_update(found))
-                 and found.__qualname__.split(".")[0] not in known})
+  return sorted(name for name in _qualnames(*followed) if name.split(".")[0] not in known)
 
 
 _SENDS_BURSTS = frozenset({"topka2a", "topka2a_sparse", "allgather", "onebit", "onebit_4",
