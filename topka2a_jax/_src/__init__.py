@@ -23,11 +23,13 @@ this list (``tests/test_package.py`` holds it so).
   and non-finite switches), ``extra_args.py`` (the keys passed through
   optax's extra arguments), ``update_compression.py``,
   ``frozen_variance.py``, ``sharded_optimizer.py``, ``nonfinite.py``,
-  ``clipping.py``.
+  ``clipping.py``, ``following.py`` (what follows the exchange in its chain,
+  which sets ``"auto"``'s forms).
 * ``options.py``: every option of the transforms, declared once (default,
   check, docstring line), and the factories' signatures made from them.
 * ``planner/``: which exchange each bucket takes. ``cost.py`` (α-β costs,
-  the links), ``fusion.py`` (the bucket plan), ``buckets.py`` (which leaves
+  the links), ``fusion.py`` (the bucket plan), ``forms.py`` (``"auto"``'s
+  forms for each kind of optimizer), ``buckets.py`` (which leaves
   share a flat buffer), ``compute.py`` (the backward pass's duration),
   ``tuning.py`` (the plan tuned on timed steps), ``report.py`` (what a
   compiled program sends).
