@@ -92,9 +92,9 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument(
       "--optimizer", default="sgd", choices=sorted(OPTIMIZERS),
       help="what follows topka2a(...) in the chain, which decides the forms "
-           "--algorithm auto plans with: adam (Adam's family) and momentum (momentum "
-           "SGD) get the 8-bit gradient or dense, sgd (plain SGD, the default) the "
-           "top-k forms or dense")
+           "--algorithm auto plans with: adam (Adam's family) the 8-bit gradient or "
+           "dense, momentum (momentum SGD) 4 bits up and 8 back or dense, sgd (plain "
+           "SGD, the default) the top-k forms or dense")
   parser.add_argument("--rank", type=int,
                       help="also price PowerSGD at this rank (algorithm='powersgd'); "
                            "needs --model, whose layer shapes it compresses")

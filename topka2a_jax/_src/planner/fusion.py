@@ -48,6 +48,7 @@ from topka2a_jax._src.planner.cost import (
   cluster_cost,
   get_network,
 )
+from topka2a_jax._src.planner.forms import FORMS, PLAIN
 from topka2a_jax._src.sizes import ceil_div, check_density
 
 DEFAULT_SELECTION_SECONDS_PER_ELEMENT = 1e-10
@@ -275,14 +276,14 @@ class StepModel:
     """The exchanges a bucket labelled ``algorithm`` may take.
 
     ``"auto"`` takes ``forms`` (the forms that keep the quality of the
-    optimizer after the exchange), by default any but the quantizing ones;
+    optimizer after the exchange), by default those before plain SGD (any
+    but the quantizing ones, ``forms.py``);
     with ``whole_selection`` only those whose mean holds every device's whole
     selection.
     """
     if algorithm != AUTO:
       return [algorithm]
-    forms = self.forms if self.forms is not None else [
-        name for name, entry in ALGORITHMS.items() if not entry.quantizes]
+    forms = self.forms if self.forms is not None else FORMS[PLAIN]
     return [name for name in forms
             if not (self.whole_selection and ALGORITHMS[name].holds_back)]
 
