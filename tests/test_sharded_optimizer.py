@@ -404,6 +404,65 @@ def test_a_non_finite_step_is_skipped_with_the_optimizer_state(mesh, exchange_st
   assert np.isfinite(np.asarray(after.inner[0].mu["w"])).all()
 
 
+def test_a_burst_past_the_float16_wire_is_clipped_and_the_rest_delivered_later(
+    mesh, exchange_steps):
+  """7e4 on every device, float16 on the wire (65,504 at most): sent in two steps.
+
+  Hand-computed with ``sgd(1)``: the first update is -65,504, the excess
+  4,496 waits in each device's residual and comes with the next (zero)
+  gradient; nothing is lost, nothing is infinite.
+  """
+  tx = topka2a_jax.sharded_optimizer(optax.sgd(1.0), 0.5, algorithm="topka2a", min_size=0,
+                                     value_dtype=jnp.float16)
+  burst = np.zeros((DEVICES, 16), np.float32)
+  burst[:, 5] = 7e4
+  (first, state), (second, after) = exchange_steps(
+      tx, mesh, [{"w": burst}, {"w": np.zeros_like(burst)}])
+  expected = np.zeros(16, np.float32)
+  expected[5] = -65504.0
+  np.testing.assert_array_equal(first["w"], np.broadcast_to(expected, (DEVICES, 16)))
+  owed = np.asarray(state.exchange.residuals["w"]).reshape(DEVICES, 16)
+  np.testing.assert_array_equal(owed[:, 5], 4496.0)
+  np.testing.assert_array_equal((first["w"] + second["w"])[:, 5], -7e4)
+  np.testing.assert_array_equal(np.asarray(after.exchange.residuals["w"]), 0)
+  assert int(after.exchange.count) == 2 and int(after.exchange.nonfinite_steps) == 0
+
+
+def test_float16_leaves_get_the_plain_chains_clipped_updates(mesh, exchange_steps):
+  """2e4 a step into float16 leaves: the residuals' bursts pass 65,504 from the fourth step.
+
+  The mean shard is cast to the leaf's dtype; unclipped it would be
+  infinite. Both transforms clip each device's values to float16's range
+  and keep the excess owed.
+  """
+  grads = [{"w": np.full((DEVICES, 1024), 2e4, np.float16)}] * 6
+  plain, sharded = _plain_and_sharded(optax.sgd(1.0), min_size=0)
+  expected = exchange_steps(plain, mesh, grads)
+  got = exchange_steps(sharded, mesh, grads)
+  assert np.abs(np.asarray(got[3][0]["w"], np.float32)).max() == 65504  # the clip was reached
+  for (want, _), (have, state) in zip(expected, got):
+    np.testing.assert_array_equal(have["w"], want["w"])
+  assert int(state.exchange.count) == 6 and int(state.exchange.nonfinite_steps) == 0
+
+
+@pytest.mark.parametrize("algorithm", ["quantized_8_8", "quantized_4_8"])
+def test_a_few_bit_sum_past_float32_is_skipped_with_the_optimizer_state(
+    mesh, exchange_steps, algorithm):
+  """1e38 on every device: finite inputs, but eight of them sum past float32's largest."""
+  tx = topka2a_jax.sharded_optimizer(optax.adam(0.1), algorithm=algorithm, min_size=0)
+  huge = np.zeros((DEVICES, 16), np.float32)
+  huge[:, 7] = 1e38
+  good = np.ones((DEVICES, 16), np.float32)
+  (_, first), (updates, skipped), (_, after) = exchange_steps(
+      tx, mesh, [{"w": good}, {"w": huge}, {"w": good}])
+  np.testing.assert_array_equal(updates["w"], 0)
+  chex.assert_trees_all_equal(skipped.inner, first.inner)
+  chex.assert_trees_all_equal(skipped.exchange.residuals, first.exchange.residuals)
+  assert int(skipped.exchange.count) == 1 and int(skipped.exchange.nonfinite_steps) == 1
+  assert int(after.exchange.count) == 2
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(after))
+
+
 @pytest.mark.slow  # over 9 s: left out of the quick subset
 def test_a_2d_state_restored_on_fewer_data_devices_trains_on_alike(tmp_path):
   """(4 data x 2 model) saved, restored on (2 x 2): each piece's shards re-laid."""

@@ -165,16 +165,16 @@ def exchange_buckets(plan: ExchangePlan, buckets: Sequence[tuple[list[int], Buck
           split_by_widths(result.mean.reshape(per_node, -1), widths), sizes)]
       unsent = split_by_widths(result.unsent, widths)
     else:
-      flat = [r.ravel()[:size] for r, size in zip(rows, sizes)]
-      sent = flat if limit is None else [jnp.clip(f, -limit, limit) for f in flat]
+      sent, held = clipped_to_wire([r.ravel()[:size] for r, size in zip(rows, sizes)],
+                                   limit)
       result = exchanges.COLLECTIVES[algorithm.name](
           pack_bucket(sent, dtype), axis.name, plan.density, **collective_kwargs)
       mean_pieces = split_by_widths(result.mean, sizes)
+      # What the clip held back joins what was not sent, before a pair of
+      # data axes sums it onto the devices keeping each slice.
       unsent = split_by_widths(result.unsent, sizes)
-      if limit is not None:  # what the clip held back joins what was not sent,
-        # before a pair of data axes sums it onto the devices keeping each slice
-        unsent = [left + whole - clipped
-                  for left, whole, clipped in zip(unsent, flat, sent)]
+      if held is not None:
+        unsent = [left + back for left, back in zip(unsent, held)]
       unsent = unsent_slices(unsent, widths, per_node, axis.inner,
                              algorithm.sparse and any(keeps), send)
     for i, keep, mean, left in zip(members, keeps, mean_pieces, unsent):
@@ -182,6 +182,37 @@ def exchange_buckets(plan: ExchangePlan, buckets: Sequence[tuple[list[int], Buck
       if keep:
         new_residuals[i] = left.reshape(residuals[i].shape).astype(residuals[i].dtype)
   return means, new_residuals
+
+
+def clipped_to_wire(values: Sequence[jax.Array], limit: Any
+                    ) -> tuple[list[jax.Array], list[jax.Array] | None]:
+  """Each of this device's ``values`` clipped to ``[-limit, limit]``, and what the clip held back.
+
+  The first is what may go on the wire (:meth:`ExchangePlan.wire_limit`), the
+  second waits in the residual, so that ``sent + held`` is ``values``
+  exactly; with no limit nothing is held back (None). Every exchange that
+  sends a leaf's values clips them here: the buckets of
+  :func:`exchange_buckets` and the owner phase of
+  :func:`topka2a_jax.sharded_optimizer`.
+
+  Args:
+    values: arrays in a float dtype wide enough for the sum (the
+      accumulation dtype).
+    limit: the largest magnitude, a scalar (it may be traced), or None for
+      no limit.
+
+  Returns:
+    ``(sent, held)``, array by array, or ``(values, None)``.
+
+  Example:
+    >>> sent, held = clipped_to_wire([jnp.array([7e4, -1.0])], 65504.0)
+    >>> sent[0].tolist(), held[0].tolist()
+    ([65504.0, -1.0], [4496.0, 0.0])
+  """
+  if limit is None:
+    return list(values), None
+  sent = [jnp.clip(v, -limit, limit) for v in values]
+  return sent, [v - s for v, s in zip(values, sent)]
 
 
 def _low_and_rest(factors: Sequence[Any]) -> tuple[list[int], list[int]]:
@@ -320,7 +351,7 @@ def _skipped(plan: ExchangePlan, buckets: list, grads: list, residuals: list,
   return [_zeros_like_mean(g, plan.axis) for g in grads], residuals, factors, count
 
 
-def _may_overflow(plan: ExchangePlan, grads: Sequence[jax.Array]) -> bool:
+def may_overflow(plan: ExchangePlan, grads: Sequence[jax.Array]) -> bool:
   """Whether a step's means can come out non-finite from finite gradients.
 
   Leaves or wire values narrower than float32 can
@@ -329,6 +360,38 @@ def _may_overflow(plan: ExchangePlan, grads: Sequence[jax.Array]) -> bool:
   from finite values near float32's largest.
   """
   return plan.quantizes or any(plan.wire_limit([g.dtype]) is not None for g in grads)
+
+
+def overflowed(values: Sequence[jax.Array], over: Sequence[Hashable] = ()) -> jax.Array:
+  """Whether any of ``values`` holds a NaN or an infinity, alike on every device.
+
+  The step's exchange decides from its results this way when
+  :func:`may_overflow`: the means, the same on every data device, or an
+  owner phase's shards, which differ from device to device. The flag is
+  reduced over ``over`` and over every axis the values vary along (pieces
+  of the parameters over ``"model"``), so that every device skips together.
+
+  Args:
+    values: this device's arrays.
+    over: the mesh axes the values differ along that the trace may not
+      track (an owner phase's data axis).
+
+  Returns:
+    A boolean scalar, the same on every device.
+  """
+  broke = jnp.zeros((), bool)
+  for value in values:
+    if value.size:
+      broke = broke | jnp.any(~jnp.isfinite(value))
+  axes = (*over, *sorted(varying_axes(broke) - set(over), key=str))
+  if axes:
+    broke = jax.lax.pmax(broke.astype(jnp.int32), axes) > 0
+  return broke
+
+
+def held_where(broke: jax.Array, old: Any, new: Any) -> Any:
+  """``old`` where ``broke``, else ``new``: a pytree of state kept through a skipped step."""
+  return jax.tree.map(lambda o, m: jnp.where(broke, o, m), old, new)
 
 
 def step(plan: ExchangePlan, grads: list, residuals: list, factors: list | None,
@@ -349,7 +412,7 @@ def step(plan: ExchangePlan, grads: list, residuals: list, factors: list | None,
     bad: whether some device's gradient is non-finite, decided already by
       :func:`topka2a_jax.skip_nonfinite`; None to decide here (when
       ``plan.skip_nonfinite``). With a decision, a step whose means come
-      out non-finite (an overflow, :func:`_may_overflow`) is skipped too.
+      out non-finite (an overflow, :func:`may_overflow`) is skipped too.
 
   Returns:
     ``(means, residuals, factors, count, nonfinite_steps)`` after the step.
@@ -371,19 +434,12 @@ def step(plan: ExchangePlan, grads: list, residuals: list, factors: list | None,
       new_factors = None
   if bad is None:
     return means, new, new_factors, new_count, nonfinite_steps
-  if not _may_overflow(plan, grads):
+  if not may_overflow(plan, grads):
     return means, new, new_factors, new_count, counted(nonfinite_steps, bad)
-  # The means may overflow from finite inputs. They are identical on every
-  # device, so every device decides alike.
-  broke = jnp.zeros((), bool)
-  for mean in means:
-    if mean.size:
-      broke = broke | jnp.any(~jnp.isfinite(mean))
-  shards = tuple(sorted(varying_axes(broke), key=str))  # pieces over "model"
-  if shards:
-    broke = jax.lax.pmax(broke.astype(jnp.int32), shards) > 0
-  keep = lambda old, made: jax.tree.map(lambda o, m: jnp.where(broke, o, m), old, made)
+  # The means may overflow from finite inputs; they are identical on every
+  # data device, so every device decides alike.
+  broke = overflowed(means)
   means = [jnp.where(broke, jnp.zeros_like(m), m) for m in means]
-  return (means, keep(residuals, new), new_factors if factors is None
-          else keep(factors, new_factors), keep(count, new_count),
+  return (means, held_where(broke, residuals, new), new_factors if factors is None
+          else held_where(broke, factors, new_factors), held_where(broke, count, new_count),
           counted(nonfinite_steps, bad | broke))

@@ -36,6 +36,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Hashable, Sequence
@@ -62,11 +63,11 @@ from topka2a_jax._src.collectives import exchanges
 from topka2a_jax._src.collectives.algorithms import ALGORITHMS, AUTO, DENSE, TOPKA2A
 from topka2a_jax._src.collectives.selection import get_selection
 from topka2a_jax._src.options import Options, refuse_options, takes_options
-from topka2a_jax._src.planner.fusion import step_model
 from topka2a_jax._src.sizes import ceil_div
 from topka2a_jax._src.states import ShardedOptimizerState, TopKA2AState
 from topka2a_jax._src.transforms import error_feedback
 from topka2a_jax._src.transforms.clipping import transform_names
+from topka2a_jax._src.transforms.exchange_plan import ExchangePlan
 from topka2a_jax._src.transforms.exchange_state import (
   holds_exchange,
   init_state,
@@ -273,21 +274,21 @@ def _init_inner(options: Options, inner: optax.GradientTransformation,
   return make(*jax.device_put(values, [NamedSharding(mesh, s) for s in specs]))
 
 
-def _sparse(options: Options, size: int, num_devices: int) -> bool:
-  """Whether a leaf of ``size`` entries goes through TopKA2A's owner phase.
+OWNER_PHASE_FORMS = (TOPKA2A.name, DENSE.name)
+"""What ``algorithm="auto"`` weighs per leaf here: TopKA2A's owner phase or a reduce-scatter."""
 
-  As in :func:`topka2a_jax.topka2a`, leaves under ``min_size`` go dense, with
-  or without error feedback; with ``"auto"``, a leaf takes the cheaper of
-  the two as the planner prices them (selection included).
+
+def _leaf_algorithms(plan: ExchangePlan, sizes: Sequence[int], num_devices: int) -> list[str]:
+  """Every leaf's exchange as the trace's plan decides it, each leaf its own bucket.
+
+  As in :func:`topka2a_jax.topka2a`, leaves under ``min_size`` go dense,
+  with or without error feedback, and ``"auto"`` takes for each leaf the
+  cheaper of :data:`OWNER_PHASE_FORMS` as the planner prices them
+  (selection included). Empty leaves send nothing.
   """
-  if size == 0 or size < options.min_size or options.algorithm == DENSE.name:
-    return False
-  if options.algorithm != AUTO:  # TopKA2A's owner phase or a few-bit one
-    return True
-  model = step_model([size], num_devices, options.density,
-                     network=options.outer_network(), min_size=0,
-                     value_bytes=options.value_bytes)
-  return model.seconds(TOPKA2A.name, size) < model.seconds(DENSE.name, size)
+  planner = dataclasses.replace(plan.planner, fusion=1, forms=OWNER_PHASE_FORMS)
+  return [planner.plan([size], num_devices, plan.density)[0].algorithm if size else DENSE.name
+          for size in sizes]
 
 
 def _reduce_scatter(accs: Sequence[jax.Array], axis_name: Hashable,
@@ -318,86 +319,108 @@ def _gather(shards: Sequence[jax.Array], shapes: Sequence[tuple[int, ...]],
   return whole
 
 
-def _to_owners(options: Options, acc: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _to_owners(plan: ExchangePlan, algorithm: str, acc: jax.Array
+               ) -> tuple[jax.Array, jax.Array]:
   """This device's shard of the sum of every device's ``acc`` sent, and what it did not send.
 
   TopKA2A's first phase (a top-k of each shard), or with a few-bit
-  algorithm every entry coded in its first width.
+  ``algorithm`` every entry coded in its first width.
   """
-  codes = ALGORITHMS[options.algorithm].codes if options.algorithm in ALGORITHMS else None
+  codes = ALGORITHMS[algorithm].codes
   if codes is not None:
-    return exchanges.codes_to_owners(acc, options.axis_name, codes.bits, chunk=codes.chunk)
-  first_phase = exchanges.to_owners(acc, options.axis_name, options.density, options.value_dtype,
-                                    get_selection(options.selection))
+    return exchanges.codes_to_owners(acc, plan.axis.name, codes.bits, chunk=codes.chunk)
+  first_phase = exchanges.to_owners(acc, plan.axis.name, plan.density, plan.value_dtype,
+                                    get_selection(plan.selection))
   return first_phase.owned, first_phase.unsent.reshape(-1)[: acc.size]
 
 
-def owner_phase(options: Options, grads: Sequence[jax.Array], residuals: Sequence[Any],
+def owner_phase(plan: ExchangePlan, grads: Sequence[jax.Array], residuals: Sequence[Any],
                 sparse: bool) -> tuple[list[jax.Array], list[Any]]:
   """This device's shard of the mean of ``grads + residuals``, and the new residuals.
 
+  What each device sends is clipped to the wire's range
+  (:func:`error_feedback.clipped_to_wire`), the excess kept in the residual,
+  as the buckets of :func:`topka2a_jax.topka2a` are.
+
   Args:
-    options: the options.
-    grads: this device's non-empty gradient leaves.
+    plan: the trace's plan.
+    grads: this device's gradient leaves.
     residuals: theirs, or ``optax.MaskedNode()``.
     sparse: False reduces every leaf densely (warm-up): nothing stays behind.
 
   Returns:
     ``(flat mean shards, residuals)``, leaf by leaf.
   """
-  num_devices = bound_axis_size(options.axis_name)
+  num_devices = bound_axis_size(plan.axis.name)
   shards: list[Any] = [None] * len(grads)
   new: list[Any] = [optax.MaskedNode()] * len(grads)
   keeps = [not isinstance(r, optax.MaskedNode) for r in residuals]
-  accs = [jnp.ravel(g).astype(error_feedback.accumulation_dtype(g.dtype)) + jnp.ravel(r)
-          if keep else jnp.ravel(g) for g, r, keep in zip(grads, residuals, keeps)]
+  accs = [jnp.ravel(g).astype(error_feedback.accumulation_dtype(g.dtype))
+          + (jnp.ravel(r) if keep else 0) for g, r, keep in zip(grads, residuals, keeps)]
+  chosen = (_leaf_algorithms(plan, [g.size for g in grads], num_devices) if sparse
+            else [DENSE.name] * len(grads))
   dense = []
-  for i, (grad, acc) in enumerate(zip(grads, accs)):
-    if sparse and _sparse(options, grad.size, num_devices):
-      owned, unsent = _to_owners(options, acc)
-      shards[i] = owned / num_devices
-      if keeps[i]:
-        new[i] = unsent.reshape(residuals[i].shape).astype(residuals[i].dtype)
-    else:
+  for i, (grad, acc, algorithm) in enumerate(zip(grads, accs, chosen)):
+    if algorithm == DENSE.name:
       dense.append(i)
       if keeps[i]:
         new[i] = jnp.zeros_like(residuals[i])
+      continue
+    (sent,), held = error_feedback.clipped_to_wire([acc], plan.wire_limit([grad.dtype]))
+    owned, unsent = _to_owners(plan, algorithm, sent)
+    shards[i] = owned / num_devices
+    if keeps[i]:
+      left = unsent if held is None else unsent + held[0]
+      new[i] = left.reshape(residuals[i].shape).astype(residuals[i].dtype)
   for group in grouped_by_varying_axes([accs[i] for i in dense]):
     members = [dense[j] for j in group]
     for i, shard in zip(members, _reduce_scatter([accs[i] for i in members],
-                                                 options.axis_name, num_devices)):
+                                                 plan.axis.name, num_devices)):
       shards[i] = shard
   return shards, new
 
 
-def _step(options: Options, inner: optax.GradientTransformation, treedef: Any,
+def _step(plan: ExchangePlan, inner: optax.GradientTransformation, treedef: Any,
           grads: list, residuals: list, param_leaves: list | None, count: jax.Array,
           nonfinite: jax.Array, inner_state: Any, bad: jax.Array | None):
-  """One device's step on its pieces of the parameters (manual over every axis)."""
-  num_devices = bound_axis_size(options.axis_name)
+  """One device's step on its pieces of the parameters (manual over every axis).
+
+  A step whose gradients are non-finite somewhere (``bad``) is skipped; with
+  a decision to make, so is one whose mean shards come out non-finite from
+  finite gradients (:func:`error_feedback.may_overflow`): ``inner``'s state,
+  the residuals and the count stay as they were, as :func:`topka2a_jax.topka2a`
+  holds its own.
+  """
+  num_devices = bound_axis_size(plan.axis.name)
   shapes = [g.shape for g in grads]
+  checks = bad is not None and error_feedback.may_overflow(plan, grads)
+  no = jnp.zeros((), bool)
 
   def applied(grads, residuals, count, inner_state):
     shards, new = error_feedback.dense_while_warming_up(
-        options.warmup_steps, count, functools.partial(owner_phase, options), grads, residuals)
-    mean = treedef.unflatten([_present(s.astype(g.dtype), g.ndim)
+        plan.warmup_steps, count, functools.partial(owner_phase, plan), grads, residuals)
+    broke = error_feedback.overflowed(shards, over=plan.axis.names) if checks else no
+    mean = treedef.unflatten([_present(jnp.where(broke, 0, s).astype(g.dtype), g.ndim)
                               for s, g in zip(shards, grads)])
     own_params = None if param_leaves is None else treedef.unflatten(
-        [_own_shard(p, num_devices, options.axis_name) for p in param_leaves])
-    out, inner_state = inner.update(mean, inner_state, own_params)
-    return treedef.flatten_up_to(out), new, optax.safe_increment(count), inner_state
+        [_own_shard(p, num_devices, plan.axis.name) for p in param_leaves])
+    out, new_inner = inner.update(mean, inner_state, own_params)
+    out = [jnp.where(broke, jnp.zeros_like(u), u) for u in treedef.flatten_up_to(out)]
+    hold = functools.partial(error_feedback.held_where, broke)
+    return (out, hold(residuals, new), hold(count, optax.safe_increment(count)),
+            hold(inner_state, new_inner), broke)
 
   def skipped(grads, residuals, count, inner_state):
     zeros = [vary_like(_present(jnp.zeros(shard_length(g.size, num_devices), g.dtype),
                                 g.ndim), g) for g in grads]
-    return zeros, residuals, count, inner_state
+    return zeros, residuals, count, inner_state, no
 
   args = (grads, residuals, count, jax.tree.map(lambda x: x[0], inner_state))
-  out, new, count, inner_state = applied_or_skipped(bad, applied, skipped, *args)
+  out, new, count, inner_state, broke = applied_or_skipped(bad, applied, skipped, *args)
   if bad is not None:
-    nonfinite = counted(nonfinite, bad)
-  whole = _gather(out, shapes, options.axis_name, num_devices)
-  inner_state = per_device_blocks(inner_state, options.axis_name)
+    nonfinite = counted(nonfinite, bad | broke)
+  whole = _gather(out, shapes, plan.axis.name, num_devices)
+  inner_state = per_device_blocks(inner_state, plan.axis.name)
   return whole, new, count, nonfinite, inner_state
 
 
@@ -411,12 +434,12 @@ def _update(options: Options, inner: optax.GradientTransformation, updates: Any,
     raise TypeError(f"expected the ShardedOptimizerState made by this transform's "
                     f"init, got {type(state).__name__}")
   given = extra_args.get(PARAM_SPECS)
-  _, residuals, _ = planned(options, treedef, state.exchange, grads, paths,
-                            given_specs(treedef, given))
+  plan, residuals, _ = planned(options, treedef, state.exchange, grads, paths,
+                               given_specs(treedef, given))
   check_per_device(grads, paths, options.axis_name)
   param_leaves = None if params is None else leaves_of(params).values
   bad = step_is_bad(extra_args.get(NONFINITE), grads, options.axis_name, options.skip_nonfinite)
-  step = functools.partial(_step, options, inner, treedef)
+  step = functools.partial(_step, plan, inner, treedef)
   args = (grads, residuals, param_leaves, state.exchange.count,
           state.exchange.nonfinite_steps, state.inner, bad)
   others = layout.automatic_axes(jax.sharding.get_abstract_mesh(), options.axis)
