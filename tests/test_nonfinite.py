@@ -208,13 +208,19 @@ def test_float16_parameters_survive_error_feedbacks_bursts(mesh, exchange_steps)
     assert state[0].residuals["w"].dtype == jnp.float32  # accumulates in float32
 
 
-@pytest.mark.parametrize("algorithm", [None, "dense"])
+@pytest.mark.parametrize("wrapped", [False, True], ids=["alone", "in-skip_nonfinite"])
+@pytest.mark.parametrize("algorithm", [None, "dense", "topka2a"])
 def test_a_non_finite_step_from_finite_gradients_is_skipped_by_every_exchange(
-    mesh, train_steps, algorithm):
+    mesh, train_steps, algorithm, wrapped):
   """float16 parameters: Adam's eps is 0 there, so a step can be infinite or
-  huge (m / sqrt(v) with v rounded to 0) from finite gradients."""
+  huge (m / sqrt(v) with v rounded to 0) from finite gradients. Inside
+  skip_nonfinite, whose decision reads the gradients alone, the inner steps
+  are still checked."""
   options = {} if algorithm is None else {"algorithm": algorithm}
-  tx = topka2a_jax.compress_updates(optax.adam(1e-2), min_size=0, **options)
+  tx = topka2a_jax.compress_updates(optax.adam(1e-2), 0.01 if algorithm == "topka2a" else None,
+                                    min_size=0, **options)
+  if wrapped:
+    tx = topka2a_jax.skip_nonfinite(tx)
   rng = np.random.default_rng(0)
   params = {"w1": (rng.normal(size=(16, 64)) / 4).astype(np.float16),
             "w2": (rng.normal(size=(64, 4)) / 16).astype(np.float16)}
@@ -229,6 +235,28 @@ def test_a_non_finite_step_from_finite_gradients_is_skipped_by_every_exchange(
   last_params, state, _ = history[-1]
   for key, before in params.items():  # nothing applied
     np.testing.assert_array_equal(last_params[key], before)
-  assert int(state.exchange.nonfinite_steps) == 3 and int(state.exchange.count) == 0
+  compressed = state.inner_state if wrapped else state
+  assert int(compressed.exchange.nonfinite_steps) == 3 and int(compressed.exchange.count) == 0
   assert all(np.isfinite(np.asarray(leaf, np.float32)).all()
              for leaf in jax.tree.leaves(state))
+  # Adam's own count: no step reached it.
+  assert int(jax.tree.leaves(compressed.inner)[0].max()) == 0
+
+
+def test_where_the_exchange_skips_an_overflow_the_inner_state_is_held(mesh, exchange_steps):
+  """compress_updates: finite steps of 1e38 on every device, whose sum overflows.
+
+  The few-bit exchange skips the step; the momentum that made those steps
+  must not keep them either, or the next step would send them again.
+  """
+  tx = topka2a_jax.compress_updates(optax.sgd(1.0, momentum=0.9), algorithm="quantized_8_8",
+                                    min_size=0)
+  huge = np.zeros((8, 16), np.float32)
+  huge[:, 3] = 1e38
+  (updates, skipped), (after_updates, _) = exchange_steps(
+      tx, mesh, [{"w": huge}, {"w": np.ones((8, 16), np.float32)}])
+  np.testing.assert_array_equal(updates["w"], 0)
+  assert int(skipped.exchange.nonfinite_steps) == 1 and int(skipped.exchange.count) == 0
+  np.testing.assert_array_equal(np.asarray(skipped.inner[0].trace["w"]), 0)
+  # The next step starts from an empty momentum: -1 for every entry, to the code's rounding.
+  np.testing.assert_allclose(after_updates["w"], -1.0, rtol=0, atol=1 / 127)

@@ -71,11 +71,11 @@ from topka2a_jax._src.axis import (
   holds_tracer,
   is_bound,
   per_device_blocks,
-  vary_like,
 )
 from topka2a_jax._src.collectives.algorithms import AUTO, ONEBIT_4
 from topka2a_jax._src.options import Options, takes_options
 from topka2a_jax._src.states import CompressedUpdatesState
+from topka2a_jax._src.transforms.error_feedback import held_where
 from topka2a_jax._src.transforms.exchange_state import (
   holds_exchange,
   init_state,
@@ -84,10 +84,7 @@ from topka2a_jax._src.transforms.exchange_state import (
 )
 from topka2a_jax._src.transforms.extra_args import NONFINITE
 from topka2a_jax._src.transforms.leaves import check_per_device, leaves_of
-from topka2a_jax._src.transforms.nonfinite import (
-  applied_or_skipped,
-  nonfinite_on_any_device,
-)
+from topka2a_jax._src.transforms.nonfinite import nonfinite_on_any_device
 
 DEFAULT_ALGORITHM = ONEBIT_4.name
 """What ``compress_updates(inner)`` sends without a density: every entry's
@@ -218,27 +215,20 @@ def _update(options: Options, inner: optax.GradientTransformationExtraArgs,
   decided = extra_args.get(NONFINITE)  # by skip_nonfinite around this transform
   own = jax.tree.map(lambda x: x[0], state.inner)
 
-  def applied(updates, own):
-    steps, own = inner.update(updates, own, params, **extra_args)
-    return steps, jax.tree.map(lambda x: as_varying(x, options.axis_name), own)
-
-  def skipped(updates, own):
-    return jax.tree.map(lambda x: vary_like(jnp.zeros(x.shape, x.dtype), x),
-                        updates), own
-
-  if decided is None and options.skip_nonfinite:
-    # One check, after the inner step, of the gradients and of the steps:
-    # finite gradients can still give a non-finite step (Adam in float16,
-    # whose eps is 0 there), which is skipped too, inner state and all.
-    steps, new_own = applied(updates, own)
-    bad = nonfinite_on_any_device([*grads, *leaves_of(steps).values], options.axis_name)
-    new_own = jax.tree.map(lambda old, made: jnp.where(bad, old, made), own, new_own)
-    steps = jax.tree.map(lambda step: jnp.where(bad, jnp.zeros_like(step), step), steps)
-  else:
-    bad = decided
-    steps, new_own = applied_or_skipped(bad, applied, skipped, updates, own)
-  if bad is not None:
+  steps, new_own = inner.update(updates, own, params, **extra_args)
+  new_own = jax.tree.map(lambda x: as_varying(x, options.axis_name), new_own)
+  if decided is not None or options.skip_nonfinite:
+    # One check, after the inner step, of the steps and of the gradients
+    # (unless skip_nonfinite around this transform has checked them): finite
+    # gradients can still give a non-finite step (Adam in float16, whose eps
+    # is 0 there), which is skipped too, inner state and all.
+    checked = leaves_of(steps).values + ([] if decided is not None else grads)
+    bad = nonfinite_on_any_device(checked, options.axis_name)
+    if decided is not None:
+      bad = bad | decided
     extra_args = {**extra_args, NONFINITE: bad}  # the exchange takes the same decision
-  own = new_own
   means, exchange = update_state(options, steps, state.exchange, extra_args)
+  # Wherever the exchange skips (this decision, or means that overflow),
+  # the inner optimizer's state stays as it was.
+  own = held_where(exchange.nonfinite_steps != state.exchange.nonfinite_steps, own, new_own)
   return means, CompressedUpdatesState(exchange, per_device_blocks(own, options.axis_name))
