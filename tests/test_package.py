@@ -265,3 +265,60 @@ def test_every_public_name_the_code_mentions_exists():
         missing.add((str(path.relative_to(ROOT)), found.group(0)))
   assert not missing
   assert not named_public_object("topka2a_jax.integrity.verify")
+
+
+USES_THE_FACE = (
+    "import topka2a_jax, optax\n"
+    "print(topka2a_jax.__file__)\n"
+    "topka2a_jax.topka2a(0.01); topka2a_jax.compress_updates(optax.sgd(1.0))\n"
+    "topka2a_jax.sharded_optimizer(optax.sgd(1.0), 0.1)\n"
+    "print(topka2a_jax.cost.NETWORKS['eth10'].name, topka2a_jax.checkpoint.save.__name__)\n")
+"""A user's first lines: the face, the three transforms, two namespaces."""
+
+
+def _run_python(*arguments: str, path: str | None = None) -> subprocess.CompletedProcess:
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  if path is not None:
+    env["PYTHONPATH"] = path
+  return subprocess.run([sys.executable, *arguments], capture_output=True, text=True,
+                        check=False, env=env,
+                        cwd=None if path is None else pathlib.Path(path).parent)
+
+
+def test_the_face_works_under_python_oo_where_docstrings_are_stripped():
+  done = _run_python("-OO", "-c", USES_THE_FACE)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.splitlines()[1] == "eth10 save"
+  plan = _run_python("-OO", "-m", "topka2a_jax.tools.plan", "--params", "1000000",
+                     "--devices", "8", "--density", "0.01")
+  assert plan.returncode == 0, plan.stderr[-2000:]
+  assert "speedup" in plan.stdout
+  assert _run_python("-OO", "-m", "topka2a_jax.tools.plan", "--help").returncode == 0
+
+
+@pytest.mark.parametrize("install", ["byte-compiled", "zip"])
+def test_the_face_works_from_an_install_without_source_files(tmp_path, install):
+  """Installs that hold no .py files: only .pyc files beside each other, or a zip."""
+  import compileall
+  import shutil
+  import zipfile
+
+  copy = tmp_path / "site" / "topka2a_jax"
+  shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+  if install == "byte-compiled":
+    assert compileall.compile_dir(copy, quiet=1, legacy=True)
+    for source in copy.rglob("*.py"):
+      source.unlink()
+    where = str(copy.parent)
+  else:
+    where = str(tmp_path / "topka2a_jax.zip")
+    with zipfile.ZipFile(where, "w") as archive:
+      for source in copy.rglob("*.py"):
+        archive.write(source, source.relative_to(copy.parent))
+  done = _run_python("-c", USES_THE_FACE, path=where)
+  assert done.returncode == 0, done.stderr[-2000:]
+  printed = done.stdout.splitlines()
+  assert printed[0].startswith(where) and printed[1] == "eth10 save"
+  for command in ("plan", "launch"):
+    helped = _run_python("-m", f"topka2a_jax.tools.{command}", "--help", path=where)
+    assert helped.stdout.startswith(f"usage: topka2a-{command}"), helped.stderr[-2000:]

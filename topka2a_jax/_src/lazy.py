@@ -39,8 +39,10 @@ Example:
 from __future__ import annotations
 
 import ast
+import dis
 import importlib
 import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -65,7 +67,7 @@ def attach(module_name: str, path: str) -> tuple[Callable[[str], Any], Callable[
   Raises:
     ValueError: the block holds a statement of another kind.
   """
-  sources = lazy_sources(path)
+  sources = _installed_sources(module_name, path)
 
   def __getattr__(name: str) -> Any:
     if name not in sources:
@@ -81,6 +83,23 @@ def attach(module_name: str, path: str) -> tuple[Callable[[str], Any], Callable[
   return __getattr__, __dir__
 
 
+def _installed_sources(module_name: str, path: str) -> dict[str, Source]:
+  """:func:`lazy_sources` of the module as it is installed, read through its loader.
+
+  A source file or a zip on ``sys.path`` gives its text; an install of
+  byte-compiled files only gives none, and the names come from the
+  compiled block (:func:`_compiled_sources`), which Python keeps although
+  it never runs it.
+  """
+  loader = getattr(sys.modules.get(module_name), "__loader__", None)
+  if loader is None or not hasattr(loader, "get_source"):
+    return lazy_sources(path)
+  text = loader.get_source(module_name)
+  if text is not None:
+    return _parsed_sources(text, path)
+  return _compiled_sources(loader.get_code(module_name))
+
+
 def lazy_sources(path: str) -> dict[str, Source]:
   """Every name the ``if TYPE_CHECKING:`` blocks of the file at ``path`` define.
 
@@ -89,7 +108,12 @@ def lazy_sources(path: str) -> dict[str, Source]:
       module nor ``NAME = alias.attribute``.
   """
   with open(path, encoding="utf-8") as file:
-    tree = ast.parse(file.read(), path)
+    return _parsed_sources(file.read(), path)
+
+
+def _parsed_sources(text: str, path: str) -> dict[str, Source]:
+  """:func:`lazy_sources` of a module's source ``text`` (``path`` names it in errors)."""
+  tree = ast.parse(text, path)
   sources: dict[str, Source] = {}
   for block in tree.body:
     if not (isinstance(block, ast.If) and isinstance(block.test, ast.Name)
@@ -107,6 +131,35 @@ def lazy_sources(path: str) -> dict[str, Source]:
             f"{path}:{statement.lineno}: a lazy module's TYPE_CHECKING block holds "
             "'from module import name' and 'NAME = alias.attribute' (each may have a "
             f"docstring); got {ast.unparse(statement)!r}")
+  return sources
+
+
+def _compiled_sources(code: types.CodeType) -> dict[str, Source]:
+  """:func:`lazy_sources` read from a module's compiled code.
+
+  The ``if TYPE_CHECKING:`` block is the jump over it after the name is
+  loaded; inside it, ``from M import a as b`` compiles to ``IMPORT_NAME M``,
+  ``IMPORT_FROM a``, ``STORE_NAME b``, and ``NAME = alias.attribute`` to
+  ``LOAD_NAME alias``, ``LOAD_ATTR attribute``, ``STORE_NAME NAME``.
+  """
+  instructions = list(dis.get_instructions(code))
+  sources: dict[str, Source] = {}
+  for at, instruction in enumerate(instructions):
+    if not (instruction.opname == "LOAD_NAME" and instruction.argval == "TYPE_CHECKING"):
+      continue
+    jump = next(i for i in instructions[at + 1:] if "JUMP" in i.opname)
+    block = [i for i in instructions if jump.offset < i.offset < jump.argval]
+    module = attribute = None
+    for step in block:
+      if step.opname == "IMPORT_NAME":
+        module = step.argval
+      elif step.opname in ("IMPORT_FROM", "LOAD_ATTR"):
+        attribute = step.argval
+      elif step.opname == "LOAD_NAME" and step.argval in sources:
+        module = "{}.{}".format(*sources[step.argval])
+      elif step.opname == "STORE_NAME" and module is not None and attribute is not None:
+        sources[step.argval] = (module, attribute)
+        attribute = None
   return sources
 
 

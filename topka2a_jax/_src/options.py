@@ -497,7 +497,8 @@ def takes_options(*, exclude: Sequence[str] = (), defaults: dict[str, Any] | Non
           name, inspect.Parameter.KEYWORD_ONLY, default=defaults.get(name, default),
           annotation=field.metadata["annotation"] or field.type))
     factory.__signature__ = signature.replace(parameters=own)
-    factory.__doc__ = _with_option_lines(factory.__doc__ or "", shown, docs)
+    if factory.__doc__ is not None:  # None under python -OO: nothing to document
+      factory.__doc__ = _with_option_lines(factory.__doc__, shown, docs)
     return factory
 
   return decorate

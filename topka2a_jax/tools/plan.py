@@ -53,6 +53,9 @@ from topka2a_jax.cost import (
 )
 from topka2a_jax.tools.model_shapes import FORWARD_FLOPS, MODELS, Shapes
 
+DESCRIPTION = "Command-line planner: predicted buckets and speedups before anything runs."
+"""``--help``'s first line (written out: ``python -OO`` strips the docstrings)."""
+
 AUTO = "auto"
 """``--algorithm``'s default, as ``topka2a``'s: each bucket its cheapest."""
 
@@ -65,7 +68,7 @@ DENSE, ALLGATHER, TOPKA2A, TOPKA2A_SPARSE = (
 
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
-      prog="topka2a-plan", description=__doc__.splitlines()[0])
+      prog="topka2a-plan", description=DESCRIPTION)
   model = parser.add_mutually_exclusive_group(required=True)
   model.add_argument("--model", choices=sorted(MODELS))
   model.add_argument("--params", type=int, help="one flat gradient of N elements")
