@@ -96,6 +96,22 @@ def test_the_launcher_drops_glooes_all_connected_line_and_keeps_a_missing_peer(t
   assert sum("connected to 0 peer" in line for line in lines) == 2
 
 
+def test_bytes_that_are_not_utf8_are_forwarded_escaped_and_the_job_ends(tmp_path):
+  """A stray byte, then more output than a pipe holds: every line arrives, the job ends."""
+  script = tmp_path / "bytes.py"
+  script.write_text(
+      "import sys\n"
+      "sys.stdout.buffer.write(b'raw \\xff\\xfe bytes\\n'); sys.stdout.flush()\n"
+      "for i in range(5000):\n"
+      "  print(f'line {i} ' + 'x' * 40)\n"
+      "print('done')\n")
+  done = run([sys.executable, *LAUNCHER, "-n", "2", str(script)])
+  assert done.returncode == 0, done.stderr
+  lines = done.stdout.splitlines()
+  assert {"[0] raw \\xff\\xfe bytes", "[1] done", "[0] done"} <= set(lines)
+  assert sum(line.startswith("[1] line ") for line in lines) == 5000
+
+
 def test_launcher_refuses_a_missing_script():
   done = run([sys.executable, *LAUNCHER, "-n", "2", "nowhere.py"])
   assert done.returncode == 2 and "no such script: nowhere.py" in done.stderr

@@ -89,12 +89,22 @@ def _is_chatter(line: str) -> bool:
 
 
 def _forward(rank: int, stream, lock: threading.Lock) -> None:
+  """Writes each of a process's lines with its rank, until its output ends.
+
+  The stream decodes bytes that are not UTF-8 as escapes (``\\xff``), and a
+  line that cannot be written (the launcher's own output closed) is dropped:
+  the pipe is read to its end whatever comes, so that no process ever
+  blocks on a full pipe.
+  """
   for line in stream:
     if _is_chatter(line):
       continue
     with lock:
-      sys.stdout.write(f"[{rank}] {line}")
-      sys.stdout.flush()
+      try:
+        sys.stdout.write(f"[{rank}] {line}")
+        sys.stdout.flush()
+      except (OSError, ValueError):  # a closed or broken stdout: keep reading
+        pass
 
 
 def _stop(processes: Sequence[subprocess.Popen], grace: float) -> None:
@@ -171,7 +181,8 @@ def launch(command: Sequence[str], num_processes: int, devices_per_process: int,
       processes.append(subprocess.Popen(
           [*prefix, *command],
           env=process_env(rank, num_processes, devices_per_process, port, host),
-          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, encoding="utf-8",
+          errors="backslashreplace",
           preexec_fn=dies_with_launcher))  # noqa: PLW1509 (no thread runs yet)
     exits: queue.Queue = queue.Queue()  # (rank, status), in the order they ended
     for rank, process in enumerate(processes):
