@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import chex
@@ -17,7 +18,7 @@ import resumable
 from cases import LAUNCHER
 
 import topka2a_jax
-from topka2a_jax._src.checkpointing import checkpoint, integrity
+from topka2a_jax._src.checkpointing import checkpoint, integrity, step_claims
 
 SCRIPT = Path(resumable.__file__)
 
@@ -500,6 +501,53 @@ def test_a_second_job_on_a_managers_root_is_refused_and_the_first_jobs_steps_kep
                                   jax.tree.map(np.asarray, first))
 
 
+def test_a_job_whose_step_another_finishes_during_its_save_is_refused_not_overwriting(
+    tmp_path, mesh):
+  """Job B finishes step 1 after job A has checked the root and before A writes.
+
+  Orbax saves with ``force=True``, which would remove B's finished step; A's
+  claim on the step is refused instead, and B's step restores.
+  """
+  first = resumable.fresh(mesh)
+  second = jax.tree.map(lambda leaf: leaf + 1 if jnp.issubdtype(leaf.dtype, jnp.floating)
+                        else leaf, first)
+  job_a = topka2a_jax.CheckpointManager(tmp_path, mesh)
+  checked = job_a._manager.should_save  # the last thing save() asks before writing
+
+  def other_job_saves_first(step):
+    job_a._manager.should_save = checked  # once: Orbax's save asks again
+    with topka2a_jax.CheckpointManager(tmp_path, mesh, async_save=False) as job_b:
+      assert job_b.save(step, second)
+    return checked(step)
+
+  job_a._manager.should_save = other_job_saves_first
+  with pytest.raises(FileExistsError, match=r"step 1 of .* is claimed by process \d+ on .*"
+                                            "Nothing was written"):
+    job_a.save(1, first)
+  job_a.close()
+  with topka2a_jax.CheckpointManager(tmp_path, mesh) as fresh:
+    assert fresh.all_steps() == [1]
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, fresh.restore(first)),
+                                jax.tree.map(np.asarray, second))
+
+
+def test_a_step_claimed_by_a_job_killed_before_writing_it_is_taken_over_later(tmp_path, mesh):
+  """A job killed during its save of step 2 leaves a claim and no step; its restart saves 2."""
+  state = resumable.fresh(mesh)
+  with topka2a_jax.CheckpointManager(tmp_path, mesh) as killed:
+    killed.save(1, state)
+  claims = tmp_path / step_claims.CLAIMS
+  (claims / "2").write_text('{"token": "the killed job", "host": "h", "pid": 1, "time": 0}')
+  with topka2a_jax.CheckpointManager(tmp_path, mesh) as restarted:
+    with pytest.raises(FileExistsError, match="claimed by process 1 on h"):
+      restarted.save(2, state)  # a fresh claim: that job may still be writing
+    old = time.time() - 2 * step_claims.ABANDONED_AFTER_SECONDS
+    os.utime(claims / "2", (old, old))
+    assert restarted.save(2, state)
+  with topka2a_jax.CheckpointManager(tmp_path, mesh) as fresh:
+    assert fresh.all_steps() == [1, 2]
+
+
 def test_the_manager_refuses_steps_and_settings_it_could_not_restore(tmp_path, mesh):
   state = resumable.fresh(mesh)
   for keep in (0, -1, 1.5, True):
@@ -629,6 +677,7 @@ def test_a_seal_cut_short_leaves_the_step_restorable_and_a_damaged_one_points_ba
 
 SAVE_INTO_A_READ_ONLY_ROOT = """
 import sys
+import time
 import jax, jax.numpy as jnp, topka2a_jax
 mesh = jax.make_mesh((2,), ("data",))
 manager = topka2a_jax.CheckpointManager(sys.argv[1], mesh)  # saves in the background

@@ -10,7 +10,7 @@ this list (``tests/test_package.py`` holds it so).
 * ``checkpointing/``: ``checkpoint.py`` and ``checkpoint_manager.py`` (Orbax,
   any device count), ``resize.py`` (what each kind of per-device state
   becomes on another device count, one rule per kind), ``integrity.py``
-  (fingerprints, manifest).
+  (fingerprints, manifest), ``step_claims.py`` (one job per manager step).
 * ``runtime/``: several processes. ``distributed.py`` (joining the
   runtime), ``launch.py`` (N local processes), ``watchdog.py`` (a stalled
   one ended), ``contract.py`` (the variables and exit status the launcher

@@ -44,10 +44,11 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from topka2a_jax._src.axis import DataAxis
-from topka2a_jax._src.checkpointing import checkpoint, integrity
+from topka2a_jax._src.checkpointing import checkpoint, integrity, step_claims
 
 if TYPE_CHECKING:  # typing.Self from Python 3.11
   from typing_extensions import Self
@@ -125,6 +126,7 @@ class CheckpointManager:
                                "checkpoints; pass a directory (new or the manager's "
                                "own)")
     self._unsealed: list[int] = []  # steps saved here whose manifest is unwritten
+    self._token = step_claims.new_token()  # names this manager's claims on steps
     self._manager = ocp.CheckpointManager(
         directory, item_names=(STATE, LAYOUT),
         options=_merged(options, max_to_keep=max_to_keep, async_save=async_save))
@@ -139,10 +141,11 @@ class CheckpointManager:
     Raises:
       ValueError: ``step`` is not a non-negative int (a fresh manager lists
         only such steps).
-      FileExistsError: the root already holds ``step`` or a later one:
-        another job saves to the same root, or an earlier run left its
-        steps there. Nothing is overwritten; save to another root, or
-        restore the latest step and go on from there.
+      FileExistsError: the root already holds ``step`` or a later one, or
+        another job has claimed ``step`` (``step_claims.py``): another job
+        saves to the same root, or an earlier run left its steps there.
+        Nothing is overwritten; save to another root, or restore the
+        latest step and go on from there.
     """
     import orbax.checkpoint as ocp
 
@@ -162,6 +165,7 @@ class CheckpointManager:
                             "writable root.")
     if not self._manager.should_save(step):  # Orbax's policy (options=) skips it
       return False
+    self._claim(step)
     saved = self._manager.save(step, args=ocp.args.Composite(**{
         STATE: ocp.args.StandardSave(checkpoint.stored_tree(state)),
         LAYOUT: ocp.args.JsonSave(layout)}))
@@ -173,6 +177,27 @@ class CheckpointManager:
     if not self._manager.is_saving_in_progress():  # a synchronous save
       self._seal()
     return saved
+
+  def _claim(self, step: int) -> None:
+    """Claims ``step`` for this manager before Orbax touches it (``step_claims.py``).
+
+    Raises:
+      FileExistsError: another job holds the step, named.
+    """
+    root = Path(self._manager.directory)
+    refused = None
+    if jax.process_index() == 0:
+      refused = step_claims.claim(root, step, self._token)
+    if jax.process_count() > 1:
+      lost = multihost_utils.broadcast_one_to_all(np.int32(refused is not None))
+      if lost and refused is None:
+        refused = f"step {step} of {root} is claimed by another job (process 0 names it)"
+    if refused is not None:
+      raise FileExistsError(
+          f"{refused}: another job saves to this root. Nothing was written, and "
+          "nothing of the other job's is removed; save to another root, or "
+          "restore the latest step and go on from there once the other job has "
+          "stopped")
 
   def _check_after_latest(self, step: int) -> None:
     """Raises FileExistsError unless ``step`` is after every step on disk."""
