@@ -1,5 +1,7 @@
 """A NaN or an infinity on one device skips the step on every device alike."""
 
+import warnings
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -260,3 +262,14 @@ def test_where_the_exchange_skips_an_overflow_the_inner_state_is_held(mesh, exch
   np.testing.assert_array_equal(np.asarray(skipped.inner[0].trace["w"]), 0)
   # The next step starts from an empty momentum: -1 for every entry, to the code's rounding.
   np.testing.assert_allclose(after_updates["w"], -1.0, rtol=0, atol=1 / 127)
+
+
+@pytest.mark.parametrize("eps, warns", [(1e-8, True), (1e-4, False)])
+def test_float16_adam_whose_eps_rounds_to_zero_is_said_at_init(mesh, eps, warns):
+  """Its steps would all be skipped; an eps float16 holds trains and says nothing."""
+  params = {"w": jnp.zeros((16, 16), jnp.float16)}
+  tx = topka2a_jax.compress_updates(optax.adam(1e-3, eps=eps), mesh=mesh)
+  with warnings.catch_warnings(record=True) as said:
+    warnings.simplefilter("always")
+    topka2a_jax.init(tx, params, mesh)
+  assert any("eps=1e-8 is 0 in float16" in str(w.message) for w in said) == warns

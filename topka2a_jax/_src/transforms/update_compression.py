@@ -55,6 +55,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import jax
@@ -177,6 +178,8 @@ def _init_inner(options: Options, inner: optax.GradientTransformation,
   devices = options.axis.size(mesh)
   with layout.laid_out_for(mesh):  # an exchange inside is refused, not asked for a mesh
     one = _checked(inner.init(params))
+    if not holds_tracer(one):
+      _warn_if_a_zero_step_is_not_finite(inner, one, params)
   shardings = jax.tree.map(
       lambda spec: NamedSharding(mesh, spec),
       layout.replica_specs(one, options.axis, treedef, specs),
@@ -189,6 +192,28 @@ def _init_inner(options: Options, inner: optax.GradientTransformation,
   if holds_tracer(one):
     return jax.tree.map(layout.constrain, copies(one), shardings)
   return jax.jit(copies, out_shardings=shardings)(one)
+
+
+def _warn_if_a_zero_step_is_not_finite(inner: optax.GradientTransformationExtraArgs,
+                                       state: Any, params: optax.Params) -> None:
+  """Warns where ``inner``'s state is float16 and its step on a zero gradient is not finite.
+
+  Adam's ``eps`` of 1e-8 is 0 in float16, so its step is 0 / 0 wherever a
+  moment is zero: every such step would be skipped, silently but for the
+  ``nonfinite_steps`` count.
+  """
+  if not any(getattr(leaf, "dtype", None) == jnp.float16 for leaf in jax.tree.leaves(state)):
+    return
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  steps, _ = jax.jit(inner.update)(zeros, state, params)
+  if all(bool(jnp.all(jnp.isfinite(step))) for step in jax.tree.leaves(steps)):
+    return
+  warnings.warn(
+      "compress_updates: the inner optimizer's state is float16 and its step on a "
+      "zero gradient is not finite (Adam's eps=1e-8 is 0 in float16): every step "
+      "whose moments hold a zero would be skipped, counted in nonfinite_steps. "
+      "Give it an eps float16 holds (optax.adam(lr, eps=1e-4)), or keep the "
+      "parameters or the optimizer's state in float32.", stacklevel=4)
 
 
 def _checked(state: Any) -> Any:
