@@ -246,6 +246,41 @@ def test_state_of_another_model(mesh):
     run(jax.device_put(PARAMS, NamedSharding(mesh, P())), other)
 
 
+TRANSFORMS_WITH_A_STATE = {
+    "chain": lambda: optax.chain(topka2a_jax.topka2a(0.1, min_size=0), optax.adam(1e-3)),
+    "compress_updates": lambda: topka2a_jax.compress_updates(optax.adam(1e-3), 0.1,
+                                                             min_size=0),
+    "sharded_optimizer": lambda: topka2a_jax.sharded_optimizer(optax.adam(1e-3), 0.1,
+                                                               min_size=0),
+}
+
+
+@pytest.mark.parametrize("make", TRANSFORMS_WITH_A_STATE.values(), ids=TRANSFORMS_WITH_A_STATE)
+@pytest.mark.parametrize("params, said", [
+    ({"w": PARAMS["w"]}, r"these parameters lack \['b'\]"),
+    ({**PARAMS, "c": jnp.ones(3)}, r"they have \['c'\], which it has not"),
+], ids=["a-leaf-less", "a-leaf-more"])
+def test_a_train_step_given_other_parameters_than_its_state_names_the_leaves(
+    mesh, make, params, said):
+  tx = make()
+  state = topka2a_jax.init(tx, PARAMS, mesh)
+  step = topka2a_jax.train_step(
+      lambda p, x: sum(jnp.sum(leaf) for leaf in jax.tree.leaves(p)) * jnp.mean(x), tx, mesh)
+  with pytest.raises(ValueError, match=f"state was made for other parameters: {said}"):
+    step(params, state, jnp.ones((8, 4)))
+
+
+@pytest.mark.parametrize("make", TRANSFORMS_WITH_A_STATE.values(), ids=TRANSFORMS_WITH_A_STATE)
+def test_a_parameter_of_another_shape_than_its_state_is_named(mesh, make):
+  tx = make()
+  state = topka2a_jax.init(tx, PARAMS, mesh)
+  step = topka2a_jax.train_step(lambda p, x: (jnp.sum(p["w"]) + jnp.sum(p["b"])) * jnp.mean(x),
+                                tx, mesh)
+  with pytest.raises(ValueError, match=r"residual for leaf \['w'\] has shape \(64, 32\), "
+                                       r"expected \(64, 16\)"):
+    step({"w": jnp.ones((64, 16)), "b": PARAMS["b"]}, state, jnp.ones((8, 4)))
+
+
 def test_state_made_with_other_options(mesh):
   first = topka2a_jax.topka2a(0.1, min_size=0)
   used = topka2a_jax.topka2a(0.1, min_size=100)

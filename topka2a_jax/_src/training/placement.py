@@ -128,13 +128,38 @@ def check_chain(opt_state: Any, *, require_exchange: bool = False) -> None:
 
 
 def _residual_specs(residuals: Any, axis: DataAxis, param_specs: Any) -> Any:
-  """The spec of every residual leaf: per device, split like its parameter."""
+  """The spec of every residual leaf: per device, split like its parameter.
+
+  Raises:
+    ValueError: the residuals were made for parameters of other leaves.
+  """
   if param_specs is None:
     return jax.tree.map(lambda _: layout.residual_spec(axis), residuals)
+  _check_made_for(residuals, param_specs)
   return jax.tree.map(
       lambda spec, residual: (residual if isinstance(residual, optax.MaskedNode)
                               else layout.residual_spec(axis, spec)),
       param_specs, residuals, is_leaf=_is_spec)
+
+
+def _check_made_for(residuals: Any, param_specs: Any) -> None:
+  """Raises ValueError, naming the leaves, unless ``residuals`` has the parameters' leaves."""
+  def paths(tree: Any, is_leaf: Any) -> set[str]:
+    return {jax.tree_util.keystr(path)
+            for path, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]}
+
+  made = paths(residuals, lambda node: isinstance(node, optax.MaskedNode))
+  given = paths(param_specs, _is_spec)
+  if made == given:
+    return
+  missing, extra = sorted(made - given), sorted(given - made)
+  said = "; ".join(part for part in (
+      f"these parameters lack {', '.join(missing)}" if missing else "",
+      f"they have {', '.join(extra)}, which it has not" if extra else "") if part)
+  raise ValueError(
+      f"the optimizer state was made for other parameters: {said}. Make the state for "
+      "these parameters, topka2a_jax.init(tx, params, mesh) (or restore one saved "
+      "for them); nothing was changed")
 
 
 def _factor_specs(factors: Any, param_specs: Any) -> Any:

@@ -81,10 +81,11 @@ from topka2a_jax._src.transforms.exchange_state import (
   holds_exchange,
   init_state,
   layout_mesh,
+  planned,
   update_state,
 )
-from topka2a_jax._src.transforms.extra_args import NONFINITE
-from topka2a_jax._src.transforms.leaves import check_per_device, leaves_of
+from topka2a_jax._src.transforms.extra_args import NONFINITE, PARAM_SPECS
+from topka2a_jax._src.transforms.leaves import check_per_device, given_specs, leaves_of
 from topka2a_jax._src.transforms.nonfinite import nonfinite_on_any_device
 
 DEFAULT_ALGORITHM = ONEBIT_4.name
@@ -237,6 +238,10 @@ def _update(options: Options, inner: optax.GradientTransformationExtraArgs,
   tree = leaves_of(updates)
   paths, grads = tree.paths, tree.values
   check_per_device(grads, paths, options.axis_name)
+  # A state made for other parameters is refused, naming the leaf, before
+  # the inner step would meet it.
+  planned(options, tree.structure, state.exchange, grads, paths,
+          given_specs(tree.structure, extra_args.get(PARAM_SPECS)))
   decided = extra_args.get(NONFINITE)  # by skip_nonfinite around this transform
   own = jax.tree.map(lambda x: x[0], state.inner)
 
