@@ -724,3 +724,19 @@ def test_a_mismatch_names_the_shape_each_side_needs(tmp_path, mesh):
       r"restore into holds float32\[128, 64\] on 4, which on 8 devices would have "
       r"been saved as float32\[256, 64\]"):
     manager.restore(state_of((32, 64), small))
+
+
+@pytest.mark.parametrize("state, match", [
+    (None, "holds no array"),
+    ({"params": {"w": jnp.ones(4)}, "step": 3.0}, r"leaf \['step'\] is a float, not a JAX array"),
+], ids=["None", "a-python-float"])
+def test_a_state_that_cannot_be_saved_is_refused_before_anything_is_written(
+    tmp_path, mesh, state, match):
+  directory = tmp_path / "ckpt"
+  with pytest.raises(ValueError, match=match):
+    topka2a_jax.save(directory, state, mesh)
+  assert not directory.exists()
+  with topka2a_jax.CheckpointManager(tmp_path / "root", mesh) as manager:
+    with pytest.raises(ValueError, match=match):
+      manager.save(1, state)
+    assert manager.all_steps() == []

@@ -507,3 +507,24 @@ def test_calling_a_step_again_on_inputs_it_donated_names_donation(mesh):
                                        r"call of this step.*donate=False"):
     step(params, state, x)
   step(new_params, new_state, x)  # the arrays it returned go on
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda mesh: topka2a_jax.train_step(lambda p, x: 0.0, None, mesh), TypeError,
+     "tx must be an optax.GradientTransformation such as optax.adam"),
+    (lambda mesh: topka2a_jax.init(None, PARAMS, mesh), TypeError,
+     "tx must be an optax.GradientTransformation such as optax.adam"),
+    (lambda mesh: topka2a_jax.frozen_variance_adam(1e-3, freeze_after=5, b1=1.5), ValueError,
+     r"b1=1.5: a moment's decay is a number in \[0, 1\)"),
+    (lambda mesh: topka2a_jax.frozen_variance_adam(1e-3, freeze_after=5, variance_floor=-1),
+     ValueError, "variance_floor=-1: the floor is a share of the mean variance"),
+], ids=["train_step-None", "init-None", "b1-1.5", "variance_floor-negative"])
+def test_arguments_that_cannot_work_are_named(mesh, call, error, match):
+  with pytest.raises(error, match=match):
+    call(mesh)
+
+
+def test_launch_without_a_command_says_what_it_needs():
+  from topka2a_jax.distributed import launch
+  with pytest.raises(ValueError, match="launch needs a command to run"):
+    launch([], 2, 1)

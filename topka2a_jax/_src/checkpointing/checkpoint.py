@@ -34,7 +34,7 @@ import json
 import math
 import shutil
 import warnings
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -90,11 +90,31 @@ def describe(state: Any, mesh: Mesh, axis_name: Hashable | DataAxis = "data"
   The devices along the data axis, the pytree's structure, every leaf's
   path, shape, dtype and layout (per device or replicated), and every
   leaf's :func:`integrity.fingerprint`.
+
+  Raises:
+    ValueError: ``state`` holds no array, or a leaf that is not one (a
+      Python number), named.
   """
+  _check_arrays(state)
   layout = _description(state, mesh, DataAxis.parse(axis_name))
   layout["fingerprints"] = leaf_fingerprints(jax.tree.leaves(state))
   layout["version"] = LAYOUT_VERSION
   return layout
+
+
+def _check_arrays(state: Any) -> None:
+  """Raises ValueError unless ``state`` is a non-empty pytree of JAX arrays."""
+  with_paths = jax.tree_util.tree_flatten_with_path(state)[0]
+  if not with_paths:
+    raise ValueError(f"the state to save holds no array (got {type(state).__name__}); "
+                     "pass the training state, e.g. {\"params\": params, "
+                     "\"opt_state\": opt_state}. Nothing was written")
+  for path, leaf in with_paths:
+    if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+      raise ValueError(
+          f"the state's leaf {jax.tree_util.keystr(path)} is a {type(leaf).__name__}, "
+          "not a JAX array: a checkpoint stores arrays placed on the mesh. Make it one "
+          "(jnp.asarray(value)) or keep it outside the saved state. Nothing was written")
 
 
 def _description(state: Any, mesh: Mesh, axis: DataAxis) -> dict[str, Any]:
@@ -154,9 +174,9 @@ def save(directory: str | Path, state: Any, mesh: Mesh,
   axis = DataAxis.parse(axis_name)
   axis.check_on(mesh)
   directory = Path(directory).absolute()
+  layout = describe(state, mesh, axis)  # a state it cannot save is refused first
   _claim(directory)
   try:
-    layout = describe(state, mesh, axis)
     with ocp.StandardCheckpointer() as checkpointer:
       checkpointer.save(directory / "state", stored_tree(state))
     if jax.process_count() > 1:  # every process's files are written
@@ -188,8 +208,11 @@ def _claim(directory: Path) -> None:
   if jax.process_count() > 1:
     created = bool(multihost_utils.broadcast_one_to_all(np.int32(created)))
   if not created:
-    raise FileExistsError(f"{directory} exists; save each checkpoint to a new "
-                          "directory (nothing was written)")
+    raise FileExistsError(
+        f"{directory} exists; save each checkpoint to a new directory (nothing was "
+        "written)" + ("" if (directory / MANIFEST_FILE).is_file() else
+                      ". It has no manifest: another job's save in progress, or one "
+                      "cut short; if no job writes it, remove it and save again"))
 
 
 def restore(directory: str | Path, like: Any, mesh: Mesh,
@@ -242,15 +265,42 @@ def restore(directory: str | Path, like: Any, mesh: Mesh,
     verify(directory)
   else:
     listed_files(directory)  # no link, no special file, even without a manifest
-    warnings.warn(f"{directory} has no {MANIFEST_FILE} (saved by an older "
-                  "topka2a_jax): its files cannot be checked", stacklevel=2)
+    warnings.warn(f"{directory} has no {MANIFEST_FILE}: its files cannot be checked "
+                  "(an older topka2a_jax saved it, or the save was cut short after "
+                  "its arrays were written); its arrays' fingerprints still are",
+                  stacklevel=2)
   saved = read_json(directory / LAYOUT_FILE, "layout description")
 
   def read(targets: Any) -> Any:
     with ocp.StandardCheckpointer() as checkpointer:
       return checkpointer.restore(directory / "state", targets)
 
-  return restore_laid_out(saved, read, like, mesh, axis, directory)
+  return restore_laid_out(saved, naming_read_errors(directory, read), like, mesh, axis,
+                          directory)
+
+
+def naming_read_errors(directory: Path, read: Callable[..., Any]) -> Callable[..., Any]:
+  """``read``, whose Orbax and TensorStore errors become a ValueError that names ``directory``.
+
+  Example:
+    >>> def read():
+    ...   raise KeyError("key")
+    >>> naming_read_errors(Path("/ckpt/3"), read)()
+    Traceback (most recent call last):
+    ValueError: /ckpt/3 cannot be read: KeyError: 'key'. A file of the step is ...
+  """
+  def named(*args: Any, **kwargs: Any) -> Any:
+    try:
+      return read(*args, **kwargs)
+    except Exception as error:
+      first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+      raise ValueError(
+          f"{directory} cannot be read: {type(error).__name__}: {first}. A file "
+          "of the step is missing or damaged (topka2a_jax.checkpoint.verify names "
+          "it when the step has its manifest); restore another step or an intact "
+          "copy. Nothing was loaded.") from error
+
+  return named
 
 
 def restore_laid_out(saved: dict[str, Any], read: Any, like: Any, mesh: Mesh,

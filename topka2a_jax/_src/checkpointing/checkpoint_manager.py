@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -264,7 +264,7 @@ class CheckpointManager:
           f"{directory} has no {integrity.MANIFEST_FILE}: its files cannot be "
           "checked (an older topka2a_jax wrote it, or the process ended before "
           "sealing it); its arrays' fingerprints still are", stacklevel=2)
-    read_step = _naming(directory, self._manager.restore)
+    read_step = checkpoint.naming_read_errors(directory, self._manager.restore)
     saved = read_step(step, args=ocp.args.Composite(**{
         LAYOUT: ocp.args.JsonRestore()}))[LAYOUT]
 
@@ -304,19 +304,3 @@ class CheckpointManager:
 
   def __exit__(self, *exc: object) -> None:
     self.close()
-
-
-def _naming(directory: Path, read: Callable[..., Any]) -> Callable[..., Any]:
-  """``read``, whose Orbax errors become a ValueError that names ``directory``."""
-  def named(*args: Any, **kwargs: Any) -> Any:
-    try:
-      return read(*args, **kwargs)
-    except Exception as error:
-      first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
-      raise ValueError(
-          f"{directory} cannot be read: {type(error).__name__}: {first}. A file "
-          "of the step is missing or damaged (topka2a_jax.checkpoint.verify names "
-          "it when the step has its manifest); restore another step or an intact "
-          "copy. Nothing was loaded.") from error
-
-  return named

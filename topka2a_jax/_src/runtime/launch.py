@@ -168,6 +168,9 @@ def launch(command: Sequence[str], num_processes: int, devices_per_process: int,
     >>> launch([sys.executable, "-c", "pass"], 2, 1)
     0
   """
+  if not command:
+    raise ValueError("launch needs a command to run, e.g. [sys.executable, \"train.py\"]; "
+                     "got none")
   port = free_port()
   lock = threading.Lock()
   processes, readers = [], []

@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from topka2a_jax._src import layout
+from topka2a_jax._src.arguments import checked_optimizer
 from topka2a_jax._src.axis import DataAxis
 from topka2a_jax._src.collectives.algorithms import DENSE
 from topka2a_jax._src.layout import inner_specs, laid_out_for, replica_specs
@@ -295,6 +296,7 @@ def init(
     >>> opt_state[0].residuals["w"].shape  # one (4, 3) block per device
     (32, 3)
   """
+  checked_optimizer("tx", tx)
   axis = DataAxis.parse(axis_name)
   axis.check_on(mesh)
   warn_if_clipped_before_exchange(tx)

@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from topka2a_jax._src import layout
-from topka2a_jax._src.arguments import checked_count
+from topka2a_jax._src.arguments import checked_count, checked_optimizer
 from topka2a_jax._src.axis import DataAxis, holds_tracer
 from topka2a_jax._src.planner import compute
 from topka2a_jax._src.runtime import watchdog
@@ -381,6 +381,7 @@ class TrainStep(DataParallelStep):
   def __init__(self, loss_fn: LossFn, tx: optax.GradientTransformation, mesh: Mesh,
                *, axis: DataAxis, has_aux: bool, micro_batches: int,
                param_specs: Any, donate: bool):
+    checked_optimizer("tx", tx)
     super().__init__(mesh, axis=axis, has_aux=has_aux,
                      micro_batches=micro_batches, donate=donate)
     warn_if_clipped_before_exchange(tx, stacklevel=3)

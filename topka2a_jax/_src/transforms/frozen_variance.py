@@ -33,6 +33,7 @@ References:
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any, NamedTuple
 
@@ -90,6 +91,14 @@ def scale_by_frozen_rms(b1: float, b2: float = 0.999, eps: float = 1e-8, *,
       or freeze_after < 1):
     raise ValueError(f"freeze_after={freeze_after!r}: the variance needs a whole "
                      "number of dense steps to learn from, at least one")
+  for name, value in (("b1", b1), ("b2", b2)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < 1:
+      raise ValueError(f"{name}={value!r}: a moment's decay is a number in [0, 1) "
+                       "(Adam's are 0.9 and 0.999)")
+  if (isinstance(variance_floor, bool) or not isinstance(variance_floor, numbers.Real)
+      or not 0 <= variance_floor < math.inf):
+    raise ValueError(f"variance_floor={variance_floor!r}: the floor is a share of the mean "
+                     "variance, a number >= 0 (0.01 by default, 0 for none)")
 
   def init_fn(params: optax.Params) -> FrozenRmsState:
     zeros = lambda: jax.tree.map(jnp.zeros_like, params)  # two buffers: both donated
