@@ -77,7 +77,7 @@ class StallWatch:
     self._lock = threading.Lock()
     self._in_flight: collections.deque = collections.deque()  # (step, since, loss)
     self._dispatched = 0
-    self._published = 0
+    self._published: int | None = None  # so that the first poll publishes 0
     self._stopping = threading.Event()
     self._thread = threading.Thread(target=self._run, name="topka2a-stall-watch",
                                     daemon=True)
@@ -130,14 +130,20 @@ class StallWatch:
       self._store = None
 
   def _peers(self) -> dict[int, int]:
-    """Every process's dispatched steps, as the store last heard them."""
+    """Every process's dispatched steps, as the store last heard them.
+
+    Every watch publishes its count from the moment it is armed, so a
+    process the store has not heard from has dispatched no step yet (its
+    first compile, or its data loader, is slow) and counts 0.
+    """
     if self._store is None:
       return {}
     try:
       entries = self._store.key_value_dir_get(_KEY)
     except Exception:  # noqa: BLE001
       return {}
-    return {int(key.rsplit("/", 1)[1]): int(value) for key, value in entries}
+    heard = {int(key.rsplit("/", 1)[1]): int(value) for key, value in entries}
+    return {rank: heard.get(rank, 0) for rank in range(max(jax.process_count(), *heard, 0))}
 
 
 def _done(loss: jax.Array) -> bool:
