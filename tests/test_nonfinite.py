@@ -273,3 +273,19 @@ def test_float16_adam_whose_eps_rounds_to_zero_is_said_at_init(mesh, eps, warns)
     warnings.simplefilter("always")
     topka2a_jax.init(tx, params, mesh)
   assert any("eps=1e-8 is 0 in float16" in str(w.message) for w in said) == warns
+
+
+@pytest.mark.parametrize("algorithm", ["topka2a", "dense"])
+def test_finite_gradients_whose_sum_overflows_float32_are_skipped(mesh, exchange_steps,
+                                                                  algorithm):
+  """1e38 on each of 8 devices: the sum, 8e38, is past float32's 3.4e38."""
+  tx = topka2a_jax.topka2a(0.5, algorithm=algorithm, min_size=0)
+  huge = np.zeros((8, 16), np.float32)
+  huge[:, 2] = 1e38
+  fine = huge / 10  # 8e37 summed: within range, applied
+  (skipped_updates, skipped), (applied_updates, applied) = exchange_steps(
+      tx, mesh, [{"w": huge}, {"w": fine}])
+  np.testing.assert_array_equal(skipped_updates["w"], 0)
+  assert int(skipped.nonfinite_steps) == 1 and int(skipped.count) == 0
+  np.testing.assert_allclose(applied_updates["w"][:, 2], 1e37, rtol=1e-6)
+  assert int(applied.count) == 1

@@ -36,6 +36,7 @@ from jax import lax
 from topka2a_jax._src.arguments import checked_optimizer
 from topka2a_jax._src.axis import (
   DataAxis,
+  bound_axis_size,
   is_varying,
   tracks_varying_axes,
   varying_axes,
@@ -43,18 +44,23 @@ from topka2a_jax._src.axis import (
 from topka2a_jax._src.transforms.extra_args import NONFINITE
 
 
-def _holds_nonfinite(leaf: jax.Array) -> jax.Array:
-  """Whether ``leaf`` holds a NaN or an infinity: one reduction, nothing written.
+def _holds_nonfinite(leaf: jax.Array, devices: int) -> jax.Array:
+  """Whether ``leaf`` holds a NaN, an infinity, or a magnitude whose sum over ``devices`` overflows.
 
-  XLA's maximum propagates NaN, so the largest magnitude is finite exactly
-  when every entry is; ``jnp.any(~jnp.isfinite(leaf))`` writes a flag per
-  entry first on XLA's CPU backend.
+  One reduction, nothing written: XLA's maximum propagates NaN, so the
+  largest magnitude is finite exactly when every entry is
+  (``jnp.any(~jnp.isfinite(leaf))`` writes a flag per entry first on XLA's
+  CPU backend). An entry above the largest float32 (float64 for float64
+  leaves) over ``devices`` could make the exchange's sum infinite from
+  finite gradients; such a step counts as bad too.
   """
-  return ~jnp.isfinite(jnp.max(jnp.abs(leaf)))
+  largest = jnp.max(jnp.abs(leaf))
+  limit = float(jnp.finfo(jnp.promote_types(jnp.float32, leaf.dtype)).max) / devices
+  return ~(largest <= limit)  # NaN compares False
 
 
 def nonfinite_on_any_device(tree: Any, axis_name: Hashable) -> jax.Array:
-  """Whether any device's ``tree`` holds a NaN or an infinity.
+  """Whether any device's ``tree`` holds a NaN or an infinity (or an entry whose sum overflows).
 
   Args:
     tree: a pytree of arrays, per device, inside ``jax.shard_map``.
@@ -72,10 +78,11 @@ def nonfinite_on_any_device(tree: Any, axis_name: Hashable) -> jax.Array:
     ...     jax.device_put(grads, NamedSharding(mesh, P("data"))))
     Array(True, dtype=bool)
   """
+  devices = bound_axis_size(axis_name)
   local = jnp.zeros((), jnp.int32)
   for leaf in jax.tree.leaves(tree):
     if leaf.size:
-      local = jnp.maximum(local, _holds_nonfinite(leaf).astype(jnp.int32))
+      local = jnp.maximum(local, _holds_nonfinite(leaf, devices).astype(jnp.int32))
   if tracks_varying_axes(axis_name) and not is_varying(local, axis_name):
     local = lax.pcast(local, axis_name, to="varying")
   # Over every axis the gradients vary along (on a 2-D mesh, the model axis
