@@ -54,9 +54,9 @@ def _holds_nonfinite(leaf: jax.Array, devices: int) -> jax.Array:
   leaves) over ``devices`` could make the exchange's sum infinite from
   finite gradients; such a step counts as bad too.
   """
-  largest = jnp.max(jnp.abs(leaf))
-  limit = float(jnp.finfo(jnp.promote_types(jnp.float32, leaf.dtype)).max) / devices
-  return ~(largest <= limit)  # NaN compares False
+  wide = jnp.promote_types(jnp.float32, leaf.dtype)  # the sum's dtype, and the limit's
+  largest = jnp.max(jnp.abs(leaf)).astype(wide)
+  return ~(largest <= jnp.asarray(float(jnp.finfo(wide).max) / devices, wide))  # NaN: False
 
 
 def nonfinite_on_any_device(tree: Any, axis_name: Hashable) -> jax.Array:
