@@ -289,3 +289,18 @@ def test_finite_gradients_whose_sum_overflows_float32_are_skipped(mesh, exchange
   assert int(skipped.nonfinite_steps) == 1 and int(skipped.count) == 0
   np.testing.assert_allclose(applied_updates["w"][:, 2], 1e37, rtol=1e-6)
   assert int(applied.count) == 1
+
+
+@pytest.mark.parametrize("make, warns", [
+    (lambda mesh: topka2a_jax.topka2a(algorithm="quantized_8_8_fine", mesh=mesh), True),
+    (lambda mesh: topka2a_jax.compress_updates(optax.sgd(1.0), mesh=mesh), True),
+    (lambda mesh: topka2a_jax.topka2a(0.1, mesh=mesh), False),
+], ids=["8-bit", "signs", "top-k"])
+def test_float64_parameters_through_a_few_bit_code_are_told_its_range(mesh, make, warns):
+  with jax.enable_x64():
+    params = {"w": jnp.zeros((16, 16), jnp.float64)}
+    with warnings.catch_warnings(record=True) as said:
+      warnings.simplefilter("always")
+      topka2a_jax.init(make(mesh), params, mesh)
+  assert any("float64 gradients go through a few-bit code" in str(w.message)
+             for w in said) == warns

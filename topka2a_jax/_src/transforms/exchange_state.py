@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from topka2a_jax._src import layout, sizes
 from topka2a_jax._src.axis import DataAxis, bound_axis_size, holds_tracer, is_bound
 from topka2a_jax._src.collectives import low_rank
+from topka2a_jax._src.collectives.algorithms import ALGORITHMS, AUTO
 from topka2a_jax._src.options import Options
 from topka2a_jax._src.states import TopKA2AState
 from topka2a_jax._src.transforms import error_feedback
@@ -86,6 +88,7 @@ def init_state(options: Options, params: optax.Params) -> TopKA2AState:
   """
   paths, leaves, treedef, _ = leaves_of(params)
   check_floating(leaves, paths, "parameter")
+  _warn_if_codes_narrow_float64(options, leaves, paths)
   zero = jnp.zeros((), jnp.int32)
   if is_bound(options.axis_name):
     residuals = [
@@ -109,6 +112,22 @@ def init_state(options: Options, params: optax.Params) -> TopKA2AState:
         f"(jax.device_put(params, NamedSharding(mesh, P()))), or make the "
         f"state with topka2a_jax.init(tx, params, mesh).")
   return _global_state(options, mesh, paths, leaves, treedef)
+
+
+def _warn_if_codes_narrow_float64(options: Options, leaves: Sequence[Any],
+                                  paths: Sequence[str]) -> None:
+  """Warns that few-bit codes carry float64 leaves in float32's range, once per init."""
+  names = (options.auto_forms or () if options.algorithm == AUTO else (options.algorithm,))
+  if not any(name in ALGORITHMS and ALGORITHMS[name].quantizes for name in names):
+    return
+  wide = [path for path, leaf in zip(paths, leaves) if leaf.dtype == jnp.float64]
+  if wide:
+    warnings.warn(
+        f"{', '.join(wide[:3])}{' ...' if len(wide) > 3 else ''}: float64 gradients go "
+        "through a few-bit code whose scales are float32, so a step with an entry "
+        "beyond float32's range (3.4e38) is skipped (counted in nonfinite_steps). "
+        "Send them with algorithm='dense' or a top-k to keep float64's range.",
+        stacklevel=5)
 
 
 def initial_factors(options: Options, leaves: Sequence[Any], treedef: Any) -> Any:
