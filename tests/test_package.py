@@ -322,3 +322,13 @@ def test_the_face_works_from_an_install_without_source_files(tmp_path, install):
   for command in ("plan", "launch"):
     helped = _run_python("-m", f"topka2a_jax.tools.{command}", "--help", path=where)
     assert helped.stdout.startswith(f"usage: topka2a-{command}"), helped.stderr[-2000:]
+
+
+def test_every_kind_of_per_device_state_has_its_specs_and_its_restore_rule():
+  """A new kind in states.PER_DEVICE needs a row in placement's SPECS and resize's RULES."""
+  from topka2a_jax._src.checkpointing.resize import RULES
+  from topka2a_jax._src.states import PER_DEVICE
+  from topka2a_jax._src.training.placement import SPECS
+
+  kinds = {kind for fields in PER_DEVICE.values() for kind in fields.values()}
+  assert set(SPECS) == set(RULES) == kinds

@@ -19,7 +19,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
@@ -33,7 +33,7 @@ from topka2a_jax._src.arguments import checked_optimizer
 from topka2a_jax._src.axis import DataAxis
 from topka2a_jax._src.collectives.algorithms import DENSE
 from topka2a_jax._src.layout import inner_specs, laid_out_for, replica_specs
-from topka2a_jax._src.states import RESIDUAL, SHARD, TopKA2AState, map_per_device
+from topka2a_jax._src.states import REPLICA, RESIDUAL, SHARD, TopKA2AState, map_per_device
 from topka2a_jax._src.transforms.clipping import warn_if_clipped_before_exchange
 
 
@@ -221,17 +221,8 @@ def state_specs(opt_state: optax.OptState, axis_name: Hashable = "data",
             and jax.tree.structure(node) == params_structure
             and params_structure.num_leaves > 0)
 
-  param_leaves = (None if param_specs is None
-                  else jax.tree.leaves(param_specs, is_leaf=_is_spec))
-
   def per_device(kind: str, value: Any) -> Any:
-    if kind == RESIDUAL:
-      return _residual_specs(value, axis, param_specs)
-    if kind == SHARD:
-      if params_structure is None:
-        return jax.tree.map(lambda _: P(axis.name), value)
-      return inner_specs(value, params_structure, param_leaves, axis.name)
-    return replica_specs(value, axis, params_structure, param_leaves)  # REPLICA
+    return SPECS[kind](value, axis, param_specs)
 
   def other(node: Any) -> Any:
     return param_specs if shaped_like_params(node) else P()
@@ -240,6 +231,32 @@ def state_specs(opt_state: optax.OptState, axis_name: Hashable = "data",
       opt_state, per_device, other, is_leaf=shaped_like_params,
       # PowerSGD's Q: replicated, laid out like the parameters
       by_field={"factors": lambda value: _factor_specs(value, param_specs)})
+
+
+def _shard_specs(shards: Any, axis: DataAxis, param_specs: Any) -> Any:
+  """Specs of a sharded optimizer's state: split over the data axis, and like the parameters."""
+  if param_specs is None:
+    return jax.tree.map(lambda _: P(axis.name), shards)
+  return inner_specs(shards, jax.tree.structure(param_specs, is_leaf=_is_spec),
+                     jax.tree.leaves(param_specs, is_leaf=_is_spec), axis.name)
+
+
+def _replica_specs(copies: Any, axis: DataAxis, param_specs: Any) -> Any:
+  """Specs of per-device copies of an optimizer's state: one per data index."""
+  if param_specs is None:
+    return replica_specs(copies, axis, None, None)
+  return replica_specs(copies, axis, jax.tree.structure(param_specs, is_leaf=_is_spec),
+                       jax.tree.leaves(param_specs, is_leaf=_is_spec))
+
+
+SPECS: dict[str, Callable[[Any, DataAxis, Any], Any]] = {
+    RESIDUAL: _residual_specs,
+    SHARD: _shard_specs,
+    REPLICA: _replica_specs,
+}
+"""Every kind of per-device state (:data:`topka2a_jax._src.states.PER_DEVICE`)
+and how its specs are made from ``(value, axis, param_specs)``: the
+placement side of ``checkpointing/resize.py``'s ``RULES``."""
 
 
 def _check_param_specs(param_specs: Any, axis: DataAxis) -> None:
