@@ -157,17 +157,19 @@ def print_table(results: list[Result], score: str, fmt: str) -> None:
   Columns: the final score (mean, then min..max over seeds), the score
   averaged over the last five evaluations, the training loss over the last
   tenth of the steps, the bytes each device sends per step and their ratio
-  to the first run's, and the wall time per seed.
+  to the first run's (the column ``vs dense`` where the first run is
+  dense, as in the accuracy page's tables), and the wall time per seed.
   """
   base = results[0]
   width = max(len(r.name) for r in results)
   print(f"\n{'run':{width}s} {'final ' + score:>16s} {'min..max':>15s} {'last 5':>7s} "
-        f"{'train loss':>10s} {'bytes/step':>11s} {'ratio':>6s} {'s/seed':>6s}")
+        f"{'train loss':>10s} {'bytes/step':>11s} {'vs ' + base.name:>8s} {'s/seed':>6s}")
   for r in results:
     low, high = fmt.format(r.final.min()), fmt.format(r.final.max())
     print(f"{r.name:{width}s} {fmt.format(r.final.mean()):>16s} {low + '..' + high:>15s} "
           f"{fmt.format(r.late):>7s} {r.late_loss:10.4f} {r.bytes_per_step:11,.0f} "
-          f"{r.bytes_per_step / base.bytes_per_step:6.3f} {r.seconds:6.1f}")
+          f"{r.bytes_per_step / base.bytes_per_step:{max(8, len('vs ' + base.name))}.3f} "
+          f"{r.seconds:6.1f}")
 
 
 def write_json(results: list[Result], path: str, **meta: Any) -> None:

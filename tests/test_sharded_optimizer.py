@@ -505,3 +505,22 @@ def test_every_transform_refused_by_name_is_one_optax_has():
     with pytest.raises(ValueError, match="reduces over whole parameters"):
       topka2a_jax.sharded_optimizer(getattr(optax, name)(1e-3) if name != "lbfgs"
                                     else optax.lbfgs(), 0.01)
+
+
+@pytest.mark.parametrize("inner, bytes_per_entry", [
+    (optax.adam(1e-3), 1.0),  # Adam's family: every entry in 8 bits
+    (optax.sgd(0.1), 0.06),  # plain SGD: the top-k at 1%, a 4-byte value and a 2-byte index
+], ids=["adam", "sgd"])
+def test_auto_plans_for_the_optimizer_it_runs(mesh, inner, bytes_per_entry):
+  """As topka2a does for the optimizer after it: the owner phase's form follows ``inner``."""
+  tx = topka2a_jax.sharded_optimizer(inner, 0.01, mesh=mesh)
+  params = {"w": jnp.ones((1000, 64))}
+  step = topka2a_jax.train_step(lambda p, x: jnp.sum((x @ p["w"]) ** 2), tx, mesh)
+  report = topka2a_jax.comm_report(step.lower(params, tx.init(params), jnp.ones((8, 1000))))
+  sent = report.bytes_of("all-to-all") / (64_000 * (DEVICES - 1) / DEVICES)
+  assert bytes_per_entry <= sent < 1.1 * bytes_per_entry
+
+
+def test_an_explicit_top_k_before_adam_is_kept_and_warned_about():
+  with pytest.warns(UserWarning, match="sends the gradient's top-k to an adaptive optimizer"):
+    topka2a_jax.sharded_optimizer(optax.adam(1e-3), 0.01, algorithm="topka2a")

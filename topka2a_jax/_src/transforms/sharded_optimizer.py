@@ -75,6 +75,7 @@ from topka2a_jax._src.transforms.exchange_state import (
   planned,
 )
 from topka2a_jax._src.transforms.extra_args import NONFINITE, PARAM_SPECS
+from topka2a_jax._src.transforms.following import for_follower
 from topka2a_jax._src.transforms.leaves import (
   check_per_device,
   given_specs,
@@ -127,7 +128,10 @@ def check_element_wise(inner: optax.GradientTransformation) -> None:
 @takes_options(exclude=tuple(NOT_TAKEN), docs={
     "axis_name": "the data-parallel mesh axis (one: the state is sharded over it).",
     "algorithm": (
-        "``\"auto\"`` (each leaf the cheaper of the two under the cost model), "
+        "``\"auto\"`` (each leaf the cheapest under the cost model of the forms "
+        "that keep ``inner``'s quality: before Adam's family ``\"quantized_8_8_fine\"`` "
+        "or dense, before momentum ``\"quantized_4_8\"`` or dense, else TopKA2A or "
+        "dense; :data:`topka2a_jax.cost.AUTO_FORMS`), "
         "``\"topka2a\"``, ``\"dense\"`` (a reduce-scatter), or a few-bit exchange "
         "(``\"quantized_8_8\"``, ``\"onebit\"``, ...): every entry in its first "
         "width to the owner, whose sum is exact; the updates come back whole, "
@@ -189,6 +193,9 @@ def sharded_optimizer(inner: optax.GradientTransformation, density: float | None
         "a pair. Use optax.chain(topka2a_jax.topka2a(..., axis_name=...), inner) "
         "for the two-level exchange.")
   check_element_wise(inner)
+  # "auto" plans for the optimizer it runs, as topka2a plans for the one
+  # after it: 8 bits before Adam's family, 4 bits up before momentum.
+  checked = for_follower(checked, ((inner.update,), True), set())
 
   def init_fn(params: optax.Params) -> ShardedOptimizerState:
     return ShardedOptimizerState(init_state(checked, params),
@@ -275,7 +282,9 @@ def _init_inner(options: Options, inner: optax.GradientTransformation,
 
 
 OWNER_PHASE_FORMS = (TOPKA2A.name, DENSE.name)
-"""What ``algorithm="auto"`` weighs per leaf here: TopKA2A's owner phase or a reduce-scatter."""
+"""What ``algorithm="auto"`` weighs per leaf by default: TopKA2A's owner phase or a
+reduce-scatter; before an adaptive or momentum optimizer, the forms of
+:data:`topka2a_jax.cost.AUTO_FORMS` that have an owner phase."""
 
 
 def _leaf_algorithms(plan: ExchangePlan, sizes: Sequence[int], num_devices: int) -> list[str]:
@@ -286,7 +295,9 @@ def _leaf_algorithms(plan: ExchangePlan, sizes: Sequence[int], num_devices: int)
   cheaper of :data:`OWNER_PHASE_FORMS` as the planner prices them
   (selection included). Empty leaves send nothing.
   """
-  planner = dataclasses.replace(plan.planner, fusion=1, forms=OWNER_PHASE_FORMS)
+  forms = tuple(name for name in plan.planner.forms or OWNER_PHASE_FORMS
+                if name in OWNER_SHARD_ALGORITHMS)
+  planner = dataclasses.replace(plan.planner, fusion=1, forms=forms)
   return [planner.plan([size], num_devices, plan.density)[0].algorithm if size else DENSE.name
           for size in sizes]
 
