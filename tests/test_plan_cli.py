@@ -2,6 +2,7 @@
 
 import math
 import os
+import re
 import shutil
 import site
 import subprocess
@@ -208,3 +209,29 @@ def test_a_few_bit_algorithm_needs_no_density_and_the_top_k_does(capsys):
   with pytest.raises(SystemExit):
     plan.main(["--params", "8000000", "--devices", "4"])
   assert "--density is required with --algorithm auto" in capsys.readouterr().err
+
+
+def test_a_few_bit_plan_is_set_beside_dense_and_the_best_top_k_not_topka_at_density_1(capsys):
+  argv = ["--model", "gpt2", "--devices", "8", "--network", "eth1",
+          "--algorithm", "quantized_8_8_fine"]
+  assert plan.main(argv) == 0
+  out = capsys.readouterr().out
+  assert "density=1" not in out and "TopkA" not in out
+  assert "all dense: " in out and "give --density to set the best top-k" in out
+  assert plan.main([*argv, "--density", "0.01"]) == 0
+  out = capsys.readouterr().out
+  assert "density=" not in out.splitlines()[0]  # no bucket is a top-k
+  found = re.search(r"the best top-k at density 0.01 .*: ([0-9.]+) ms \(([0-9.]+)x this "
+                    r"plan's time\); before Adam's family", out)
+  step = float(re.search(r"predicted step end: ([0-9.]+) ms", out)[1])
+  assert found and float(found[2]) == pytest.approx(float(found[1]) / step, abs=0.01)
+
+
+def test_where_no_bucket_is_compressed_auto_is_all_dense_and_no_slower(capsys):
+  assert plan.main(["--model", "resnet50", "--devices", "8", "--network", "nvlink",
+                    "--density", "0.01"]) == 0
+  out = capsys.readouterr().out
+  assert "every bucket goes dense" in out
+  found = re.search(r"predicted step end: ([0-9.]+) ms; all dense: ([0-9.]+) ms", out)
+  step, dense = found.groups()
+  assert float(step) == float(dense)

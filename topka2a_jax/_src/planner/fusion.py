@@ -124,7 +124,9 @@ class FusionPlan:
   cluster: Cluster | None = None
 
   def __str__(self) -> str:
-    selects = self.density < 1  # else no top-k: every bucket sends every entry
+    selects = any(  # a top-k somewhere; else every bucket sends every entry
+        p.bucket.algorithm in ALGORITHMS and ALGORITHMS[p.bucket.algorithm].sparse
+        and not ALGORITHMS[p.bucket.algorithm].quantizes for p in self.buckets)
     header = (f"fusion plan: {len(self.names)} leaves, "
               f"{sum(b.bucket.size for b in self.buckets):,} elements, "
               f"P={self.num_devices}, " + (f"density={self.density:g}, " if selects else "")
@@ -341,6 +343,22 @@ class StepModel:
     return search_threshold(lambda t: self.layout(algorithm, t)[-1].finish,
                             min(self.sizes), sum(self.sizes))
 
+  def best_layout(self, algorithm: str) -> tuple[int, tuple[PlannedBucket, ...]]:
+    """The threshold :meth:`best_threshold` finds and its buckets.
+
+    ``"auto"`` never plans a step slower than every bucket dense at dense's
+    own best threshold: where compression does not pay, the threshold
+    searched for the mixed plan need not be the one that suits dense alone.
+    """
+    threshold = self.best_threshold(algorithm)
+    planned = self.layout(algorithm, threshold)
+    if algorithm == AUTO and DENSE.name in self.candidates(AUTO):
+      dense_at = self.best_threshold(DENSE.name)
+      dense = self.layout(DENSE.name, dense_at)
+      if dense[-1].finish < planned[-1].finish:
+        return dense_at, dense
+    return threshold, planned
+
 
 def step_model(
     sizes: Sequence[int],
@@ -440,8 +458,9 @@ def plan_fusion(
   names = tuple(names) if names is not None else tuple(map(str, range(len(sizes))))
 
   def end(choice: str) -> tuple[int, tuple[PlannedBucket, ...]]:
-    at = model.best_threshold(choice) if threshold == "auto" else threshold
-    return at, model.layout(choice, at)
+    if threshold == "auto":
+      return model.best_layout(choice)
+    return threshold, model.layout(choice, threshold)
 
   chosen_threshold, planned = end(algorithm)
   return FusionPlan(

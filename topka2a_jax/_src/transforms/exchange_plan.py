@@ -90,9 +90,9 @@ class BucketPlanner:
                        value_bytes=self.value_bytes,
                        residual_slices=self.residual_slices,
                        whole_selection=self.whole_selection, forms=self.forms)
-    threshold = (model.best_threshold(self.algorithm) if self.fusion == "auto"
-                 else self.fusion)
-    return [planned.bucket for planned in model.layout(self.algorithm, threshold)]
+    _, planned = (model.best_layout(self.algorithm) if self.fusion == "auto"
+                  else (self.fusion, model.layout(self.algorithm, self.fusion)))
+    return [bucket.bucket for bucket in planned]
 
 
 @dataclasses.dataclass(frozen=True)
