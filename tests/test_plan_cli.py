@@ -2,6 +2,7 @@
 
 import math
 import os
+import pathlib
 import re
 import shutil
 import site
@@ -235,3 +236,17 @@ def test_where_no_bucket_is_compressed_auto_is_all_dense_and_no_slower(capsys):
   found = re.search(r"predicted step end: ([0-9.]+) ms; all dense: ([0-9.]+) ms", out)
   step, dense = found.groups()
   assert float(step) == float(dense)
+
+
+def test_the_readmes_planner_table_is_what_the_planner_prints(capsys):
+  readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+  cell = r"([0-9.]+)x[^|]*\|"
+  rows = re.findall(rf"^\| .*\(`(\w+)`\) \| {cell} {cell}$", readme, re.MULTILINE)
+  assert len(rows) == 5
+  for network, *cells in rows:
+    for model, cell in zip(("resnet50", "gpt2"), cells):
+      assert plan.main(["--model", model, "--devices", "8", "--density", "0.01",
+                        "--network", network]) == 0
+      printed = re.search(r"all dense: [0-9.]+ ms \(speedup ([0-9.]+)x\)",
+                          capsys.readouterr().out)[1]
+      assert printed == cell, (network, model)
