@@ -132,9 +132,14 @@ def test_gpu_script_runs_small_on_cpu(tmp_path):
   assert [row["density"] for row in written["selection"]] == [0.001, 0.01, 0.05] * 2
   assert {row["auto"] for row in written["selection"]} == {"threshold"}
   assert [row["run"] for row in written["steps"]] == [
-      "dense (nothing to send)", "defaults", "topka2a, exact", "topka2a, threshold",
+      "dense (nothing to send)", "defaults", "8 bits (quantized_8_8_fine)",
+      "4 up, 8 back (quantized_4_8)", "topka2a, exact", "topka2a, threshold",
       "topka2a, approx"]
   assert all(row["seconds"] > 0 for row in written["steps"])
+  assert written["steps"][0]["adds"] == 0
+  base = written["steps"][0]["seconds"]
+  for row in written["steps"]:
+    assert row["adds"] == pytest.approx(row["seconds"] / base - 1)
 
 
 def test_step_benchmark_fits_the_link_and_bounds_the_flat_update_by_its_alpha_beta_time():
