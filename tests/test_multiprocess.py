@@ -115,6 +115,31 @@ def test_bytes_that_are_not_utf8_are_forwarded_escaped_and_the_job_ends(tmp_path
   assert sum(line.startswith("[1] line ") for line in lines) == 5000
 
 
+def test_what_the_others_print_after_the_first_failure_is_summarized(tmp_path):
+  """The failed process's own message is what the job ends on; a peer's dying words are one line."""
+  script = tmp_path / "fails.py"
+  script.write_text(
+      "import os, signal, sys, time\n"
+      "rank = int(os.environ['TOPKA2A_PROCESS_ID'])\n"
+      "def broken(*_):\n"
+      "  for i in range(13):\n"
+      "    print(f'peer traceback line {i}', flush=True)\n"
+      "  print('RuntimeError: Gloo all-reduce failed: Connection closed by peer', flush=True)\n"
+      "  sys.exit(1)\n"
+      "signal.signal(signal.SIGTERM, broken)\n"
+      "if rank == 1:\n"
+      "  print('RuntimeError: boom', flush=True)\n"
+      "  sys.exit(3)\n"
+      "time.sleep(60)\n")
+  done = run([sys.executable, *LAUNCHER, "-n", "2", str(script)])
+  assert done.returncode == 3
+  assert "[1] RuntimeError: boom" in done.stdout
+  assert "peer traceback line" not in done.stdout
+  assert ("launch: process 0 printed 14 more lines after process 1 failed, held back "
+          in done.stderr)
+  assert "its last: 'RuntimeError: Gloo all-reduce failed" in done.stderr
+
+
 def test_launcher_refuses_a_missing_script():
   done = run([sys.executable, *LAUNCHER, "-n", "2", "nowhere.py"])
   assert done.returncode == 2 and "no such script: nowhere.py" in done.stderr

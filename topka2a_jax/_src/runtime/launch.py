@@ -88,23 +88,49 @@ def _is_chatter(line: str) -> bool:
   return found is not None and found.group(1) == found.group(2)
 
 
-def _forward(rank: int, stream, lock: threading.Lock) -> None:
-  """Writes each of a process's lines with its rank, until its output ends.
+class _Output:
+  """The processes' output, forwarded with each line's rank until one fails.
 
-  The stream decodes bytes that are not UTF-8 as escapes (``\\xff``), and a
-  line that cannot be written (the launcher's own output closed) is dropped:
-  the pipe is read to its end whatever comes, so that no process ever
-  blocks on a full pipe.
+  After the first failure, what the others print (the traceback of a
+  collective whose peer has gone: gloo's "Connection closed by peer") is
+  held back and summarized, so that the first failure's own message is
+  what the job ends on.
   """
-  for line in stream:
-    if _is_chatter(line):
-      continue
-    with lock:
-      try:
-        sys.stdout.write(f"[{rank}] {line}")
-        sys.stdout.flush()
-      except (OSError, ValueError):  # a closed or broken stdout: keep reading
-        pass
+
+  def __init__(self):
+    self.lock = threading.Lock()
+    self.failed: int | None = None
+    self.held: dict[int, list[str]] = {}
+
+  def forward(self, rank: int, stream) -> None:
+    """Writes each of a process's lines with its rank, until its output ends.
+
+    The stream decodes bytes that are not UTF-8 as escapes (``\\xff``), and a
+    line that cannot be written (the launcher's own output closed) is
+    dropped: the pipe is read to its end whatever comes, so that no process
+    ever blocks on a full pipe.
+    """
+    for line in stream:
+      if _is_chatter(line):
+        continue
+      with self.lock:
+        if self.failed is not None and rank != self.failed:
+          self.held.setdefault(rank, []).append(line.rstrip("\n"))
+          continue
+        try:
+          sys.stdout.write(f"[{rank}] {line}")
+          sys.stdout.flush()
+        except (OSError, ValueError):  # a closed or broken stdout: keep reading
+          pass
+
+  def summary(self) -> list[str]:
+    """One line per process whose output after the failure was held back."""
+    with self.lock:
+      return [f"launch: process {rank} printed {len(lines)} more line"
+              f"{'s' if len(lines) > 1 else ''} after process {self.failed} failed, "
+              f"held back (a peer's collective fails once a process is gone); "
+              f"its last: {lines[-1].strip()[:200]!r}"
+              for rank, lines in sorted(self.held.items()) if lines]
 
 
 def _stop(processes: Sequence[subprocess.Popen], grace: float) -> None:
@@ -172,7 +198,7 @@ def launch(command: Sequence[str], num_processes: int, devices_per_process: int,
     raise ValueError("launch needs a command to run, e.g. [sys.executable, \"train.py\"]; "
                      "got none")
   port = free_port()
-  lock = threading.Lock()
+  output = _Output()
   processes, readers = [], []
   failed_rank = None
   previous = _stop_on_signals()
@@ -189,7 +215,7 @@ def launch(command: Sequence[str], num_processes: int, devices_per_process: int,
           preexec_fn=dies_with_launcher))  # noqa: PLW1509 (no thread runs yet)
     exits: queue.Queue = queue.Queue()  # (rank, status), in the order they ended
     for rank, process in enumerate(processes):
-      reader = threading.Thread(target=_forward, args=(rank, process.stdout, lock),
+      reader = threading.Thread(target=output.forward, args=(rank, process.stdout),
                                 daemon=True)
       reader.start()
       readers.append(reader)
@@ -204,6 +230,8 @@ def launch(command: Sequence[str], num_processes: int, devices_per_process: int,
       running -= 1
       if returncode:  # the first process to fail in time, not in rank order
         failed_rank = rank
+        with output.lock:
+          output.failed = rank
     status = 0 if failed_rank is None else _status(processes[failed_rank].returncode)
   except _Stopped as stopped:
     status = 128 + stopped.signal
@@ -214,6 +242,8 @@ def launch(command: Sequence[str], num_processes: int, devices_per_process: int,
     for number, handler in previous.items():
       signal.signal(number, handler)
   if failed_rank is not None:
+    for line in output.summary():
+      print(line, file=sys.stderr, flush=True)
     others = len(processes) - 1
     why = (" (a step waited past the stall timeout: its message names the "
            "process that stopped)" if status == STALLED_STATUS else "")
