@@ -1,11 +1,13 @@
-"""topka2a-jax: top-k sparse gradient averaging over AlltoAll, as an optax transform.
+"""topka2a-jax: compressed gradient exchange for JAX data-parallel training, as an optax transform.
 
 Data-parallel training averages every gradient across devices at every step.
-This package sends only the largest ``density`` fraction of each device's
-gradient, keeps the rest in a per-device residual (error feedback) and
-averages the sparse pieces with the TopKA2A algorithm (Peng, Li, Shi, Li,
-ICPP 2024, doi:10.1145/3673038.3673140), whose volume does not grow with the
-number of devices.
+This package sends less of each device's gradient: its largest ``density``
+fraction (a top-k) before plain SGD, every entry in a few bits before Adam's
+family, as the optimizer after the exchange needs; what is not sent waits in
+a per-device residual (error feedback). The pieces are averaged by the
+TopKA2A algorithm's AlltoAll to each shard's owner and AllGather back (Peng,
+Li, Shi, Li, ICPP 2024, doi:10.1145/3673038.3673140), whose volume does not
+grow with the number of devices.
 
 The public face is this module (:data:`__all__`, and ``nnx_train_step`` and
 ``NnxTrainStep``, which need Flax) and four namespaces:
@@ -107,6 +109,7 @@ _MOVED = {
 
 
 _import_on_first_use, _every_name = _lazy.attach(__name__, __file__)
+del _lazy  # help() lists the face's names, not the loader
 
 
 def __dir__() -> list[str]:

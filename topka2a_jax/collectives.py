@@ -105,3 +105,4 @@ __all__ = [
 ]
 
 __getattr__, __dir__ = _lazy.attach(__name__, __file__)
+del _lazy  # help() lists the face's names, not the loader

@@ -44,3 +44,4 @@ __all__ = ["COORDINATOR", "NUM_PROCESSES", "PROCESS_ID", "STALLED_STATUS", "init
            "launch", "watch"]
 
 __getattr__, __dir__ = _lazy.attach(__name__, __file__)
+del _lazy  # help() lists the face's names, not the loader
