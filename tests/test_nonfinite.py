@@ -272,7 +272,8 @@ def test_float16_adam_whose_eps_rounds_to_zero_is_said_at_init(mesh, eps, warns)
   with warnings.catch_warnings(record=True) as said:
     warnings.simplefilter("always")
     topka2a_jax.init(tx, params, mesh)
-  assert any("eps=1e-8 is 0 in float16" in str(w.message) for w in said) == warns
+  assert any("eps=1e-8 is 0 in float16" in str(w.message) and w.filename == __file__
+             for w in said) == warns  # and it points at the user's call
 
 
 @pytest.mark.parametrize("algorithm", ["topka2a", "dense"])
@@ -303,4 +304,4 @@ def test_float64_parameters_through_a_few_bit_code_are_told_its_range(mesh, make
       warnings.simplefilter("always")
       topka2a_jax.init(make(mesh), params, mesh)
   assert any("float64 gradients go through a few-bit code" in str(w.message)
-             for w in said) == warns
+             and w.filename == __file__ for w in said) == warns

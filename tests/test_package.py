@@ -82,7 +82,8 @@ def test_no_import_chain_is_longer_than_nine_modules():
 
 
 LAYERS = ("training", "checkpointing", "runtime", "transforms", "options", "planner",
-          "collectives", "layout", "states", "buffers", "arguments", "axis", "sizes", "lazy")
+          "collectives", "layout", "states", "buffers", "arguments", "caller", "axis", "sizes",
+          "lazy")
 """The parts and shared records of ``topka2a_jax/_src``, top down: each imports
 only what comes after it (``_src/__init__.py`` and ``docs/layout.md`` say so)."""
 

@@ -43,7 +43,8 @@ this list (``tests/test_package.py`` holds it so).
 * Shared records: ``layout.py`` (where each piece lives on the mesh),
   ``states.py`` (the transforms' states, and the walk over their per-device
   fields), ``buffers.py`` (flat buffers in rows), ``arguments.py``
-  (argument checks), ``axis.py`` (the data axis, parsed once), ``sizes.py``
-  (counts: ``k``, shards, chunks, PowerSGD's matrices), ``lazy.py`` (the
-  public modules' names imported on first use).
+  (argument checks), ``caller.py`` (where a warning points), ``axis.py``
+  (the data axis, parsed once), ``sizes.py`` (counts: ``k``, shards, chunks,
+  PowerSGD's matrices), ``lazy.py`` (the public modules' names imported on
+  first use).
 """

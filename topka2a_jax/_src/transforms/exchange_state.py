@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from topka2a_jax._src import layout, sizes
 from topka2a_jax._src.axis import DataAxis, bound_axis_size, holds_tracer, is_bound
+from topka2a_jax._src.caller import user_stacklevel
 from topka2a_jax._src.collectives import low_rank
 from topka2a_jax._src.collectives.algorithms import ALGORITHMS, AUTO
 from topka2a_jax._src.options import Options
@@ -127,7 +128,7 @@ def _warn_if_codes_narrow_float64(options: Options, leaves: Sequence[Any],
         "through a few-bit code whose scales are float32, so a step with an entry "
         "beyond float32's range (3.4e38) is skipped (counted in nonfinite_steps). "
         "Send them with algorithm='dense' or a top-k to keep float64's range.",
-        stacklevel=5)
+        stacklevel=user_stacklevel())
 
 
 def initial_factors(options: Options, leaves: Sequence[Any], treedef: Any) -> Any:

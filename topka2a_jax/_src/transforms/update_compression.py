@@ -73,6 +73,7 @@ from topka2a_jax._src.axis import (
   is_bound,
   per_device_blocks,
 )
+from topka2a_jax._src.caller import user_stacklevel
 from topka2a_jax._src.collectives.algorithms import AUTO, ONEBIT_4
 from topka2a_jax._src.options import Options, takes_options
 from topka2a_jax._src.states import CompressedUpdatesState
@@ -214,7 +215,7 @@ def _warn_if_a_zero_step_is_not_finite(inner: optax.GradientTransformationExtraA
       "zero gradient is not finite (Adam's eps=1e-8 is 0 in float16): every step "
       "whose moments hold a zero would be skipped, counted in nonfinite_steps. "
       "Give it an eps float16 holds (optax.adam(lr, eps=1e-4)), or keep the "
-      "parameters or the optimizer's state in float32.", stacklevel=4)
+      "parameters or the optimizer's state in float32.", stacklevel=user_stacklevel())
 
 
 def _checked(state: Any) -> Any:
