@@ -228,7 +228,7 @@ def test_a_few_bit_plan_is_set_beside_dense_and_the_best_top_k_not_topka_at_dens
   assert found and float(found[2]) == pytest.approx(float(found[1]) / step, abs=0.01)
 
 
-def test_where_no_bucket_is_compressed_auto_is_all_dense_and_no_slower(capsys):
+def test_where_no_bucket_is_compressed_the_plan_is_all_denses_own(capsys):
   assert plan.main(["--model", "resnet50", "--devices", "8", "--network", "nvlink",
                     "--density", "0.01"]) == 0
   out = capsys.readouterr().out

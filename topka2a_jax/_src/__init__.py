@@ -19,8 +19,10 @@ this list (``tests/test_package.py`` holds it so).
   ``exchange_state.py`` (its state made and updated, shared by every
   transform), ``exchange_plan.py`` (what every leaf does, decided once per
   trace), ``leaves.py`` (pytrees taken apart), ``error_feedback.py`` (one
-  device's step: residuals, buckets, one collective per bucket, the warm-up
-  and non-finite switches), ``extra_args.py`` (the keys passed through
+  device's step, the one all three transforms run: residuals, buckets, one
+  collective per bucket, the warm-up, non-finite and overflow switches;
+  ended at the means, or at the owners' shards for the sharded optimizer),
+  ``extra_args.py`` (the keys passed through
   optax's extra arguments), ``update_compression.py``,
   ``frozen_variance.py``, ``sharded_optimizer.py``, ``nonfinite.py``,
   ``clipping.py``, ``following.py`` (what follows the exchange in its chain,

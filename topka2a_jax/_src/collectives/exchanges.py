@@ -427,7 +427,7 @@ def _codes_to_owners(
 
 def codes_to_owners(
     buffer: jax.Array, axis_name: Hashable, bits: int, *,
-    chunk: int = CHUNK,
+    chunk: int = CHUNK, send: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Every entry in ``bits`` bits to its owner, summed there: a few-bit reduce-scatter.
 
@@ -442,6 +442,9 @@ def codes_to_owners(
     axis_name: the mesh axis to sum over.
     bits: bits per entry, 1, 2, 4 or 8.
     chunk: entries per scale.
+    send: a boolean scalar, the same on every device, or None (True). False
+      sends nothing: every owned shard sums to zero and the whole buffer
+      stays unsent.
 
   Returns:
     ``(owned, unsent)``: this device's shard summed over every device,
@@ -467,7 +470,7 @@ def codes_to_owners(
       (positions < width)[None] & (positions[None] + width * jnp.arange(
           num_devices)[:, None] < length)).reshape(shape)
   owned, unsent, _ = _codes_to_owners(rows.reshape(shape), valid, cut, bits, axis_name,
-                                      None)
+                                      send)
   unsent = unsent.reshape(num_devices, cut.padded)[:, :width].reshape(-1)[:length]
   return (owned.reshape(-1)[:width].astype(buffer.dtype), unsent.astype(buffer.dtype))
 

@@ -346,17 +346,16 @@ class StepModel:
   def best_layout(self, algorithm: str) -> tuple[int, tuple[PlannedBucket, ...]]:
     """The threshold :meth:`best_threshold` finds and its buckets.
 
-    ``"auto"`` never plans a step slower than every bucket dense at dense's
-    own best threshold: where compression does not pay, the threshold
-    searched for the mixed plan need not be the one that suits dense alone.
+    Where ``"auto"`` sends every bucket dense, its buckets are those of
+    ``"dense"`` at dense's own best threshold: the threshold searched among
+    the compressed forms need not be the one that suits dense alone, and an
+    all-dense plan must not be slower than all dense.
     """
     threshold = self.best_threshold(algorithm)
     planned = self.layout(algorithm, threshold)
-    if algorithm == AUTO and DENSE.name in self.candidates(AUTO):
+    if algorithm == AUTO and all(p.bucket.algorithm == DENSE.name for p in planned):
       dense_at = self.best_threshold(DENSE.name)
-      dense = self.layout(DENSE.name, dense_at)
-      if dense[-1].finish < planned[-1].finish:
-        return dense_at, dense
+      return dense_at, self.layout(DENSE.name, dense_at)
     return threshold, planned
 
 

@@ -48,14 +48,17 @@ from topka2a_jax._src import layout
 from topka2a_jax._src.axis import (
   DataAxis,
   bound_axis_size,
+  grouped_by_varying_axes,
   vary_like,
   varying_axes,
 )
 from topka2a_jax._src.buffers import padded_rows, split_by_widths
 from topka2a_jax._src.collectives import exchanges, low_rank
 from topka2a_jax._src.collectives.algorithms import ALGORITHMS, DENSE
+from topka2a_jax._src.collectives.selection import get_selection
 from topka2a_jax._src.planner.buckets import Bucket
 from topka2a_jax._src.planner.cost import TWO_LEVEL
+from topka2a_jax._src.sizes import ceil_div
 from topka2a_jax._src.transforms.nonfinite import (
   applied_or_skipped,
   counted,
@@ -64,6 +67,10 @@ from topka2a_jax._src.transforms.nonfinite import (
 
 if TYPE_CHECKING:
   from topka2a_jax._src.transforms.exchange_plan import ExchangePlan
+
+
+MEANS, OWNERS = "means", "owners"
+"""Where a step's exchange ends: every leaf's whole mean, or this device's owned shard of it."""
 
 
 def pack_bucket(leaves: Sequence[jax.Array], dtype: jnp.dtype) -> jax.Array:
@@ -184,6 +191,80 @@ def exchange_buckets(plan: ExchangePlan, buckets: Sequence[tuple[list[int], Buck
   return means, new_residuals
 
 
+def owner_buckets(plan: ExchangePlan, buckets: Sequence[tuple[list[int], Bucket]],
+                  grads: Sequence[jax.Array], residuals: Sequence[Any], sparse: bool,
+                  send: jax.Array | None = None) -> tuple[list, list]:
+  """The exchange ended at the owners: this device's shard of each leaf's mean, and the residuals.
+
+  The first phase of every bucket's exchange and no second one, for an
+  optimizer that runs on the owned shards (:func:`topka2a_jax.sharded_optimizer`).
+  Device ``i`` owns entries ``[i m, (i + 1) m)`` of every flattened leaf
+  (``m = ceil(n / P)``), so every sparse bucket must be one leaf (a plan
+  with ``fusion=1``): TopKA2A's top-k of each shard, or a few-bit code of
+  every entry, to the owners, clipped to the wire's range as
+  :func:`exchange_buckets` clips; the dense buckets reduce-scatter their
+  leaves together, each padded to ``P`` rows. One data axis only.
+
+  Args:
+    plan: the trace's plan.
+    buckets: :meth:`ExchangePlan.buckets` of ``grads``.
+    grads: this device's gradient leaves.
+    residuals: theirs, or ``optax.MaskedNode()``.
+    sparse: False reduces every leaf densely (warm-up): nothing stays behind.
+    send: as for :func:`exchange_buckets`: False sends nothing.
+
+  Returns:
+    ``(flat mean shards, new residuals)``, leaf by leaf; the shards vary
+    along the axis.
+  """
+  axis_name = plan.axis.name
+  num_devices = bound_axis_size(axis_name)
+  shards: list[Any] = [vary_like(jnp.zeros(ceil_div(g.size, num_devices), g.dtype), g)
+                       for g in grads]
+  new: list[Any] = [optax.MaskedNode()] * len(grads)
+  keeps = [not isinstance(r, optax.MaskedNode) for r in residuals]
+  accs = [jnp.ravel(g).astype(accumulation_dtype(g.dtype))
+          + (jnp.ravel(r) if keep else 0) for g, r, keep in zip(grads, residuals, keeps)]
+  dense = []
+  for members, bucket in buckets:
+    algorithm = ALGORITHMS[bucket.algorithm] if sparse else DENSE
+    if not algorithm.sparse:
+      dense.extend(members)
+      continue
+    (i,) = members  # one leaf a bucket: its owned shard is a slice of it
+    limit = plan.wire_limit([grads[i].dtype])
+    if limit is not None and send is not None:  # nothing sent: nothing to clip
+      limit = jnp.where(send, limit, jnp.inf)
+    (sent,), held = clipped_to_wire([accs[i]], limit)
+    if algorithm.codes is not None:
+      owned, unsent = exchanges.codes_to_owners(
+          sent, axis_name, algorithm.codes.bits, chunk=algorithm.codes.chunk, send=send)
+    else:
+      phase = exchanges.to_owners(sent, axis_name, plan.density, plan.value_dtype,
+                                  get_selection(plan.selection), send)
+      owned, unsent = phase.owned, phase.unsent.reshape(-1)[: sent.size]
+    shards[i] = owned / num_devices
+    if keeps[i]:
+      left = unsent if held is None else unsent + held[0]
+      new[i] = left.reshape(residuals[i].shape).astype(residuals[i].dtype)
+  for group in grouped_by_varying_axes([accs[i] for i in dense]):
+    members = [dense[j] for j in group]
+    live = [accs[i] if send is None else jnp.where(send, accs[i], 0) for i in members]
+    widths = [ceil_div(acc.size, num_devices) for acc in live]
+    rows = jnp.concatenate([padded_rows(acc, num_devices) for acc in live], axis=1)
+    summed = jax.lax.psum_scatter(rows, axis_name, scatter_dimension=0, tiled=True)[0]
+    for i, part in zip(members, split_by_widths(summed, widths)):
+      shards[i] = part / num_devices
+      if keeps[i]:  # all sent, unless nothing was
+        left = jnp.zeros_like(accs[i]) if send is None else jnp.where(send, 0, accs[i])
+        new[i] = left.reshape(residuals[i].shape).astype(residuals[i].dtype)
+  return shards, new
+
+
+ENDS = {MEANS: exchange_buckets, OWNERS: owner_buckets}
+"""Each end's exchange of the buckets, ``(plan, buckets, grads, residuals, sparse, send)``."""
+
+
 def clipped_to_wire(values: Sequence[jax.Array], limit: Any
                     ) -> tuple[list[jax.Array], list[jax.Array] | None]:
   """Each of this device's ``values`` clipped to ``[-limit, limit]``, and what the clip held back.
@@ -297,10 +378,10 @@ def _zeros_like_mean(grad: jax.Array, axis: DataAxis) -> jax.Array:
 
 
 def _exchange(plan: ExchangePlan, buckets: list, grads: list, residuals: list,
-              factors: list, sparse: bool) -> tuple[list, list, list]:
-  """:func:`exchange_buckets`, or :func:`_exchange_low_rank` where a leaf holds a factor."""
+              factors: list, sparse: bool, end: str = MEANS) -> tuple[list, list, list]:
+  """The buckets' exchange for ``end`` (:data:`ENDS`), or PowerSGD's with factors."""
   if all(isinstance(factor, optax.MaskedNode) for factor in factors):
-    return (*exchange_buckets(plan, buckets, grads, residuals, sparse), factors)
+    return (*ENDS[end](plan, buckets, grads, residuals, sparse), factors)
   return _exchange_low_rank(plan, buckets, grads, residuals, factors, sparse)
 
 
@@ -317,17 +398,18 @@ def dense_while_warming_up(warmup_steps: int, count: jax.Array, run: Any,
                       functools.partial(run, sparse=True), *args)
 
 
-def _applied(plan: ExchangePlan, buckets: list, grads: list, residuals: list,
+def _applied(plan: ExchangePlan, buckets: list, end: str, grads: list, residuals: list,
              factors: list, count: jax.Array) -> tuple[list, list, list, jax.Array]:
   """The exchange, dense while ``count < warmup_steps``; one more applied step."""
-  run = functools.partial(_exchange, plan, buckets)
+  run = functools.partial(_exchange, plan, buckets, end=end)
   means, new, new_factors = dense_while_warming_up(plan.warmup_steps, count, run, grads,
                                                    residuals, factors)
   return means, new, new_factors, optax.safe_increment(count)
 
 
-def _applied_or_held(plan: ExchangePlan, buckets: list, bad: jax.Array, grads: list,
-                     residuals: list, count: jax.Array) -> tuple[list, list, jax.Array]:
+def _applied_or_held(plan: ExchangePlan, buckets: list, end: str, bad: jax.Array,
+                     grads: list, residuals: list, count: jax.Array
+                     ) -> tuple[list, list, jax.Array]:
   """The exchange, or a skipped step where ``bad``, without a branch.
 
   On a bad step every device's gradient counts as zero and the collectives
@@ -339,7 +421,7 @@ def _applied_or_held(plan: ExchangePlan, buckets: list, bad: jax.Array, grads: l
   updated in place.
   """
   live = [jnp.where(bad, jnp.zeros_like(g), g) for g in grads]
-  run = functools.partial(exchange_buckets, plan, buckets, send=jnp.logical_not(bad))
+  run = functools.partial(ENDS[end], plan, buckets, send=jnp.logical_not(bad))
   means, new = dense_while_warming_up(plan.warmup_steps, count, run, live, residuals)
   return means, new, counted(count, jnp.logical_not(bad))
 
@@ -395,11 +477,16 @@ def held_where(broke: jax.Array, old: Any, new: Any) -> Any:
 
 
 def step(plan: ExchangePlan, grads: list, residuals: list, factors: list | None,
-         count: jax.Array, nonfinite_steps: jax.Array, bad: jax.Array | None
-         ) -> tuple[list, list, list | None, jax.Array, jax.Array]:
+         count: jax.Array, nonfinite_steps: jax.Array, bad: jax.Array | None,
+         end: str = MEANS) -> tuple[list, list, list | None, jax.Array, jax.Array]:
   """One applied or skipped step of the transform on this device.
 
   The buckets are planned here, once for the step and every branch of it.
+  Every exchange goes through it: :func:`topka2a_jax.topka2a` and
+  :func:`topka2a_jax.compress_updates` end at the means (:data:`MEANS`),
+  :func:`topka2a_jax.sharded_optimizer` at the owners' shards
+  (:data:`OWNERS`), so the clip to the wire, the non-finite and overflow
+  skips, warm-up and the residuals are the same for all three.
 
   Args:
     plan: the trace's plan (:class:`ExchangePlan`).
@@ -413,9 +500,12 @@ def step(plan: ExchangePlan, grads: list, residuals: list, factors: list | None,
       :func:`topka2a_jax.skip_nonfinite`; None to decide here (when
       ``plan.skip_nonfinite``). With a decision, a step whose means come
       out non-finite (an overflow, :func:`may_overflow`) is skipped too.
+    end: :data:`MEANS`, or :data:`OWNERS` for each leaf's owned shard of
+      its mean (a plan with ``fusion=1``, no PowerSGD).
 
   Returns:
-    ``(means, residuals, factors, count, nonfinite_steps)`` after the step.
+    ``(means, residuals, factors, count, nonfinite_steps)`` after the step:
+    the means whole, or this device's flat shard of each.
   """
   num_devices = bound_axis_size(plan.axis.name)
   bad = step_is_bad(bad, grads, plan.axis.name, plan.skip_nonfinite)
@@ -423,12 +513,13 @@ def step(plan: ExchangePlan, grads: list, residuals: list, factors: list | None,
   rest = range(len(grads)) if factors is None else _low_and_rest(factors)[1]
   buckets = plan.buckets([grads[i] for i in rest], num_devices)
   if bad is not None and factors is None:
-    means, new, new_count = _applied_or_held(plan, buckets, bad, grads, residuals, count)
+    means, new, new_count = _applied_or_held(plan, buckets, end, bad, grads, residuals,
+                                             count)
     new_factors = None
   else:  # PowerSGD's factors move on zeros too: its skipped step is a branch
     carried = factors if factors is not None else [optax.MaskedNode()] * len(grads)
     means, new, new_factors, new_count = applied_or_skipped(
-        bad, functools.partial(_applied, plan, buckets),
+        bad, functools.partial(_applied, plan, buckets, end),
         functools.partial(_skipped, plan, buckets), grads, residuals, carried, count)
     if factors is None:
       new_factors = None
@@ -436,9 +527,9 @@ def step(plan: ExchangePlan, grads: list, residuals: list, factors: list | None,
     return means, new, new_factors, new_count, nonfinite_steps
   if not may_overflow(plan, grads):
     return means, new, new_factors, new_count, counted(nonfinite_steps, bad)
-  # The means may overflow from finite inputs; they are identical on every
-  # data device, so every device decides alike.
-  broke = overflowed(means)
+  # The means may overflow from finite inputs. Whole, they are identical on
+  # every data device; shards differ, and the flag is taken over the axis.
+  broke = overflowed(means, over=plan.axis.names if end == OWNERS else ())
   means = [jnp.where(broke, jnp.zeros_like(m), m) for m in means]
   return (means, held_where(broke, residuals, new), new_factors if factors is None
           else held_where(broke, factors, new_factors), held_where(broke, count, new_count),

@@ -18,6 +18,9 @@ as the leaf (a scalar's shard is ``()``), so masks that test ``ndim`` (no
 weight decay on biases and scales) decide as they would on the whole leaf.
 Every leaf that keeps a residual is its own TopKA2A bucket (so its owned
 shard is its own slice); the others go through one dense reduce-scatter.
+The exchange is the step every transform runs
+(``error_feedback.step``), ended at the owners (``error_feedback.OWNERS``):
+its clip to the wire's range, warm-up, residuals and skips are the chain's.
 Where the parameters are split over other mesh axes (a ``("data", "model")``
 mesh), each device shards its own piece of them, as
 :func:`topka2a_jax.topka2a` keeps residuals for its piece (``layout.inner_specs``).
@@ -56,12 +59,9 @@ from topka2a_jax._src.axis import (
   grouped_by_varying_axes,
   is_bound,
   per_device_blocks,
-  vary_like,
 )
 from topka2a_jax._src.buffers import padded_rows, split_by_widths
-from topka2a_jax._src.collectives import exchanges
 from topka2a_jax._src.collectives.algorithms import ALGORITHMS, AUTO, DENSE, TOPKA2A
-from topka2a_jax._src.collectives.selection import get_selection
 from topka2a_jax._src.options import Options, refuse_options, takes_options
 from topka2a_jax._src.sizes import ceil_div
 from topka2a_jax._src.states import ShardedOptimizerState, TopKA2AState
@@ -83,14 +83,17 @@ from topka2a_jax._src.transforms.leaves import (
   shard_specs,
 )
 from topka2a_jax._src.transforms.nonfinite import (
-  applied_or_skipped,
-  counted,
   step_is_bad,
 )
 
 OWNER_SHARD_ALGORITHMS = (AUTO, TOPKA2A.name, DENSE.name, *(
     name for name, entry in ALGORITHMS.items() if entry.quantizes))
 """The exchanges whose first phase leaves each owner its summed shard."""
+
+OWNER_PHASE_FORMS = (TOPKA2A.name, DENSE.name)
+"""What ``algorithm="auto"`` weighs per leaf by default: TopKA2A's owner phase or a
+reduce-scatter; before an adaptive or momentum optimizer, the forms of
+:data:`topka2a_jax.cost.AUTO_FORMS` that have an owner phase."""
 
 NOT_TAKEN = {
     "fusion": "every sparse leaf is its own bucket, exchanged by its own owner phase",
@@ -196,6 +199,10 @@ def sharded_optimizer(inner: optax.GradientTransformation, density: float | None
   # "auto" plans for the optimizer it runs, as topka2a plans for the one
   # after it: 8 bits before Adam's family, 4 bits up before momentum.
   checked = for_follower(checked, ((inner.update,), True), set())
+  # Each sparse leaf its own bucket, so that what a device owns is a slice of it.
+  checked = dataclasses.replace(checked, fusion=1, auto_forms=tuple(
+      name for name in checked.auto_forms or OWNER_PHASE_FORMS
+      if name in OWNER_SHARD_ALGORITHMS))
 
   def init_fn(params: optax.Params) -> ShardedOptimizerState:
     return ShardedOptimizerState(init_state(checked, params),
@@ -281,38 +288,6 @@ def _init_inner(options: Options, inner: optax.GradientTransformation,
   return make(*jax.device_put(values, [NamedSharding(mesh, s) for s in specs]))
 
 
-OWNER_PHASE_FORMS = (TOPKA2A.name, DENSE.name)
-"""What ``algorithm="auto"`` weighs per leaf by default: TopKA2A's owner phase or a
-reduce-scatter; before an adaptive or momentum optimizer, the forms of
-:data:`topka2a_jax.cost.AUTO_FORMS` that have an owner phase."""
-
-
-def _leaf_algorithms(plan: ExchangePlan, sizes: Sequence[int], num_devices: int) -> list[str]:
-  """Every leaf's exchange as the trace's plan decides it, each leaf its own bucket.
-
-  As in :func:`topka2a_jax.topka2a`, leaves under ``min_size`` go dense,
-  with or without error feedback, and ``"auto"`` takes for each leaf the
-  cheaper of :data:`OWNER_PHASE_FORMS` as the planner prices them
-  (selection included). Empty leaves send nothing.
-  """
-  forms = tuple(name for name in plan.planner.forms or OWNER_PHASE_FORMS
-                if name in OWNER_SHARD_ALGORITHMS)
-  planner = dataclasses.replace(plan.planner, fusion=1, forms=forms)
-  return [planner.plan([size], num_devices, plan.density)[0].algorithm if size else DENSE.name
-          for size in sizes]
-
-
-def _reduce_scatter(accs: Sequence[jax.Array], axis_name: Hashable,
-                    num_devices: int) -> list[jax.Array]:
-  """The mean of every device's ``accs`` over the axis, this device's shard of each."""
-  dtype = jnp.result_type(*accs)
-  widths = [shard_length(a.size, num_devices) for a in accs]
-  rows = jnp.concatenate([padded_rows(jnp.ravel(a).astype(dtype), num_devices)
-                          for a in accs], axis=1)
-  summed = lax.psum_scatter(rows, axis_name, scatter_dimension=0, tiled=True)[0]
-  return [part / num_devices for part in split_by_widths(summed, widths)]
-
-
 def _gather(shards: Sequence[jax.Array], shapes: Sequence[tuple[int, ...]],
             axis_name: Hashable, num_devices: int) -> list[jax.Array]:
   """Whole leaves from every device's shards: one all-gather per kind of shard.
@@ -330,109 +305,34 @@ def _gather(shards: Sequence[jax.Array], shapes: Sequence[tuple[int, ...]],
   return whole
 
 
-def _to_owners(plan: ExchangePlan, algorithm: str, acc: jax.Array
-               ) -> tuple[jax.Array, jax.Array]:
-  """This device's shard of the sum of every device's ``acc`` sent, and what it did not send.
-
-  TopKA2A's first phase (a top-k of each shard), or with a few-bit
-  ``algorithm`` every entry coded in its first width.
-  """
-  codes = ALGORITHMS[algorithm].codes
-  if codes is not None:
-    return exchanges.codes_to_owners(acc, plan.axis.name, codes.bits, chunk=codes.chunk)
-  first_phase = exchanges.to_owners(acc, plan.axis.name, plan.density, plan.value_dtype,
-                                    get_selection(plan.selection))
-  return first_phase.owned, first_phase.unsent.reshape(-1)[: acc.size]
-
-
-def owner_phase(plan: ExchangePlan, grads: Sequence[jax.Array], residuals: Sequence[Any],
-                sparse: bool) -> tuple[list[jax.Array], list[Any]]:
-  """This device's shard of the mean of ``grads + residuals``, and the new residuals.
-
-  What each device sends is clipped to the wire's range
-  (:func:`error_feedback.clipped_to_wire`), the excess kept in the residual,
-  as the buckets of :func:`topka2a_jax.topka2a` are.
-
-  Args:
-    plan: the trace's plan.
-    grads: this device's gradient leaves.
-    residuals: theirs, or ``optax.MaskedNode()``.
-    sparse: False reduces every leaf densely (warm-up): nothing stays behind.
-
-  Returns:
-    ``(flat mean shards, residuals)``, leaf by leaf.
-  """
-  num_devices = bound_axis_size(plan.axis.name)
-  shards: list[Any] = [None] * len(grads)
-  new: list[Any] = [optax.MaskedNode()] * len(grads)
-  keeps = [not isinstance(r, optax.MaskedNode) for r in residuals]
-  accs = [jnp.ravel(g).astype(error_feedback.accumulation_dtype(g.dtype))
-          + (jnp.ravel(r) if keep else 0) for g, r, keep in zip(grads, residuals, keeps)]
-  chosen = (_leaf_algorithms(plan, [g.size for g in grads], num_devices) if sparse
-            else [DENSE.name] * len(grads))
-  dense = []
-  for i, (grad, acc, algorithm) in enumerate(zip(grads, accs, chosen)):
-    if algorithm == DENSE.name:
-      dense.append(i)
-      if keeps[i]:
-        new[i] = jnp.zeros_like(residuals[i])
-      continue
-    (sent,), held = error_feedback.clipped_to_wire([acc], plan.wire_limit([grad.dtype]))
-    owned, unsent = _to_owners(plan, algorithm, sent)
-    shards[i] = owned / num_devices
-    if keeps[i]:
-      left = unsent if held is None else unsent + held[0]
-      new[i] = left.reshape(residuals[i].shape).astype(residuals[i].dtype)
-  for group in grouped_by_varying_axes([accs[i] for i in dense]):
-    members = [dense[j] for j in group]
-    for i, shard in zip(members, _reduce_scatter([accs[i] for i in members],
-                                                 plan.axis.name, num_devices)):
-      shards[i] = shard
-  return shards, new
-
-
 def _step(plan: ExchangePlan, inner: optax.GradientTransformation, treedef: Any,
           grads: list, residuals: list, param_leaves: list | None, count: jax.Array,
           nonfinite: jax.Array, inner_state: Any, bad: jax.Array | None):
   """One device's step on its pieces of the parameters (manual over every axis).
 
-  A step whose gradients are non-finite somewhere (``bad``) is skipped; with
-  a decision to make, so is one whose mean shards come out non-finite from
-  finite gradients (:func:`error_feedback.may_overflow`): ``inner``'s state,
-  the residuals and the count stay as they were, as :func:`topka2a_jax.topka2a`
-  holds its own.
+  The exchange is the transforms' one step (:func:`error_feedback.step`),
+  ended at the owners: the clip to the wire, warm-up, the residuals and the
+  skips (a non-finite gradient anywhere, or shards that overflow) are
+  those of :func:`topka2a_jax.topka2a`. Where it skips, ``inner`` gets
+  zeros and its state stays as it was.
   """
   num_devices = bound_axis_size(plan.axis.name)
-  shapes = [g.shape for g in grads]
-  checks = bad is not None and error_feedback.may_overflow(plan, grads)
-  no = jnp.zeros((), bool)
-
-  def applied(grads, residuals, count, inner_state):
-    shards, new = error_feedback.dense_while_warming_up(
-        plan.warmup_steps, count, functools.partial(owner_phase, plan), grads, residuals)
-    broke = error_feedback.overflowed(shards, over=plan.axis.names) if checks else no
-    mean = treedef.unflatten([_present(jnp.where(broke, 0, s).astype(g.dtype), g.ndim)
-                              for s, g in zip(shards, grads)])
-    own_params = None if param_leaves is None else treedef.unflatten(
-        [_own_shard(p, num_devices, plan.axis.name) for p in param_leaves])
-    out, new_inner = inner.update(mean, inner_state, own_params)
-    out = [jnp.where(broke, jnp.zeros_like(u), u) for u in treedef.flatten_up_to(out)]
-    hold = functools.partial(error_feedback.held_where, broke)
-    return (out, hold(residuals, new), hold(count, optax.safe_increment(count)),
-            hold(inner_state, new_inner), broke)
-
-  def skipped(grads, residuals, count, inner_state):
-    zeros = [vary_like(_present(jnp.zeros(shard_length(g.size, num_devices), g.dtype),
-                                g.ndim), g) for g in grads]
-    return zeros, residuals, count, inner_state, no
-
-  args = (grads, residuals, count, jax.tree.map(lambda x: x[0], inner_state))
-  out, new, count, inner_state, broke = applied_or_skipped(bad, applied, skipped, *args)
-  if bad is not None:
-    nonfinite = counted(nonfinite, bad | broke)
-  whole = _gather(out, shapes, plan.axis.name, num_devices)
-  inner_state = per_device_blocks(inner_state, plan.axis.name)
-  return whole, new, count, nonfinite, inner_state
+  shards, new, _, new_count, new_nonfinite = error_feedback.step(
+      plan, grads, residuals, None, count, nonfinite, bad, end=error_feedback.OWNERS)
+  mean = treedef.unflatten([_present(s.astype(g.dtype), g.ndim)
+                            for s, g in zip(shards, grads)])
+  own_params = None if param_leaves is None else treedef.unflatten(
+      [_own_shard(p, num_devices, plan.axis.name) for p in param_leaves])
+  own_state = jax.tree.map(lambda x: x[0], inner_state)
+  out, new_state = inner.update(mean, own_state, own_params)
+  out = treedef.flatten_up_to(out)
+  if bad is not None:  # the step's exchange decided; it skipped where it counted one
+    skipped = new_nonfinite != nonfinite
+    out = [jnp.where(skipped, jnp.zeros_like(u), u) for u in out]
+    new_state = error_feedback.held_where(skipped, own_state, new_state)
+  whole = _gather(out, [g.shape for g in grads], plan.axis.name, num_devices)
+  return (whole, new, new_count, new_nonfinite,
+          per_device_blocks(new_state, plan.axis.name))
 
 
 def _update(options: Options, inner: optax.GradientTransformation, updates: Any,
