@@ -53,6 +53,19 @@ class LeafPlan:
   low_rank: bool
 
 
+def leaf_plans(options: Options, paths: Sequence[str],
+               local_shapes: Sequence[tuple[int, ...]]) -> tuple[LeafPlan, ...]:
+  """Every leaf's part from the options and its shape on one device.
+
+  The one rule of what each leaf keeps: the state is made by it (``init``)
+  and checked against it (the update's :class:`ExchangePlan`).
+  """
+  return tuple(
+      LeafPlan(path, tuple(shape), options.keeps_residual(math.prod(shape), shape),
+               options.sends_low_rank(tuple(shape)))
+      for path, shape in zip(paths, local_shapes))
+
+
 @dataclasses.dataclass(frozen=True)
 class BucketPlanner:
   """How leaves fuse into buckets and which exchange each takes (the cost model's inputs).
@@ -137,10 +150,7 @@ class ExchangePlan:
       backward_seconds: the step's estimate of its backward pass; an explicit
         ``backward_seconds=`` option wins over it.
     """
-    leaves = tuple(
-        LeafPlan(path, tuple(shape), options.keeps_residual(math.prod(shape), shape),
-                 options.sends_low_rank(tuple(shape)))
-        for path, shape in zip(paths, local_shapes))
+    leaves = leaf_plans(options, paths, local_shapes)
     if options.backward_seconds is not None:
       backward_seconds = options.backward_seconds
     planner = BucketPlanner(

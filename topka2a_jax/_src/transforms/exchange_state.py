@@ -35,7 +35,7 @@ from topka2a_jax._src.collectives.algorithms import ALGORITHMS, AUTO
 from topka2a_jax._src.options import Options
 from topka2a_jax._src.states import TopKA2AState
 from topka2a_jax._src.transforms import error_feedback
-from topka2a_jax._src.transforms.exchange_plan import ExchangePlan
+from topka2a_jax._src.transforms.exchange_plan import ExchangePlan, LeafPlan, leaf_plans
 from topka2a_jax._src.transforms.extra_args import (
   BACKWARD_SECONDS,
   NONFINITE,
@@ -91,14 +91,15 @@ def init_state(options: Options, params: optax.Params) -> TopKA2AState:
   check_floating(leaves, paths, "parameter")
   _warn_if_codes_narrow_float64(options, leaves, paths)
   zero = jnp.zeros((), jnp.int32)
-  if is_bound(options.axis_name):
+  if is_bound(options.axis_name):  # each leaf is this device's piece already
+    parts = leaf_plans(options, paths, [leaf.shape for leaf in leaves])
     residuals = [
         jnp.zeros(residual_block_shape(options.axis, leaf.shape),
                   options.residual_dtype or error_feedback.accumulation_dtype(leaf.dtype))
-        if options.keeps_residual(leaf.size, leaf.shape) else optax.MaskedNode()
-        for leaf in leaves]
+        if part.keeps_residual else optax.MaskedNode()
+        for leaf, part in zip(leaves, parts)]
     return TopKA2AState(treedef.unflatten(residuals), zero, zero,
-                        initial_factors(options, leaves, treedef))
+                        initial_factors(options, parts, leaves, treedef))
   mesh = layout_mesh(options, leaves)
   if mesh is not None and not options.axis.on(mesh):
     raise ValueError(
@@ -131,14 +132,15 @@ def _warn_if_codes_narrow_float64(options: Options, leaves: Sequence[Any],
         stacklevel=user_stacklevel())
 
 
-def initial_factors(options: Options, leaves: Sequence[Any], treedef: Any) -> Any:
+def initial_factors(options: Options, parts: Sequence[LeafPlan], leaves: Sequence[Any],
+                    treedef: Any) -> Any:
   """Each low-rank leaf's first ``Q``, ``optax.MaskedNode()`` elsewhere; None unless PowerSGD."""
   if not options.is_low_rank:
     return None
   return treedef.unflatten([
       low_rank.initial_factor(leaf.shape, options.rank, position)
-      if options.sends_low_rank(leaf.shape) else optax.MaskedNode()
-      for position, leaf in enumerate(leaves)])
+      if part.low_rank else optax.MaskedNode()
+      for position, (leaf, part) in enumerate(zip(leaves, parts))])
 
 
 def residual_block_shape(axis: DataAxis, shape: Sequence[int]) -> tuple[int, ...]:
@@ -161,17 +163,21 @@ def _global_state(options: Options, mesh: Mesh, paths: Sequence[str],
   others = layout.automatic_axes(mesh, options.axis)
   tracing = holds_tracer(leaves)
   residuals: list[Any] = [optax.MaskedNode()] * len(leaves)
-  kept, shapes, shardings, factors = [], [], [], []
-  for i, (leaf, path) in enumerate(zip(leaves, paths)):
+  specs = []
+  for leaf, path in zip(leaves, paths):
     given = layout.param_spec_of(leaf, mesh)
     layout.check_not_over_data(given, options.axis, path)
-    spec = layout.restrict_spec(given, leaf.shape, others)
-    local_shape = layout.local_shape(leaf.shape, spec, others)
+    specs.append(layout.restrict_spec(given, leaf.shape, others))
+  local_shapes = [layout.local_shape(leaf.shape, spec, others)
+                  for leaf, spec in zip(leaves, specs)]
+  kept, shapes, shardings, factors = [], [], [], []
+  for i, (leaf, spec, local_shape, part) in enumerate(zip(  # the update's rule
+      leaves, specs, local_shapes, leaf_plans(options, paths, local_shapes))):
     local_size = math.prod(local_shape)
-    if options.sends_low_rank(local_shape):
+    if part.low_rank:
       factors.append((i, local_shape, math.prod(leaf.shape) // max(local_size, 1),
                       NamedSharding(mesh, layout.factor_spec(spec))))
-    if options.keeps_residual(local_size, local_shape):
+    if part.keeps_residual:
       kept.append(i)
       shapes.append(jax.ShapeDtypeStruct(
           layout.residual_shape(leaf.shape, num_devices, per_node=per_node,
