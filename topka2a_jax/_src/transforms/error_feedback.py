@@ -144,7 +144,7 @@ def exchange_buckets(plan: ExchangePlan, buckets: Sequence[tuple[list[int], Buck
     ``(means, new residuals)``, leaf by leaf; the means are invariant along
     the axis.
   """
-  axis = plan.axis
+  axis = plan.options.axis
   per_node = axis.per_node() or 1
   # Empty leaves: an empty mean, typed invariant along the axis like the others.
   means: list[jax.Array] = [g if g.size else _zeros_like_mean(g, axis) for g in grads]
@@ -162,11 +162,11 @@ def exchange_buckets(plan: ExchangePlan, buckets: Sequence[tuple[list[int], Buck
       limit = None
     elif limit is not None and send is not None:  # nothing sent: nothing to clip
       limit = jnp.where(send, limit, jnp.inf)
-    collective_kwargs = {"value_dtype": plan.value_dtype, "selection": plan.selection,
-                         "send": send}
+    collective_kwargs = {"value_dtype": plan.options.value_dtype,
+                         "selection": plan.options.selection, "send": send}
     if bucket.route == TWO_LEVEL:  # clipped where the node's sum is formed
       result = exchanges.two_level(
-          jnp.concatenate(rows, axis=1).ravel(), axis.name, plan.density,
+          jnp.concatenate(rows, axis=1).ravel(), axis.name, plan.options.density,
           outer=exchanges.COLLECTIVES[algorithm.name], limit=limit, **collective_kwargs)
       mean_pieces = [piece.ravel()[:size] for piece, size in zip(
           split_by_widths(result.mean.reshape(per_node, -1), widths), sizes)]
@@ -175,7 +175,7 @@ def exchange_buckets(plan: ExchangePlan, buckets: Sequence[tuple[list[int], Buck
       sent, held = clipped_to_wire([r.ravel()[:size] for r, size in zip(rows, sizes)],
                                    limit)
       result = exchanges.COLLECTIVES[algorithm.name](
-          pack_bucket(sent, dtype), axis.name, plan.density, **collective_kwargs)
+          pack_bucket(sent, dtype), axis.name, plan.options.density, **collective_kwargs)
       mean_pieces = split_by_widths(result.mean, sizes)
       # What the clip held back joins what was not sent, before a pair of
       # data axes sums it onto the devices keeping each slice.
@@ -217,7 +217,7 @@ def owner_buckets(plan: ExchangePlan, buckets: Sequence[tuple[list[int], Bucket]
     ``(flat mean shards, new residuals)``, leaf by leaf; the shards vary
     along the axis.
   """
-  axis_name = plan.axis.name
+  axis_name = plan.options.axis.name
   num_devices = bound_axis_size(axis_name)
   shards: list[Any] = [vary_like(jnp.zeros(ceil_div(g.size, num_devices), g.dtype), g)
                        for g in grads]
@@ -240,8 +240,8 @@ def owner_buckets(plan: ExchangePlan, buckets: Sequence[tuple[list[int], Bucket]
       owned, unsent = exchanges.codes_to_owners(
           sent, axis_name, algorithm.codes.bits, chunk=algorithm.codes.chunk, send=send)
     else:
-      phase = exchanges.to_owners(sent, axis_name, plan.density, plan.value_dtype,
-                                  get_selection(plan.selection), send)
+      phase = exchanges.to_owners(sent, axis_name, plan.options.density, plan.options.value_dtype,
+                                  get_selection(plan.options.selection), send)
       owned, unsent = phase.owned, phase.unsent.reshape(-1)[: sent.size]
     shards[i] = owned / num_devices
     if keeps[i]:
@@ -316,7 +316,7 @@ def _exchange_low_rank(plan: ExchangePlan, buckets: Sequence[tuple[list[int], Bu
     ``(means, residuals, factors)``, leaf by leaf.
   """
   low, rest = _low_and_rest(factors)
-  means: list[Any] = [g if g.size else _zeros_like_mean(g, plan.axis) for g in grads]
+  means: list[Any] = [g if g.size else _zeros_like_mean(g, plan.options.axis) for g in grads]
   new, new_factors = list(residuals), list(factors)
   rest_means, _ = exchange_buckets(plan, buckets, [grads[i] for i in rest],
                                    [optax.MaskedNode()] * len(rest), sparse)
@@ -332,9 +332,9 @@ def _exchange_low_rank(plan: ExchangePlan, buckets: Sequence[tuple[list[int], Bu
     accumulators.append(acc)
   if sparse:
     low_means, left, made = low_rank.powersgd(
-        accumulators, [factors[i] for i in low], plan.axis.name)
+        accumulators, [factors[i] for i in low], plan.options.axis.name)
   else:
-    low_means = jax.lax.pmean(accumulators, plan.axis.name)
+    low_means = jax.lax.pmean(accumulators, plan.options.axis.name)
     left = [jnp.zeros_like(acc) for acc in accumulators]
     made = [factors[i] for i in low]
   for i, mean, rest_left, factor in zip(low, low_means, left, made):
@@ -402,7 +402,7 @@ def _applied(plan: ExchangePlan, buckets: list, end: str, grads: list, residuals
              factors: list, count: jax.Array) -> tuple[list, list, list, jax.Array]:
   """The exchange, dense while ``count < warmup_steps``; one more applied step."""
   run = functools.partial(_exchange, plan, buckets, end=end)
-  means, new, new_factors = dense_while_warming_up(plan.warmup_steps, count, run, grads,
+  means, new, new_factors = dense_while_warming_up(plan.options.warmup_steps, count, run, grads,
                                                    residuals, factors)
   return means, new, new_factors, optax.safe_increment(count)
 
@@ -422,7 +422,7 @@ def _applied_or_held(plan: ExchangePlan, buckets: list, end: str, bad: jax.Array
   """
   live = [jnp.where(bad, jnp.zeros_like(g), g) for g in grads]
   run = functools.partial(ENDS[end], plan, buckets, send=jnp.logical_not(bad))
-  means, new = dense_while_warming_up(plan.warmup_steps, count, run, live, residuals)
+  means, new = dense_while_warming_up(plan.options.warmup_steps, count, run, live, residuals)
   return means, new, counted(count, jnp.logical_not(bad))
 
 
@@ -430,7 +430,7 @@ def _skipped(plan: ExchangePlan, buckets: list, grads: list, residuals: list,
              factors: list, count: jax.Array) -> tuple[list, list, list, jax.Array]:
   """Zero updates; residuals, factors and count as they were."""
   del buckets
-  return [_zeros_like_mean(g, plan.axis) for g in grads], residuals, factors, count
+  return [_zeros_like_mean(g, plan.options.axis) for g in grads], residuals, factors, count
 
 
 def may_overflow(plan: ExchangePlan, grads: Sequence[jax.Array]) -> bool:
@@ -498,7 +498,7 @@ def step(plan: ExchangePlan, grads: list, residuals: list, factors: list | None,
     nonfinite_steps: skipped steps so far.
     bad: whether some device's gradient is non-finite, decided already by
       :func:`topka2a_jax.skip_nonfinite`; None to decide here (when
-      ``plan.skip_nonfinite``). With a decision, a step whose means come
+      ``plan.options.skip_nonfinite``). With a decision, a step whose means come
       out non-finite (an overflow, :func:`may_overflow`) is skipped too.
     end: :data:`MEANS`, or :data:`OWNERS` for each leaf's owned shard of
       its mean (a plan with ``fusion=1``, no PowerSGD).
@@ -507,8 +507,8 @@ def step(plan: ExchangePlan, grads: list, residuals: list, factors: list | None,
     ``(means, residuals, factors, count, nonfinite_steps)`` after the step:
     the means whole, or this device's flat shard of each.
   """
-  num_devices = bound_axis_size(plan.axis.name)
-  bad = step_is_bad(bad, grads, plan.axis.name, plan.skip_nonfinite)
+  num_devices = bound_axis_size(plan.options.axis.name)
+  bad = step_is_bad(bad, grads, plan.options.axis.name, plan.options.skip_nonfinite)
   # PowerSGD's other leaves are bucketed alone: the low-rank ones go apart.
   rest = range(len(grads)) if factors is None else _low_and_rest(factors)[1]
   buckets = plan.buckets([grads[i] for i in rest], num_devices)
@@ -529,7 +529,7 @@ def step(plan: ExchangePlan, grads: list, residuals: list, factors: list | None,
     return means, new, new_factors, new_count, counted(nonfinite_steps, bad)
   # The means may overflow from finite inputs. Whole, they are identical on
   # every data device; shards differ, and the flag is taken over the axis.
-  broke = overflowed(means, over=plan.axis.names if end == OWNERS else ())
+  broke = overflowed(means, over=plan.options.axis.names if end == OWNERS else ())
   means = [jnp.where(broke, jnp.zeros_like(m), m) for m in means]
   return (means, held_where(broke, residuals, new), new_factors if factors is None
           else held_where(broke, factors, new_factors), held_where(broke, count, new_count),

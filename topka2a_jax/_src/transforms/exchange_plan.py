@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from topka2a_jax._src.axis import DataAxis, grouped_by_varying_axes
+from topka2a_jax._src.axis import grouped_by_varying_axes
 from topka2a_jax._src.collectives import algorithms
 from topka2a_jax._src.options import Options
 from topka2a_jax._src.planner.buckets import Bucket
@@ -113,12 +113,9 @@ class ExchangePlan:
   """One trace's exchange: its settings, every leaf's part, and its bucket planner.
 
   Attributes:
-    axis: the data axis.
-    density: the fraction of every sparse bucket each device sends.
-    selection: a key of :data:`topka2a_jax.collectives.SELECTIONS`.
-    value_dtype: the sparse values' dtype on the wire, or None.
-    warmup_steps: applied steps exchanged densely first.
-    skip_nonfinite: whether a non-finite gradient skips the step everywhere.
+    options: the transform's options, as the user gave them (the axis,
+      density, selection, wire dtype, warm-up and non-finite switch the
+      step reads from them).
     quantizes: whether the exchange sends few-bit codes, whose owners' sums
       can overflow from finite inputs.
     rank: the rank of the low-rank leaves' factors; None unless PowerSGD.
@@ -126,12 +123,7 @@ class ExchangePlan:
     planner: how the leaves fuse into buckets.
   """
 
-  axis: DataAxis
-  density: float
-  selection: str
-  value_dtype: jnp.dtype | None
-  warmup_steps: int
-  skip_nonfinite: bool
+  options: Options
   quantizes: bool
   rank: int | None
   leaves: tuple[LeafPlan, ...]
@@ -163,9 +155,7 @@ class ExchangePlan:
         forms=options.auto_forms)
     names = (planner.forms or () if options.algorithm == algorithms.AUTO
              else (options.algorithm,))
-    return cls(axis=options.axis, density=options.density, selection=options.selection,
-               value_dtype=options.value_dtype, warmup_steps=options.warmup_steps,
-               skip_nonfinite=options.skip_nonfinite,
+    return cls(options=options,
                quantizes=any(algorithms.ALGORITHMS[name].quantizes for name in names
                              if name in algorithms.ALGORITHMS),
                rank=options.rank if options.is_low_rank else None, leaves=leaves,
@@ -186,7 +176,7 @@ class ExchangePlan:
     return [([live[j] for j in bucket.leaves], bucket)
             for live in groups
             for bucket in self.planner.plan([grads[i].size for i in live], num_devices,
-                                            self.density)]
+                                            self.options.density)]
 
   def wire_limit(self, dtypes: Sequence[Any]) -> float | None:
     """The largest magnitude a sparse bucket of ``dtypes`` may send, or None.
@@ -197,6 +187,7 @@ class ExchangePlan:
     bursts, many steps' gradients summed, can exceed both; they are clipped
     to this limit and the excess stays in the residual.
     """
-    wire = [*dtypes, *([self.value_dtype] if self.value_dtype is not None else [])]
+    value_dtype = self.options.value_dtype
+    wire = [*dtypes, *([value_dtype] if value_dtype is not None else [])]
     limit = min(float(jnp.finfo(dtype).max) for dtype in wire)
     return None if limit >= float(jnp.finfo(jnp.float32).max) else limit

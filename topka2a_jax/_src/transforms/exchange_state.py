@@ -349,7 +349,7 @@ def _step_on_shards(plan: ExchangePlan, others: dict[Hashable, int], grads: list
   """
   specs = shard_specs(grads, given, others)
   blocks = [optax.MaskedNode() if isinstance(r, optax.MaskedNode)
-            else layout.residual_block_spec(plan.axis, spec)
+            else layout.residual_block_spec(plan.options.axis, spec)
             for r, spec in zip(residuals, specs)]
   factor_blocks = None if factors is None else [
       optax.MaskedNode() if isinstance(f, optax.MaskedNode) else layout.factor_spec(spec)
@@ -383,9 +383,9 @@ def _checked_residuals(plan: ExchangePlan, treedef: Any, state: TopKA2AState,
         f"({error})") from None
   for grad, residual, leaf in zip(grads, residuals, plan.leaves):
     if leaf.keeps_residual:
-      expected = residual_block_shape(plan.axis, grad.shape)
+      expected = residual_block_shape(plan.options.axis, grad.shape)
       if getattr(residual, "shape", None) != expected:
-        raise ValueError(_residual_shape_message(plan.axis, leaf.path, residual,
+        raise ValueError(_residual_shape_message(plan.options.axis, leaf.path, residual,
                                                  expected))
     elif not isinstance(residual, optax.MaskedNode):
       raise ValueError(

@@ -316,13 +316,13 @@ def _step(plan: ExchangePlan, inner: optax.GradientTransformation, treedef: Any,
   those of :func:`topka2a_jax.topka2a`. Where it skips, ``inner`` gets
   zeros and its state stays as it was.
   """
-  num_devices = bound_axis_size(plan.axis.name)
+  num_devices = bound_axis_size(plan.options.axis.name)
   shards, new, _, new_count, new_nonfinite = error_feedback.step(
       plan, grads, residuals, None, count, nonfinite, bad, end=error_feedback.OWNERS)
   mean = treedef.unflatten([_present(s.astype(g.dtype), g.ndim)
                             for s, g in zip(shards, grads)])
   own_params = None if param_leaves is None else treedef.unflatten(
-      [_own_shard(p, num_devices, plan.axis.name) for p in param_leaves])
+      [_own_shard(p, num_devices, plan.options.axis.name) for p in param_leaves])
   own_state = jax.tree.map(lambda x: x[0], inner_state)
   out, new_state = inner.update(mean, own_state, own_params)
   out = treedef.flatten_up_to(out)
@@ -330,9 +330,9 @@ def _step(plan: ExchangePlan, inner: optax.GradientTransformation, treedef: Any,
     skipped = new_nonfinite != nonfinite
     out = [jnp.where(skipped, jnp.zeros_like(u), u) for u in out]
     new_state = error_feedback.held_where(skipped, own_state, new_state)
-  whole = _gather(out, [g.shape for g in grads], plan.axis.name, num_devices)
+  whole = _gather(out, [g.shape for g in grads], plan.options.axis.name, num_devices)
   return (whole, new, new_count, new_nonfinite,
-          per_device_blocks(new_state, plan.axis.name))
+          per_device_blocks(new_state, plan.options.axis.name))
 
 
 def _update(options: Options, inner: optax.GradientTransformation, updates: Any,
