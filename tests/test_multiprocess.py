@@ -83,15 +83,20 @@ def test_launcher_names_the_first_process_to_fail_not_the_lowest_rank(tmp_path):
     assert "process 1 of 2 failed with status 3" in done.stderr
 
 
+def launched(tmp_path, source: str) -> subprocess.CompletedProcess:
+  """``topka2a-launch -n 2`` of a script of ``source`` (no JAX needed)."""
+  script = tmp_path / "worker.py"
+  script.write_text(source)
+  return run([sys.executable, *LAUNCHER, "-n", "2", str(script)])
+
+
 def test_the_launcher_drops_glooes_all_connected_line_and_keeps_a_missing_peer(tmp_path):
-  script = tmp_path / "chatty.py"
-  script.write_text(
-      "print('[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of "
-      "connected peer ranks is : 1')\n"
-      "print('[Gloo] Rank 0 is connected to 0 peer ranks. Expected number of "
-      "connected peer ranks is : 1')\n"
-      "print('trained')\n")
-  done = run([sys.executable, *LAUNCHER, "-n", "2", str(script)])
+  done = launched(tmp_path,
+                  "print('[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of "
+                  "connected peer ranks is : 1')\n"
+                  "print('[Gloo] Rank 0 is connected to 0 peer ranks. Expected number of "
+                  "connected peer ranks is : 1')\n"
+                  "print('trained')\n")
   assert done.returncode == 0, done.stderr
   lines = done.stdout.splitlines()
   assert {"[0] trained", "[1] trained"} <= set(lines)
@@ -101,14 +106,12 @@ def test_the_launcher_drops_glooes_all_connected_line_and_keeps_a_missing_peer(t
 
 def test_bytes_that_are_not_utf8_are_forwarded_escaped_and_the_job_ends(tmp_path):
   """A stray byte, then more output than a pipe holds: every line arrives, the job ends."""
-  script = tmp_path / "bytes.py"
-  script.write_text(
-      "import sys\n"
-      "sys.stdout.buffer.write(b'raw \\xff\\xfe bytes\\n'); sys.stdout.flush()\n"
-      "for i in range(5000):\n"
-      "  print(f'line {i} ' + 'x' * 40)\n"
-      "print('done')\n")
-  done = run([sys.executable, *LAUNCHER, "-n", "2", str(script)])
+  done = launched(tmp_path,
+                  "import sys\n"
+                  "sys.stdout.buffer.write(b'raw \\xff\\xfe bytes\\n'); sys.stdout.flush()\n"
+                  "for i in range(5000):\n"
+                  "  print(f'line {i} ' + 'x' * 40)\n"
+                  "print('done')\n")
   assert done.returncode == 0, done.stderr
   lines = done.stdout.splitlines()
   assert {"[0] raw \\xff\\xfe bytes", "[1] done", "[0] done"} <= set(lines)
@@ -117,8 +120,8 @@ def test_bytes_that_are_not_utf8_are_forwarded_escaped_and_the_job_ends(tmp_path
 
 def test_what_the_others_print_after_the_first_failure_is_summarized(tmp_path):
   """The failed process's own message is what the job ends on; a peer's dying words are one line."""
-  script = tmp_path / "fails.py"
-  script.write_text(
+  done = launched(
+      tmp_path,
       "import os, signal, sys, time\n"
       "rank = int(os.environ['TOPKA2A_PROCESS_ID'])\n"
       "def broken(*_):\n"
@@ -131,7 +134,6 @@ def test_what_the_others_print_after_the_first_failure_is_summarized(tmp_path):
       "  print('RuntimeError: boom', flush=True)\n"
       "  sys.exit(3)\n"
       "time.sleep(60)\n")
-  done = run([sys.executable, *LAUNCHER, "-n", "2", str(script)])
   assert done.returncode == 3
   assert "[1] RuntimeError: boom" in done.stdout
   assert "peer traceback line" not in done.stdout
