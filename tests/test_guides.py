@@ -63,7 +63,7 @@ def test_no_guide_opens_with_a_top_k_or_sign_before_adam(page):
     assert not BURSTS.search(first), first
 
 
-def test_the_usage_guides_first_snippet_trains_as_the_readme_program():
+def test_the_usage_guides_first_snippet_and_program_train_as_the_readme_program():
   readme = programs(README)[0]
   setup = readme[:readme.index("tx = ")]  # the model, the data and the mesh
   snippet = _blocks(USAGE)[0]
@@ -78,3 +78,7 @@ def test_the_usage_guides_first_snippet_trains_as_the_readme_program():
   reference = {"__name__": "readme"}
   exec(compile(readme, str(README), "exec"), reference)  # noqa: S102
   assert losses[-1] == pytest.approx(reference["losses"][-1], rel=0.01)
+  # The guide's first whole program (Flax NNX) trains the README's model too.
+  nnx_program = {"__name__": "usage"}
+  exec(compile(programs(USAGE)[0], str(USAGE), "exec"), nnx_program)  # noqa: S102
+  assert nnx_program["losses"][-1] == pytest.approx(reference["losses"][-1], rel=0.01)
