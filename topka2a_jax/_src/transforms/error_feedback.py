@@ -157,11 +157,8 @@ def exchange_buckets(plan: ExchangePlan, buckets: Sequence[tuple[list[int], Buck
     rows = [_accumulator(grads[i], residuals[i] if keep else None, per_node,
                          axis.inner, dtype) for i, keep in zip(members, keeps)]
     algorithm = ALGORITHMS[bucket.algorithm] if sparse else DENSE
-    limit = plan.wire_limit([grads[i].dtype for i in members])
-    if not algorithm.sparse:
-      limit = None
-    elif limit is not None and send is not None:  # nothing sent: nothing to clip
-      limit = jnp.where(send, limit, jnp.inf)
+    limit = _sent_limit(plan, [grads[i].dtype for i in members], send) if (
+        algorithm.sparse) else None
     collective_kwargs = {"value_dtype": plan.options.value_dtype,
                          "selection": plan.options.selection, "send": send}
     if bucket.route == TWO_LEVEL:  # clipped where the node's sum is formed
@@ -232,10 +229,7 @@ def owner_buckets(plan: ExchangePlan, buckets: Sequence[tuple[list[int], Bucket]
       dense.extend(members)
       continue
     (i,) = members  # one leaf a bucket: its owned shard is a slice of it
-    limit = plan.wire_limit([grads[i].dtype])
-    if limit is not None and send is not None:  # nothing sent: nothing to clip
-      limit = jnp.where(send, limit, jnp.inf)
-    (sent,), held = clipped_to_wire([accs[i]], limit)
+    (sent,), held = clipped_to_wire([accs[i]], _sent_limit(plan, [grads[i].dtype], send))
     if algorithm.codes is not None:
       owned, unsent = exchanges.codes_to_owners(
           sent, axis_name, algorithm.codes.bits, chunk=algorithm.codes.chunk, send=send)
@@ -265,6 +259,14 @@ ENDS = {MEANS: exchange_buckets, OWNERS: owner_buckets}
 """Each end's exchange of the buckets, ``(plan, buckets, grads, residuals, sparse, send)``."""
 
 
+def _sent_limit(plan: ExchangePlan, dtypes: Sequence[Any], send: jax.Array | None) -> Any:
+  """:meth:`ExchangePlan.wire_limit` of a bucket of ``dtypes``, none where nothing is sent."""
+  limit = plan.wire_limit(dtypes)
+  if limit is not None and send is not None:  # nothing sent: nothing to clip
+    limit = jnp.where(send, limit, jnp.inf)
+  return limit
+
+
 def clipped_to_wire(values: Sequence[jax.Array], limit: Any
                     ) -> tuple[list[jax.Array], list[jax.Array] | None]:
   """Each of this device's ``values`` clipped to ``[-limit, limit]``, and what the clip held back.
@@ -273,8 +275,7 @@ def clipped_to_wire(values: Sequence[jax.Array], limit: Any
   second waits in the residual, so that ``sent + held`` is ``values``
   exactly; with no limit nothing is held back (None). Every exchange that
   sends a leaf's values clips them here: the buckets of
-  :func:`exchange_buckets` and the owner phase of
-  :func:`topka2a_jax.sharded_optimizer`.
+  :func:`exchange_buckets` and of :func:`owner_buckets`.
 
   Args:
     values: arrays in a float dtype wide enough for the sum (the

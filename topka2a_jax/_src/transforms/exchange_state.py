@@ -168,11 +168,10 @@ def _global_state(options: Options, mesh: Mesh, paths: Sequence[str],
     given = layout.param_spec_of(leaf, mesh)
     layout.check_not_over_data(given, options.axis, path)
     specs.append(layout.restrict_spec(given, leaf.shape, others))
-  local_shapes = [layout.local_shape(leaf.shape, spec, others)
-                  for leaf, spec in zip(leaves, specs)]
+  pieces = [layout.local_shape(leaf.shape, spec, others) for leaf, spec in zip(leaves, specs)]
   kept, shapes, shardings, factors = [], [], [], []
   for i, (leaf, spec, local_shape, part) in enumerate(zip(  # the update's rule
-      leaves, specs, local_shapes, leaf_plans(options, paths, local_shapes))):
+      leaves, specs, pieces, leaf_plans(options, paths, pieces))):
     local_size = math.prod(local_shape)
     if part.low_rank:
       factors.append((i, local_shape, math.prod(leaf.shape) // max(local_size, 1),
@@ -295,7 +294,7 @@ def planned(options: Options, treedef: Any, state: TopKA2AState,
   others = layout.automatic_axes(jax.sharding.get_abstract_mesh(), options.axis)
   shapes = local_shapes(grads, given, others)
   plan = ExchangePlan.create(options, paths, shapes, backward_seconds)
-  residuals = _checked_residuals(plan, treedef, state, grads)
+  residuals = _checked_residuals(options.axis, plan.leaves, treedef, state, grads)
   return plan, residuals, _checked_factors(plan, treedef, state, grads)
 
 
@@ -366,9 +365,25 @@ def _step_on_shards(plan: ExchangePlan, others: dict[Hashable, int], grads: list
              state.nonfinite_steps, bad)
 
 
-def _checked_residuals(plan: ExchangePlan, treedef: Any, state: TopKA2AState,
-                       grads: Sequence[jax.Array]) -> list[Any]:
-  """The state's residuals, one per gradient leaf, checked against the plan."""
+def checked_residuals(options: Options, treedef: Any, state: TopKA2AState,
+                      grads: Sequence[jax.Array], paths: Sequence[str],
+                      given: Sequence[P | None]) -> list[Any]:
+  """The state's residuals, one per gradient leaf, checked as :func:`planned` checks them.
+
+  Without the bucket planner: for a transform that meets the state before
+  its exchange does (``compress_updates``' inner step).
+
+  Raises:
+    TypeError, ValueError: as :func:`planned`.
+  """
+  others = layout.automatic_axes(jax.sharding.get_abstract_mesh(), options.axis)
+  parts = leaf_plans(options, paths, local_shapes(grads, given, others))
+  return _checked_residuals(options.axis, parts, treedef, state, grads)
+
+
+def _checked_residuals(axis: DataAxis, parts: Sequence[LeafPlan], treedef: Any,
+                       state: TopKA2AState, grads: Sequence[jax.Array]) -> list[Any]:
+  """The state's residuals, one per gradient leaf, checked against the leaves' parts."""
   if not isinstance(state, TopKA2AState):
     raise TypeError(
         f"expected the TopKA2AState made by this transform's init, got "
@@ -381,12 +396,11 @@ def _checked_residuals(plan: ExchangePlan, treedef: Any, state: TopKA2AState,
         "initialised for another model? Re-create it with tx.init(params) "
         f"(topka2a built with mesh=...) or topka2a_jax.init(tx, params, mesh). "
         f"({error})") from None
-  for grad, residual, leaf in zip(grads, residuals, plan.leaves):
+  for grad, residual, leaf in zip(grads, residuals, parts):
     if leaf.keeps_residual:
-      expected = residual_block_shape(plan.options.axis, grad.shape)
+      expected = residual_block_shape(axis, grad.shape)
       if getattr(residual, "shape", None) != expected:
-        raise ValueError(_residual_shape_message(plan.options.axis, leaf.path, residual,
-                                                 expected))
+        raise ValueError(_residual_shape_message(axis, leaf.path, residual, expected))
     elif not isinstance(residual, optax.MaskedNode):
       raise ValueError(
           f"the state holds a residual for leaf {leaf.path}, which these options "

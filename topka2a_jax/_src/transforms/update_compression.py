@@ -79,10 +79,10 @@ from topka2a_jax._src.options import Options, takes_options
 from topka2a_jax._src.states import CompressedUpdatesState
 from topka2a_jax._src.transforms.error_feedback import held_where
 from topka2a_jax._src.transforms.exchange_state import (
+  checked_residuals,
   holds_exchange,
   init_state,
   layout_mesh,
-  planned,
   update_state,
 )
 from topka2a_jax._src.transforms.extra_args import NONFINITE, PARAM_SPECS
@@ -241,8 +241,8 @@ def _update(options: Options, inner: optax.GradientTransformationExtraArgs,
   check_per_device(grads, paths, options.axis_name)
   # A state made for other parameters is refused, naming the leaf, before
   # the inner step would meet it.
-  planned(options, tree.structure, state.exchange, grads, paths,
-          given_specs(tree.structure, extra_args.get(PARAM_SPECS)))
+  checked_residuals(options, tree.structure, state.exchange, grads, paths,
+                    given_specs(tree.structure, extra_args.get(PARAM_SPECS)))
   decided = extra_args.get(NONFINITE)  # by skip_nonfinite around this transform
   own = jax.tree.map(lambda x: x[0], state.inner)
 
