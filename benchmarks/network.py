@@ -27,6 +27,7 @@ Run:
   python benchmarks/network.py [--rate 1gbit] [--delay-ms 0] [--processes 4]
       [--sizes 1000000 8000000 25000000] [--densities 0.01 0.05 0.1]
       [--ranks 1 4] [--repeats 5] [--selection threshold] [--json out.json]
+      [--algorithms dense quantized_8_8_fine rotated_4_8 ...]
   python benchmarks/network.py --rows out.json    # the saved rows, fitted anew
 
 Beside the exchanges, it times the defaults' whole update (``topka2a(density)``
@@ -252,7 +253,7 @@ def powersgd_seconds(mesh, buffer, size: int, rank: int, repeats: int) -> float:
 
 
 def worker(sizes: list[int], densities: list[float], ranks: list[int], repeats: int,
-           selection: str, out: str) -> None:
+           selection: str, out: str, algorithms: list[str]) -> None:
   """Inside the namespace, on every process: time the exchanges."""
   import topka2a_jax.distributed
 
@@ -269,7 +270,8 @@ def worker(sizes: list[int], densities: list[float], ranks: list[int], repeats: 
         (mesh.size * size,), NamedSharding(mesh, P("data")),
         lambda index, size=size: np.random.default_rng(index[0].start or 0).normal(
             size=size).astype(np.float32))
-    for algorithm, entry in ALGORITHMS.items():
+    for algorithm in algorithms:
+      entry = ALGORITHMS[algorithm]
       # Dense and the quantizing exchanges select nothing: one row each.
       for density in [1.0] if algorithm == "dense" or entry.quantizes else densities:
         exchange = COLLECTIVES[algorithm]
@@ -461,6 +463,10 @@ def main() -> int:
                       help="PowerSGD's ranks (none: no PowerSGD rows)")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--selection", default="threshold", choices=["exact", "threshold"])
+  parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS),
+                      choices=list(ALGORITHMS), metavar="NAME",
+                      help="the exchanges to time (default: every one); dense is "
+                           "always timed, as the ratios' reference")
   parser.add_argument("--json", help="also write the rows here")
   parser.add_argument("--rows", metavar="JSON",
                       help="report the rows a run wrote with --json, fitted anew, "
@@ -476,7 +482,7 @@ def main() -> int:
     return 0
   if args.worker:
     worker(args.sizes, args.densities, args.ranks, args.repeats, args.selection,
-           args.worker)
+           args.worker, args.algorithms)
     return 0
 
   out = Path(tempfile.mkdtemp()) / "rows.json"
@@ -484,7 +490,8 @@ def main() -> int:
                        "--sizes", *map(str, args.sizes), "--densities",
                        *map(str, args.densities), "--ranks", *map(str, args.ranks),
                        "--repeats", str(args.repeats),
-                       "--selection", args.selection)
+                       "--selection", args.selection, "--algorithms",
+                       *dict.fromkeys(["dense", *args.algorithms]))
   if status:
     return status
   rows = report(json.loads(out.read_text()), args.processes, args.rate)

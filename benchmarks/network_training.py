@@ -73,7 +73,7 @@ RUNS = {
     "onebit": {"algorithm": "onebit"},
     **{name: {"algorithm": name} for name in (
         "quantized_4_8", "quantized_4_4", "quantized_2_8", "quantized_8_8", "quantized_8_4",
-        "quantized_8_8_fine")},
+        "quantized_8_8_fine", "rotated_4_8", "rotated_4_4")},
     "defaults, buckets split to overlap the backward pass": {
         "backward_seconds": "estimated"},
 }

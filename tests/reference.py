@@ -112,30 +112,75 @@ def _coded(row: np.ndarray, start: int, n: int, bits: int, chunk: int) -> np.nda
   return out
 
 
-def _chunk_length(shard: int, chunk: int) -> int:
-  """Entries per chunk: the shard split evenly, rounded up to 32 (sizes.chunking)."""
+def _chunk_length(shard: int, chunk: int, rotated: bool = False) -> int:
+  """Entries per chunk: the shard split evenly, rounded up to 32 (sizes.chunking).
+
+  Rotated: ``chunk`` itself, or a shorter shard's next power of two (at least 32).
+  """
+  if rotated:
+    return chunk if shard > chunk else max(32, 2 ** math.ceil(math.log2(shard)))
   count = math.ceil(shard / chunk)
   return math.ceil(math.ceil(shard / count) / 32) * 32
 
 
+ROTATION_SEED = 20240701
+"""The documented seed of the rotation's signs (numpy's ``default_rng``)."""
+
+
+def rotation(length: int) -> tuple[np.ndarray, np.ndarray]:
+  """The rotation of one chunk and its inverse, as float64 matrices.
+
+  ``2^-ceil(m/2) H D`` and ``2^-floor(m/2) D H``, ``H`` the Sylvester
+  Hadamard matrix of ``length = 2^m`` and ``D`` the diagonal of signs: -1
+  where the seeded draw of 0 or 1 gave 1.
+  """
+  m = int(math.log2(length))
+  h = np.ones((1, 1))
+  for _ in range(m):
+    h = np.block([[h, h], [h, -h]])
+  d = np.diag(np.where(np.random.default_rng(ROTATION_SEED).integers(0, 2, length) == 1,
+                       -1.0, 1.0))
+  return h @ d * 2.0 ** -math.ceil(m / 2), d @ h * 2.0 ** -(m // 2)
+
+
+def _rotated_codes(row: np.ndarray, bits: int, chunk: int):
+  """A padded shard rotated chunk by chunk and coded, every entry counted.
+
+  Returns the decoded codes (rotated) and what they stand for (rotated back).
+  """
+  forward, inverse = rotation(chunk)
+  codes, back = np.zeros(len(row)), np.zeros(len(row))
+  for first in range(0, len(row), chunk):
+    span = slice(first, first + chunk)
+    codes[span] = _chunk_codes(forward @ row[span], bits)[0]
+    back[span] = inverse @ codes[span]
+  return codes, back
+
+
 def few_bit(buffers: np.ndarray, density: float, bits: int = 4, gather_bits: int = 8,
-            chunk: int = 4096):
+            chunk: int = 4096, rotated: bool = False):
   """Codes of ``bits`` bits to the owners, their means back in ``gather_bits`` bits.
 
   Each shard (``ceil(n / P)`` cut into chunks of at most ``chunk`` entries,
   each rounded up to 32) goes from every device decoded chunk by chunk; the
   owner adds them up, rounds the mean chunk by chunk to ``gather_bits`` bits,
   and keeps the rounding, times P, in its own residual.
+
+  Rotated: every chunk (padding included) is rotated before its code, the
+  owner adds and codes the rotated chunks, and what is delivered and kept
+  is rotated back.
   """
   del density
   buffers = buffers.astype(np.float64)
   num_devices, n = buffers.shape
   shard = math.ceil(n / num_devices)
-  per_chunk = _chunk_length(shard, chunk)
+  per_chunk = _chunk_length(shard, chunk, rotated)
   shard = -(-shard // per_chunk) * per_chunk
   padded = np.zeros((num_devices, num_devices * shard))
   padded[:, :n] = buffers
   unsent = padded.copy()
+  if rotated:
+    return _rotated_few_bit(padded, n, shard, bits, gather_bits, per_chunk)
   total = np.zeros(num_devices * shard)
   for device in range(num_devices):
     for owner in range(num_devices):
@@ -152,22 +197,54 @@ def few_bit(buffers: np.ndarray, density: float, bits: int = 4, gather_bits: int
   return mean[:n], unsent[:, :n]
 
 
-def codes_to_owners(buffers: np.ndarray, bits: int, chunk: int = 4096):
+def _rotated_few_bit(padded, n, shard, bits, gather_bits, chunk):
+  num_devices = padded.shape[0]
+  unsent, total = padded.copy(), np.zeros(padded.shape[1])
+  for device in range(num_devices):
+    for owner in range(num_devices):
+      span = slice(owner * shard, (owner + 1) * shard)
+      codes, back = _rotated_codes(padded[device, span], bits, chunk)
+      total[span] += codes
+      unsent[device, span] -= back
+  mean = np.zeros(padded.shape[1])
+  _, inverse = rotation(chunk)
+  for owner in range(num_devices):
+    span = slice(owner * shard, (owner + 1) * shard)
+    # The owner's sum is already rotated: its mean is coded as it is.
+    codes = np.concatenate([_chunk_codes(total[span][i:i + chunk] / num_devices,
+                                         gather_bits)[0] for i in range(0, shard, chunk)])
+    mean[span] = np.concatenate([inverse @ codes[i:i + chunk] for i in range(0, shard, chunk)])
+    owed = total[span] - num_devices * codes
+    unsent[owner, span] += np.concatenate([inverse @ owed[i:i + chunk]
+                                           for i in range(0, shard, chunk)])
+  return mean[:n], unsent[:, :n]
+
+
+def codes_to_owners(buffers: np.ndarray, bits: int, chunk: int = 4096,
+                    rotated: bool = False):
   """Every entry in ``bits`` bits to its owner, summed there exactly (no second phase).
 
   Owner ``i`` holds entries ``[i m, (i + 1) m)``, ``m = ceil(n / P)``, cut
   into chunks as :func:`few_bit`'s shards are. Returns the sum over devices of
-  what they sent, ``(n,)``, and what each did not send, ``(P, n)``.
+  what they sent, ``(n,)``, and what each did not send, ``(P, n)``. Rotated:
+  each owned piece is zero-padded to whole chunks, rotated and coded, and
+  what the codes stand for is rotated back.
   """
   buffers = buffers.astype(np.float64)
   num_devices, n = buffers.shape
   shard = math.ceil(n / num_devices)
-  per_chunk = _chunk_length(shard, chunk)
+  per_chunk = _chunk_length(shard, chunk, rotated)
   total, unsent = np.zeros(n), buffers.copy()
   for device in range(num_devices):
     for owner in range(num_devices):
       span = slice(owner * shard, min(n, (owner + 1) * shard))
-      sent = _coded(buffers[device, span], 0, n, bits, per_chunk)
+      if rotated:
+        row = np.zeros(-(-shard // per_chunk) * per_chunk)
+        piece = buffers[device, span]
+        row[:len(piece)] = piece
+        sent = _rotated_codes(row, bits, per_chunk)[1][:len(piece)]
+      else:
+        sent = _coded(buffers[device, span], 0, n, bits, per_chunk)
       total[span] += sent
       unsent[device, span] -= sent
   return total, unsent
@@ -187,7 +264,10 @@ ALGORITHMS = {"dense": dense, "allgather": allgather, "topka2a": topka2a,
                                                              gather_bits=back)
                  for up, back in ((4, 8), (4, 4), (2, 8), (8, 8), (8, 4))},
               "quantized_8_8_fine": functools.partial(few_bit, bits=8, gather_bits=8,
-                                                      chunk=256)}
+                                                      chunk=256),
+              **{f"rotated_4_{back}": functools.partial(few_bit, bits=4, gather_bits=back,
+                                                        chunk=512, rotated=True)
+                 for back in (8, 4)}}
 
 
 def leafwise(algorithm, grads, residuals, density):

@@ -133,7 +133,7 @@ def test_a_restart_on_another_device_count_delivers_what_was_owed(
 
 
 @pytest.mark.parametrize("old, new", [(8, 4), (4, 8), (8, 3)])
-@pytest.mark.parametrize("algorithm", ["onebit", "quantized_4_8"])
+@pytest.mark.parametrize("algorithm", ["onebit", "quantized_4_8", "rotated_4_8"])
 def test_codes_after_a_restart_deliver_what_was_owed_and_no_more(tmp_path, algorithm,
                                                                  old, new):
   """The few-bit exchanges drain over several steps (codes of what is owed, both

@@ -93,7 +93,7 @@ def test_sparse_on_a_2d_mesh_loses_nothing(mesh2d, problem):
     assert np.abs(owed).sum() > 0
 
 
-@pytest.mark.parametrize("algorithm", ["onebit", "quantized_4_8"])
+@pytest.mark.parametrize("algorithm", ["onebit", "quantized_4_8", "rotated_4_8"])
 def test_codes_on_a_2d_mesh_lose_nothing(mesh2d, problem, algorithm):
   """Codes of each device's shard of the parameters; every entry is sent."""
   tx = topka2a_jax.topka2a(algorithm=algorithm, min_size=0)

@@ -60,7 +60,7 @@ def test_a_bad_step_under_onebit_is_as_if_it_never_came(mesh, exchange_steps):
     np.testing.assert_array_equal(residuals_of(after)[k], residuals_of(clean[1][1])[k])
 
 
-@pytest.mark.parametrize("algorithm", ["onebit", "quantized_4_8"])
+@pytest.mark.parametrize("algorithm", ["onebit", "quantized_4_8", "rotated_4_8"])
 def test_huge_finite_gradients_are_delivered_or_skipped_never_made_nan(
     mesh, exchange_steps, algorithm):
   """Every device's entries near 1e37 (delivered) or 3e38 (their sum overflows)."""

@@ -12,7 +12,7 @@ from sharded import per_device
 
 import topka2a_jax
 from topka2a_jax._src import sizes
-from topka2a_jax._src.collectives import quantized
+from topka2a_jax._src.collectives import quantized, rotation
 from topka2a_jax._src.collectives.algorithms import ALGORITHMS
 from topka2a_jax.collectives import COLLECTIVES
 
@@ -20,7 +20,8 @@ QUANTIZING = sorted(name for name, entry in ALGORITHMS.items() if entry.quantize
 WIDTHS = {"onebit": (1, 8, 4096), "onebit_4": (1, 4, 4096), "onebit_1": (1, 1, 4096),
           "quantized_4_8": (4, 8, 4096), "quantized_4_4": (4, 4, 4096),
           "quantized_2_8": (2, 8, 4096), "quantized_8_8": (8, 8, 4096),
-          "quantized_8_4": (8, 4, 4096), "quantized_8_8_fine": (8, 8, 256)}
+          "quantized_8_4": (8, 4, 4096), "quantized_8_8_fine": (8, 8, 256),
+          "rotated_4_8": (4, 8, 512), "rotated_4_4": (4, 4, 512)}
 """Bits per entry to the owners and back, and entries per scale, by exchange."""
 
 
@@ -158,8 +159,11 @@ def test_bytes_on_the_wire_are_the_cost_models(mesh, name):
   model = ALGORITHMS[name].cost(length, 8, 1.0).bytes
   assert sent == pytest.approx(model, rel=0.01)
   up, back, chunk = WIDTHS[name]
-  assert model / length == pytest.approx(7 / 8 * (up + back + 2 * 32 / chunk) / 8,
-                                         rel=0.01)
+  # A rotated code's chunks are whole powers of two: 12,500 entries a shard
+  # travel as 25 chunks of 512.
+  coded = 8 * (25 * 512 if ALGORITHMS[name].codes.rotated else 12_500)
+  assert model / coded == pytest.approx(7 / 8 * (up + back + 2 * 32 / chunk) / 8,
+                                        rel=0.01)
 
 
 def test_its_bytes_do_not_grow_with_the_devices():
@@ -212,3 +216,35 @@ def test_compress_updates_sends_signs_unless_given_a_density(mesh):
   # 1% of 32,768 entries, 328 float32 values and uint16 indices, to 7 peers
   # (TopkA): 0.77x the signs' bytes.
   assert top_k == pytest.approx(7 * 328 * 6, rel=0.01)
+
+
+@pytest.mark.parametrize("length", [32, 128, 512])
+def test_the_rotation_is_the_models_matrix_and_its_inverse(length):
+  chunks = np.random.default_rng(length).normal(size=(2, 3, length))
+  forward, inverse = reference.rotation(length)
+  with jax.enable_x64():
+    rotated = np.asarray(rotation.rotate(jnp.asarray(chunks)))
+    back = np.asarray(rotation.unrotate(jnp.asarray(rotated)))
+  np.testing.assert_allclose(rotated, chunks @ forward.T, rtol=0, atol=1e-12)
+  np.testing.assert_allclose(back, chunks @ (inverse @ forward).T, rtol=0, atol=1e-12)
+  np.testing.assert_allclose(inverse @ forward, np.eye(length), atol=1e-12)
+
+
+def test_a_rotated_code_keeps_a_chunk_with_an_outlier_in_4_bits(mesh):
+  """One entry 50 times the others' scale: unrotated, it sets a step that rounds
+  every other entry to zero; rotated first, their error is several times smaller."""
+  row = np.random.default_rng(5).normal(size=8 * 512).astype(np.float32)
+  row[::512] = 50.0  # one outlier a chunk
+  same = np.tile(row, (8, 1))
+  errors = {}
+  for name in ("quantized_4_8", "rotated_4_8"):
+    mean = exchange(mesh, name, same, chunk=512)[0][0]
+    rest = np.arange(row.size) % 512 != 0
+    errors[name] = np.sqrt(np.mean((mean[rest] - row[rest]) ** 2))
+  assert errors["quantized_4_8"] == pytest.approx(1.0, rel=0.1)  # all rounded to 0
+  assert errors["rotated_4_8"] < 0.3 * errors["quantized_4_8"]
+
+
+def test_a_rotated_code_needs_chunks_of_a_power_of_two(mesh):
+  with pytest.raises(ValueError, match="power of two.*try 512 or 256"):
+    exchange(mesh, "rotated_4_8", np.ones((8, 1000), np.float32), chunk=384)

@@ -152,9 +152,11 @@ def test_exchanges_without_an_owner_phase_are_refused():
     topka2a_jax.sharded_optimizer(optax.adam(1e-3), 0.01, algorithm="allgather")
 
 
-@pytest.mark.parametrize("name, bits", [("quantized_8_8", 8), ("quantized_4_4", 4),
-                                        ("onebit", 1)])
-def test_a_few_bit_first_phase_matches_its_float64_model(exchange_steps, mesh, name, bits):
+@pytest.mark.parametrize("name, bits, chunk, rotated", [
+    ("quantized_8_8", 8, 4096, False), ("quantized_4_4", 4, 4096, False),
+    ("onebit", 1, 4096, False), ("rotated_4_8", 4, 512, True)])
+def test_a_few_bit_first_phase_matches_its_float64_model(exchange_steps, mesh, name, bits,
+                                                         chunk, rotated):
   """Ten steps of SGD at rate 1: the updates are minus the mean of what was sent.
 
   ``w``'s shards have two chunks each (5,001 entries), ``b``'s one chunk of
@@ -170,7 +172,8 @@ def test_a_few_bit_first_phase_matches_its_float64_model(exchange_steps, mesh, n
   residuals = {key: np.zeros(g.shape) for key, g in grads[0].items()}
   for grad, (updates, state) in zip(grads, steps):
     for key in grad:
-      total, residuals[key] = reference.codes_to_owners(grad[key] + residuals[key], bits)
+      total, residuals[key] = reference.codes_to_owners(grad[key] + residuals[key], bits,
+                                                        chunk, rotated)
       scale = np.abs(grad[key]).max()
       np.testing.assert_allclose(updates[key], np.broadcast_to(-total / DEVICES,
                                                                updates[key].shape),

@@ -27,7 +27,8 @@ AXES = ("node", "local")
 OUTER = {"topka2a": exchanges.topka2a, "topka2a_sparse": exchanges.topka2a_sparse,
          "allgather": exchanges.allgather, "dense": exchanges.dense,
          "onebit": exchanges.onebit,
-         "quantized_4_8": exchanges.COLLECTIVES["quantized_4_8"]}
+         "quantized_4_8": exchanges.COLLECTIVES["quantized_4_8"],
+         "rotated_4_8": exchanges.COLLECTIVES["rotated_4_8"]}
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +141,7 @@ def test_draining_loses_nothing(mesh, algorithm):
                              atol=1e-4)
 
 
-@pytest.mark.parametrize("algorithm", ["quantized_4_8", "onebit"])
+@pytest.mark.parametrize("algorithm", ["quantized_4_8", "onebit", "rotated_4_8"])
 def test_few_bits_between_nodes_lose_nothing_and_send_each_node_sum_once(mesh, algorithm):
   """Codes of each node's sum, not of every device's row: one quantization a boundary."""
   rows = np.random.default_rng(3).normal(size=(NODES * LOCAL, 203)).astype(np.float32)

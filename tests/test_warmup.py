@@ -45,8 +45,9 @@ def test_warmup_is_dense_then_sparse_from_zero_residuals(mesh, algorithm, exchan
   assert [int(s[0].count) for _, s in history] == [1, 2, 3, 4]
 
 
-def test_warmup_is_dense_then_onebit_from_zero_residuals(mesh, exchange_steps):
-  tx = optax.chain(topka2a_jax.topka2a(algorithm="onebit", min_size=0, fusion=1,
+@pytest.mark.parametrize("algorithm", ["onebit", "rotated_4_8"])
+def test_warmup_is_dense_then_codes_from_zero_residuals(mesh, exchange_steps, algorithm):
+  tx = optax.chain(topka2a_jax.topka2a(algorithm=algorithm, min_size=0, fusion=1,
                                        warmup_steps=2))
   steps = [random_grads(seed) for seed in (61, 62, 63, 64)]
   history, traces = run_counting_traces(exchange_steps, tx, mesh, steps)
@@ -56,7 +57,7 @@ def test_warmup_is_dense_then_onebit_from_zero_residuals(mesh, exchange_steps):
       np.testing.assert_allclose(updates[k], np.broadcast_to(g.mean(0), g.shape),
                                  rtol=1e-5, atol=1e-6)
     assert all(not r.any() for r in residuals_of(state).values())
-  for k in steps[0]:  # then signs, from zero residuals: nothing lost
+  for k in steps[0]:  # then codes, from zero residuals: nothing lost
     sent = sum(updates[k][0].astype(np.float64) for updates, _ in history[2:])
     had = sum(grads[k].astype(np.float64).sum(0) for grads in steps[2:])
     owed = residuals_of(history[-1][1])[k].sum(0).reshape(had.shape)

@@ -158,23 +158,40 @@ class Chunking(NamedTuple):
     return self.chunks * self.chunk
 
 
-def chunking(length: int, chunk: int = CHUNK) -> Chunking:
+def chunking(length: int, chunk: int = CHUNK, *, powers_of_two: bool = False) -> Chunking:
   """The chunks of a row of ``length`` entries.
+
+  Args:
+    length: entries in the row.
+    chunk: entries per chunk, at most; a positive multiple of 32.
+    powers_of_two: chunks of a power of two entries each, for a rotated code
+      (``collectives/rotation.py``): ``chunk`` entries (itself a power of
+      two), or a row shorter than that as one chunk of the next power of two
+      (at least 32).
 
   Example:
     >>> chunking(10_000), chunking(100)
     (Chunking(chunks=3, chunk=3360), Chunking(chunks=1, chunk=128))
+    >>> chunking(10_000, 256, powers_of_two=True), chunking(100, 256, powers_of_two=True)
+    (Chunking(chunks=40, chunk=256), Chunking(chunks=1, chunk=128))
   """
   if chunk < WORD or chunk % WORD:
     raise ValueError(f"chunk must be a positive multiple of {WORD}, got {chunk!r}")
+  if powers_of_two and chunk & (chunk - 1):
+    raise ValueError(f"a rotated code's chunk must be a power of two (the "
+                     f"Walsh-Hadamard transform's length), got {chunk!r}; try "
+                     f"{1 << chunk.bit_length()} or {1 << (chunk.bit_length() - 1)}")
   length = max(int(length), 1)
   count = ceil_div(length, chunk)
+  if powers_of_two:
+    return Chunking(count, chunk if count > 1 else max(WORD, 1 << (length - 1).bit_length()))
   return Chunking(count, round_up(ceil_div(length, count), WORD))  # whole words
 
 
-def wire_bytes(length: int, bits: int, chunk: int = CHUNK) -> int:
+def wire_bytes(length: int, bits: int, chunk: int = CHUNK, *,
+               powers_of_two: bool = False) -> int:
   """Bytes of one row's message of ``length`` entries: its codes and its scales."""
-  cut = chunking(length, chunk)
+  cut = chunking(length, chunk, powers_of_two=powers_of_two)
   return 4 * cut.chunks * (cut.chunk * bits // WORD + 1)
 
 

@@ -18,9 +18,11 @@ bytes per value and index:
 | topka2a_sparse | 2(P-1) | (P-1) · 2q(v+i) | d + s | P·q + q |
 | onebit (b bits back) | 2(P-1) | (P-1) · s'(1 + b + 64/C)/8 | 4d + 2s | 0 |
 | quantized_a_b (a bits up, b back) | 2(P-1) | (P-1) · s'(a + b + 64/C)/8 | 4d + 2s | 0 |
+| rotated_4_b (each chunk rotated first) | 2(P-1) | (P-1) · s'(4 + b + 64/C)/8 | 7d + 3s | 0 |
 
 (``s'``: the shard rounded up to whole chunks of ``C`` entries, at most
-``sizes.CHUNK``; each chunk sends one float32 scale per phase.)
+``sizes.CHUNK``, a power of two for a rotated code; each chunk sends one
+float32 scale per phase.)
 
 Values and indices travel in one message (``wire.py``), so TopkA and
 TopKA2A pay one latency term per phase. Indices are as narrow as the
@@ -124,11 +126,14 @@ class Codes(NamedTuple):
     bits: bits per entry to the owners.
     gather_bits: bits per entry of the owners' means back.
     chunk: entries per float32 scale, in both phases.
+    rotated: whether each chunk is rotated before its code
+      (``collectives/rotation.py``); its chunks are then a power of two long.
   """
 
   bits: int
   gather_bits: int
   chunk: int = CHUNK
+  rotated: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,14 +284,15 @@ def _codes_then(codes: Codes) -> Callable[[Counts], tuple[Phase, ...]]:
   def traffic(c: Counts) -> tuple[Phase, ...]:
     shard = math.ceil(c.length / c.devices)
     return (Phase(PAIRS, c.devices - 1,
-                  (c.devices - 1) * wire_bytes(shard, codes.bits, codes.chunk)),
+                  (c.devices - 1) * wire_bytes(shard, codes.bits, codes.chunk,
+                                               powers_of_two=codes.rotated)),
             Phase(RING, c.devices - 1, (c.devices - 1) * wire_bytes(
-                shard, codes.gather_bits, codes.chunk)))
+                shard, codes.gather_bits, codes.chunk, powers_of_two=codes.rotated)))
   return traffic
 
 
 def _quantized(bits: int, gather_bits: int, *, name: str | None = None,
-               chunk: int = CHUNK, how: str = "") -> Algorithm:
+               chunk: int = CHUNK, how: str = "", rotated: bool = False) -> Algorithm:
   if name is None:
     name = ("onebit" if gather_bits == 8 else f"onebit_{gather_bits}") if bits == 1 else (
         f"quantized_{bits}_{gather_bits}")
@@ -298,12 +304,16 @@ def _quantized(bits: int, gather_bits: int, *, name: str | None = None,
                f"in {gather_bits} bit{'s' if gather_bits > 1 else ''} by AllGather"),
       sparse=True, unsent_at="the sender, and the owner for its mean's rounding",
       compresses_values=False, global_indices=False,
-      traffic=_codes_then(Codes(bits, gather_bits, chunk)),
+      traffic=_codes_then(Codes(bits, gather_bits, chunk, rotated)),
       # Passes over the buffer: its codes, their decoding (the residual), the
       # owner's sum of P shards and the final decoding; over the owner's
-      # shard, its codes and their decoding.
-      reads=lambda length, devices: 4 * length + 2 * ceil_div(length, devices),
-      selects=lambda c: 0, holds_back=True, codes=Codes(bits, gather_bits, chunk))
+      # shard, its codes and their decoding. A rotation adds three passes
+      # over the buffer (the rotation, and the inverse of the residual's and
+      # of the means' decoding) and one over the owner's shard.
+      reads=lambda length, devices: (7 if rotated else 4) * length + (
+          3 if rotated else 2) * ceil_div(length, devices),
+      selects=lambda c: 0, holds_back=True,
+      codes=Codes(bits, gather_bits, chunk, rotated))
 
 
 DENSE = Algorithm(
@@ -347,9 +357,14 @@ ONEBIT_1 = _quantized(1, 1)
 FEW_BIT = (*(_quantized(bits, back)
               for bits, back in ((4, 8), (4, 4), (2, 8), (8, 8), (8, 4))),
            _quantized(8, 8, name="quantized_8_8_fine", chunk=256,
-                      how=", one scale per 256 entries"))
+                      how=", one scale per 256 entries"),
+           *(_quantized(4, back, name=f"rotated_4_{back}", chunk=512, rotated=True,
+                        how=", each 512 entries rotated, one scale each")
+             for back in (8, 4)))
 """Codes of 2 to 8 bits to the owners, 4 or 8 back: the gradient at a few bits;
-``quantized_8_8_fine`` with one scale per 256 entries instead of 4,096."""
+``quantized_8_8_fine`` with one scale per 256 entries instead of 4,096;
+``rotated_4_8`` and ``rotated_4_4`` rotate each 512 entries by a random-sign
+Walsh-Hadamard transform before their 4-bit code (``rotation.py``)."""
 
 ALGORITHMS: dict[str, Algorithm] = {
     algorithm.name: algorithm for algorithm in (

@@ -18,6 +18,8 @@ send, which error feedback keeps for the next step.
   the shards' owners by AlltoAll, and the owners' means back in a few bits,
   the rounding of both phases fed back; :func:`onebit` sends signs (1-bit
   Adam's compressed all-reduce, with the second phase's precision kept).
+  With ``rotated=True`` each chunk is rotated first (``rotation.py``), so
+  that a few bits lose less of it.
 * :func:`two_level`: for clusters, a dense reduce-scatter inside each node,
   one of the above between nodes on one slice per device, and an all-gather
   inside the node.
@@ -67,7 +69,7 @@ from jax import lax
 
 from topka2a_jax._src.axis import bound_axis_size
 from topka2a_jax._src.buffers import padded_rows
-from topka2a_jax._src.collectives import algorithms, quantized
+from topka2a_jax._src.collectives import algorithms, quantized, rotation
 from topka2a_jax._src.collectives.received import top_of_received
 from topka2a_jax._src.collectives.selection import Selection, get_selection
 from topka2a_jax._src.collectives.wire import WireFormat
@@ -395,7 +397,7 @@ def _sum_of_decoded_rows(words: jax.Array, scales: jax.Array, bits: int,
 
 def _codes_to_owners(
     shards: jax.Array, valid: jax.Array | None, cut: Chunking, bits: int,
-    axis_name: Hashable, send: jax.Array | None,
+    axis_name: Hashable, send: jax.Array | None, rotated: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
   """The first phase of the few-bit exchanges: codes by AlltoAll, summed at the owner.
 
@@ -406,6 +408,10 @@ def _codes_to_owners(
     bits: bits per entry of the codes.
     axis_name: the mesh axis.
     send: False sends nothing.
+    rotated: code each chunk rotated (``rotation.rotate``; ``valid`` must
+      then be None: a rotated chunk's padding holds real values). ``owned``
+      is then the sum of the rotated rows; ``unsent`` is in the buffer's own
+      coordinates.
 
   Returns:
     ``(owned, unsent, own)``: this device's row summed over every sender,
@@ -413,10 +419,12 @@ def _codes_to_owners(
     ``(1, chunks, chunk)`` slice of ``valid`` for the owned row (or None).
   """
   dtype = shards.dtype
-  words, scales = quantized.encode(shards, bits, valid)
+  words, scales = quantized.encode(rotation.rotate(shards) if rotated else shards,
+                                   bits, valid)
   if send is not None:
     scales = jnp.where(send, scales, jnp.zeros_like(scales))
-  unsent = shards - quantized.decode(words, scales, bits, valid, dtype)
+  decoded = quantized.decode(words, scales, bits, valid, dtype)
+  unsent = shards - (rotation.unrotate(decoded) if rotated else decoded)
   received = lax.all_to_all(quantized.message(words, scales), axis_name, 0, 0,
                             tiled=True)
   own = (None if valid is None else
@@ -427,7 +435,7 @@ def _codes_to_owners(
 
 def codes_to_owners(
     buffer: jax.Array, axis_name: Hashable, bits: int, *,
-    chunk: int = CHUNK, send: jax.Array | None = None,
+    chunk: int = CHUNK, send: jax.Array | None = None, rotated: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """Every entry in ``bits`` bits to its owner, summed there: a few-bit reduce-scatter.
 
@@ -445,6 +453,8 @@ def codes_to_owners(
     send: a boolean scalar, the same on every device, or None (True). False
       sends nothing: every owned shard sums to zero and the whole buffer
       stays unsent.
+    rotated: rotate each chunk before its code (``rotation.py``); the owner
+      rotates its sum back.
 
   Returns:
     ``(owned, unsent)``: this device's shard summed over every device,
@@ -461,16 +471,18 @@ def codes_to_owners(
   num_devices = bound_axis_size(axis_name)
   length, dtype = buffer.shape[0], jnp.promote_types(buffer.dtype, jnp.float32)
   width = ceil_div(length, num_devices)
-  cut = chunking(width, chunk)
+  cut = chunking(width, chunk, powers_of_two=rotated)
   rows = jnp.pad(padded_rows(buffer.astype(dtype), num_devices),
                  ((0, 0), (0, cut.padded - width)))
   shape = (num_devices, cut.chunks, cut.chunk)
   positions = jnp.arange(cut.padded)
-  valid = None if cut.padded * num_devices == length else (  # None: no padding
+  valid = None if rotated or cut.padded * num_devices == length else (  # None: no padding
       (positions < width)[None] & (positions[None] + width * jnp.arange(
           num_devices)[:, None] < length)).reshape(shape)
   owned, unsent, _ = _codes_to_owners(rows.reshape(shape), valid, cut, bits, axis_name,
-                                      send)
+                                      send, rotated)
+  if rotated:
+    owned = rotation.unrotate(owned)
   unsent = unsent.reshape(num_devices, cut.padded)[:, :width].reshape(-1)[:length]
   return (owned.reshape(-1)[:width].astype(buffer.dtype), unsent.astype(buffer.dtype))
 
@@ -479,7 +491,7 @@ def few_bit(
     buffer: jax.Array, axis_name: Hashable, density: float = 1.0, *,
     value_dtype: jnp.dtype | None = None, selection: str = "exact",
     send: jax.Array | None = None, bits: int = 4, gather_bits: int = 8,
-    chunk: int = CHUNK,
+    chunk: int = CHUNK, rotated: bool = False,
 ) -> ExchangeResult:
   """Every entry in ``bits`` bits to its shard's owner, the owners' means back in ``gather_bits``.
 
@@ -516,6 +528,13 @@ def few_bit(
     bits: bits per entry of the first phase, 1, 2, 4 or 8.
     gather_bits: bits per entry of the second phase, 1, 2, 4 or 8.
     chunk: entries per scale, in both phases.
+    rotated: rotate each chunk by a random-sign Walsh-Hadamard transform
+      before its code, in both phases (``rotation.py``), so that one large
+      entry does not set a coarse step for the whole chunk. The owners add
+      the rotated codes; every device rotates the gathered means back. The
+      chunks are then a power of two long (``chunk`` itself must be one),
+      and a chunk's padding is coded with it: the rounding the rotation
+      puts there is no entry's, so nothing owed is lost.
 
   Returns:
     The :class:`ExchangeResult`.
@@ -534,19 +553,25 @@ def few_bit(
   _check_buffer(buffer)
   num_devices = bound_axis_size(axis_name)
   length, dtype = buffer.shape[0], jnp.promote_types(buffer.dtype, jnp.float32)
-  cut = chunking(ceil_div(length, num_devices), chunk)
+  cut = chunking(ceil_div(length, num_devices), chunk, powers_of_two=rotated)
   shape, total = (num_devices, cut.chunks, cut.chunk), num_devices * cut.padded
-  valid = None if total == length else jnp.arange(total).reshape(shape) < length
+  valid = (None if rotated or total == length else
+           jnp.arange(total).reshape(shape) < length)
   shards = jnp.pad(buffer.astype(dtype), (0, total - length)).reshape(shape)
-  owned, unsent, own = _codes_to_owners(shards, valid, cut, bits, axis_name, send)
+  owned, unsent, own = _codes_to_owners(shards, valid, cut, bits, axis_name, send,
+                                        rotated)
   mean = (owned / num_devices)[None]
   mean_words, mean_scales = quantized.encode(mean, gather_bits, own)
   delivered = quantized.decode(mean_words, mean_scales, gather_bits, own, dtype)[0]
-  unsent = add_to_own_row(unsent, axis_name, owned - delivered * num_devices)
+  owed = owned - delivered * num_devices
+  unsent = add_to_own_row(unsent, axis_name,
+                          rotation.unrotate(owed) if rotated else owed)
   gathered = lax.all_gather(quantized.message(mean_words, mean_scales), axis_name,
                             tiled=True, to="invarying")
   means = quantized.decode(*quantized.split(gathered, cut, gather_bits), gather_bits,
                            valid, dtype)
+  if rotated:
+    means = rotation.unrotate(means)
   return ExchangeResult(means.reshape(-1)[:length].astype(buffer.dtype),
                         unsent.reshape(-1)[:length].astype(buffer.dtype))
 
@@ -590,7 +615,8 @@ def _collective(entry: algorithms.Algorithm) -> Collective:
   if entry.codes is None:
     return _SELECTING[entry.name]
   return functools.partial(few_bit, bits=entry.codes.bits,
-                           gather_bits=entry.codes.gather_bits, chunk=entry.codes.chunk)
+                           gather_bits=entry.codes.gather_bits, chunk=entry.codes.chunk,
+                           rotated=entry.codes.rotated)
 
 
 COLLECTIVES: dict[str, Collective] = {

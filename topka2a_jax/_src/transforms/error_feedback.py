@@ -232,7 +232,8 @@ def owner_buckets(plan: ExchangePlan, buckets: Sequence[tuple[list[int], Bucket]
     (sent,), held = clipped_to_wire([accs[i]], _sent_limit(plan, [grads[i].dtype], send))
     if algorithm.codes is not None:
       owned, unsent = exchanges.codes_to_owners(
-          sent, axis_name, algorithm.codes.bits, chunk=algorithm.codes.chunk, send=send)
+          sent, axis_name, algorithm.codes.bits, chunk=algorithm.codes.chunk, send=send,
+          rotated=algorithm.codes.rotated)
     else:
       phase = exchanges.to_owners(sent, axis_name, plan.options.density, plan.options.value_dtype,
                                   get_selection(plan.options.selection), send)
