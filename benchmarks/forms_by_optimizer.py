@@ -16,6 +16,8 @@ initialisation:
   sends before Adam's family;
 * ``4 / 8 bits``: ``topka2a(algorithm="quantized_4_8")``, 4 bits to the
   owners and 8 back, what ``"auto"`` sends before momentum SGD;
+* ``rotated 4 / 8 bits``: ``topka2a(algorithm="rotated_4_8")``, the same
+  with each 512 entries rotated before their code;
 * ``headline``: ``topka2a(0.01)`` with no other option, whatever ``"auto"``
   reads from the chain.
 
@@ -70,6 +72,7 @@ FORMS = {
                                                                 mesh=mesh),
     "8 bits": exchange(algorithm="quantized_8_8_fine"),
     "4 / 8 bits": exchange(algorithm="quantized_4_8"),
+    "rotated 4 / 8 bits": exchange(algorithm="rotated_4_8"),
     "headline": exchange(0.01),
 }
 """The exchanges compared: name -> ``(optimizer, mesh) -> the optimizer to train``."""

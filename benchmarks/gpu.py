@@ -83,13 +83,15 @@ STEP_RUNS = {
     "defaults": {},
     "8 bits (quantized_8_8_fine)": {"algorithm": "quantized_8_8_fine"},
     "4 up, 8 back (quantized_4_8)": {"algorithm": "quantized_4_8"},
+    "4 up rotated, 8 back (rotated_4_8)": {"algorithm": "rotated_4_8"},
     "topka2a, exact": {"algorithm": "topka2a", "selection": "exact"},
     "topka2a, threshold": {"algorithm": "topka2a", "selection": "threshold"},
     "topka2a, approx": {"algorithm": "topka2a", "selection": "approx"},
 }
 """The step's exchanges, before the one Adam: every form the README recommends
 (``defaults``: before Adam ``"auto"`` plans 8 bits or dense; the 8-bit code
-itself; momentum's 4 bits up and 8 back) and the top-k with each selection.
+itself; momentum's 4 bits up and 8 back, and the same rotated first) and the
+top-k with each selection.
 On one device nothing travels, so what each adds to the dense step is its
 coding: selection and packing, or quantizing and decoding."""
 

@@ -147,6 +147,8 @@ RUNS = {
     "quantized_8_8": {"algorithm": "quantized_8_8"},
     "quantized_4_8": {"algorithm": "quantized_4_8"},
     "quantized_8_8_fine": {"algorithm": "quantized_8_8_fine"},
+    "rotated_4_8": {"algorithm": "rotated_4_8"},
+    "rotated_4_4": {"algorithm": "rotated_4_4"},
 }
 QUICK_RUNS = ("dense (pmean)", "topka2a 1%", "updates 1%")
 

@@ -115,10 +115,13 @@ def _coded(row: np.ndarray, start: int, n: int, bits: int, chunk: int) -> np.nda
 def _chunk_length(shard: int, chunk: int, rotated: bool = False) -> int:
   """Entries per chunk: the shard split evenly, rounded up to 32 (sizes.chunking).
 
-  Rotated: ``chunk`` itself, or a shorter shard's next power of two (at least 32).
+  Rotated: the power of two from 32 to ``chunk`` whose padded length plus 8
+  entries a scale is least (the larger on a tie).
   """
   if rotated:
-    return chunk if shard > chunk else max(32, 2 ** math.ceil(math.log2(shard)))
+    costs = {size: math.ceil(shard / size) * (size + 8)
+             for size in (32, 64, 128, 256, 512, 1024, 2048, 4096) if size <= chunk}
+    return min(sorted(costs, reverse=True), key=costs.get)
   count = math.ceil(shard / chunk)
   return math.ceil(math.ceil(shard / count) / 32) * 32
 

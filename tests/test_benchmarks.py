@@ -133,7 +133,8 @@ def test_gpu_script_runs_small_on_cpu(tmp_path):
   assert {row["auto"] for row in written["selection"]} == {"threshold"}
   assert [row["run"] for row in written["steps"]] == [
       "dense (nothing to send)", "defaults", "8 bits (quantized_8_8_fine)",
-      "4 up, 8 back (quantized_4_8)", "topka2a, exact", "topka2a, threshold",
+      "4 up, 8 back (quantized_4_8)", "4 up rotated, 8 back (rotated_4_8)",
+      "topka2a, exact", "topka2a, threshold",
       "topka2a, approx"]
   assert all(row["seconds"] > 0 for row in written["steps"])
   assert written["steps"][0]["adds"] == 0

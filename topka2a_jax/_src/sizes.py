@@ -158,6 +158,10 @@ class Chunking(NamedTuple):
     return self.chunks * self.chunk
 
 
+SCALE_ENTRIES = 8
+"""What a chunk's float32 scale costs, in entries of a 4-bit code."""
+
+
 def chunking(length: int, chunk: int = CHUNK, *, powers_of_two: bool = False) -> Chunking:
   """The chunks of a row of ``length`` entries.
 
@@ -165,15 +169,16 @@ def chunking(length: int, chunk: int = CHUNK, *, powers_of_two: bool = False) ->
     length: entries in the row.
     chunk: entries per chunk, at most; a positive multiple of 32.
     powers_of_two: chunks of a power of two entries each, for a rotated code
-      (``collectives/rotation.py``): ``chunk`` entries (itself a power of
-      two), or a row shorter than that as one chunk of the next power of two
-      (at least 32).
+      (``collectives/rotation.py``): of the powers of two from 32 to
+      ``chunk`` (itself one), the one whose padding and scales cost least,
+      a scale counted as :data:`SCALE_ENTRIES` entries. A long row takes
+      ``chunk`` itself; a short one, chunks that fit it.
 
   Example:
     >>> chunking(10_000), chunking(100)
     (Chunking(chunks=3, chunk=3360), Chunking(chunks=1, chunk=128))
-    >>> chunking(10_000, 256, powers_of_two=True), chunking(100, 256, powers_of_two=True)
-    (Chunking(chunks=40, chunk=256), Chunking(chunks=1, chunk=128))
+    >>> chunking(10_000, 512, powers_of_two=True), chunking(640, 512, powers_of_two=True)
+    (Chunking(chunks=20, chunk=512), Chunking(chunks=5, chunk=128))
   """
   if chunk < WORD or chunk % WORD:
     raise ValueError(f"chunk must be a positive multiple of {WORD}, got {chunk!r}")
@@ -184,7 +189,9 @@ def chunking(length: int, chunk: int = CHUNK, *, powers_of_two: bool = False) ->
   length = max(int(length), 1)
   count = ceil_div(length, chunk)
   if powers_of_two:
-    return Chunking(count, chunk if count > 1 else max(WORD, 1 << (length - 1).bit_length()))
+    sizes = [WORD << i for i in range((chunk // WORD).bit_length())]
+    return min((Chunking(ceil_div(length, size), size) for size in reversed(sizes)),
+               key=lambda cut: cut.padded + SCALE_ENTRIES * cut.chunks)
   return Chunking(count, round_up(ceil_div(length, count), WORD))  # whole words
 
 
