@@ -309,7 +309,8 @@ def _quantized(bits: int, gather_bits: int, *, name: str | None = None,
       # owner's sum of P shards and the final decoding; over the owner's
       # shard, its codes and their decoding. A rotation adds three passes
       # over the buffer (the rotation, and the inverse of the residual's and
-      # of the means' decoding) and one over the owner's shard.
+      # of the means' decoding) and one over the owner's shard: within 15%
+      # of the link at 1M to 25M entries (docs/evidence/network.md).
       reads=lambda length, devices: (7 if rotated else 4) * length + (
           3 if rotated else 2) * ceil_div(length, devices),
       selects=lambda c: 0, holds_back=True,
