@@ -46,6 +46,8 @@ LEGENDS = {
     "quantized_8_8": 'chain(topka2a(algorithm="quantized_8_8"), adam)',
     "quantized_4_8": 'chain(topka2a(algorithm="quantized_4_8"), adam)',
     "quantized_8_8_fine": 'chain(topka2a(algorithm="quantized_8_8_fine"), adam)',
+    "rotated_4_8": 'chain(topka2a(algorithm="rotated_4_8"), adam)',
+    "rotated_4_4": 'chain(topka2a(algorithm="rotated_4_4"), adam)',
     "quantized_4_8_stochastic": "quantized_4_8 rounded stochastically (removed)",
     "updates, onebit": 'compress_updates(adam, algorithm="onebit")',
     "updates, onebit_4": "compress_updates(adam)",

@@ -37,10 +37,14 @@ def synthetic_rows(link, processes, per_element=0.0, per_entry=0.0, per_matrix=0
                    "topka2a_sparse": k + k // processes}.get(algorithm, 0)
         seconds = exchange_cost(algorithm, size, processes, density).seconds(link)
         # The quantizing exchanges pass over the buffer four times (codes,
-        # residual, the owner's sum, the final decoding), the owner's shard twice.
+        # residual, the owner's sum, the final decoding), the owner's shard
+        # twice; a rotated code three times more (the rotation and two
+        # inverse rotations), the owner's shard once more.
+        rotated = algorithm.startswith("rotated")
         read = {"dense": 0, "allgather": size, "topka2a": size,
                 "topka2a_sparse": size + size // processes}.get(
-            algorithm, 4 * size + 2 * (size // processes))
+            algorithm, (7 if rotated else 4) * size + (3 if rotated else 2) * (
+                size // processes))
         seconds += per_element * read + per_entry * entries
         rows.append({"size": size, "algorithm": algorithm, "density": density,
                      "seconds": seconds})
