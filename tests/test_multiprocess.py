@@ -74,13 +74,26 @@ sys.exit(1)
 
 
 def test_launcher_names_the_first_process_to_fail_not_the_lowest_rank(tmp_path):
+  """Rank 1 fails 20 ms before rank 0; polling in rank order named rank 0 most of the time.
+
+  A machine loaded past its cores can delay the launcher's waiter by more than the
+  20 ms that separate the two exits, so one trial in five may name rank 0; polling
+  in rank order fails this at about nine runs in ten. Whichever process is named,
+  the status returned must be its own.
+  """
   script = tmp_path / "worker.py"
   script.write_text(PEER_DIES_AFTER)
-  for trial in range(3):  # polling in rank order named rank 0 most of the time
+  named_first = 0
+  for trial in range(5):
     flag = tmp_path / f"died{trial}"
     done = run([sys.executable, *LAUNCHER, "-n", "2", str(script), str(flag)])
-    assert done.returncode == 3, done.stderr[-2000:]
-    assert "process 1 of 2 failed with status 3" in done.stderr
+    if "process 1 of 2 failed with status 3" in done.stderr:
+      assert done.returncode == 3, done.stderr[-2000:]
+      named_first += 1
+    else:
+      assert "process 0 of 2 failed with status 1" in done.stderr, done.stderr[-2000:]
+      assert done.returncode == 1, done.stderr[-2000:]
+  assert named_first >= 4, f"named the process that failed first in {named_first} of 5"
 
 
 def launched(tmp_path, source: str) -> subprocess.CompletedProcess:
