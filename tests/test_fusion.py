@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from topka2a_jax._src.planner.cost import Network
+from topka2a_jax._src.planner.forms import ADAPTIVE, FORMS
 from topka2a_jax._src.planner.fusion import plan_fusion
 from topka2a_jax.tools.model_shapes import MODELS
 
@@ -72,6 +73,41 @@ def test_selection_costs_per_element_and_per_entry():
     assert plan.buckets[0].seconds == pytest.approx(wire + read * 1e-4 + entries * 1e-3)
 
 
+@pytest.mark.parametrize(("algorithm", "read"), [
+    # One 1,000,000-entry leaf on P = 4: a few-bit code passes over the buffer
+    # four times and over the owner's 250,000-entry shard twice; a rotated
+    # code over the buffer three times more and over the shard once more.
+    ("quantized_8_8_fine", 4 * 1_000_000 + 2 * 250_000),
+    ("rotated_4_8", 7 * 1_000_000 + 3 * 250_000),
+])
+def test_each_few_bit_code_is_charged_its_own_coding_rate(algorithm, read):
+  net = Network(latency=0.0, bandwidth=1e9)
+
+  def seconds(**rates):
+    return plan_fusion([1_000_000], 4, 0.01, network=net, algorithm=algorithm,
+                       threshold=1_000_000, min_size=0, **rates).buckets[0].seconds
+
+  wire = seconds(selection_seconds_per_element=0.0)
+  assert seconds(selection_seconds_per_element=0.0, coding_seconds_per_element={
+      algorithm: 2e-9}) == pytest.approx(wire + read * 2e-9)
+  # A form not named is charged the selection's rate; another form's rate
+  # does not reach it.
+  assert seconds(selection_seconds_per_element=3e-9, coding_seconds_per_element={
+      "quantized_4_4": 1.0}) == pytest.approx(wire + read * 3e-9)
+
+
+@pytest.mark.parametrize(("rate", "want"), [(2e-9, "dense"), (1e-11, "quantized_8_8_fine")])
+def test_before_adam_auto_plans_dense_where_coding_outlasts_the_wire(rate, want):
+  # 25M entries on 4 devices over 12.5 GB/s (100 Gbit/s): dense's ring sends
+  # 2 * 3/4 * 100 MB, 12 ms; the 8-bit code about a quarter of that, but its
+  # coding passes over 4 * 25M + 2 * 6.25M entries: 225 ms at 2 ns each, 1.1 ms
+  # at 0.01 ns.
+  net = Network(latency=1e-5, bandwidth=12.5e9)
+  plan = plan_fusion([25_000_000], 4, 0.01, network=net, forms=FORMS[ADAPTIVE],
+                     min_size=0, coding_seconds_per_element={"quantized_8_8_fine": rate})
+  assert [b.bucket.algorithm for b in plan.buckets] == [want]
+
+
 @pytest.mark.parametrize("size, num_devices, density, network, want", [
     (10_000_000, 8, 0.1, "eth10", "topka2a_sparse"),  # O(k) beats all
     (10_000_000, 32, 0.01, "eth10", "topka2a_sparse"),
@@ -97,6 +133,10 @@ def test_plan_is_printable_and_deterministic():
     ({"algorithm": "topk"}, "unknown algorithm 'topk'"),
     ({"threshold": 0}, "threshold must be 'auto' or a positive int"),
     ({"network": "wifi"}, "unknown network 'wifi'"),
+    ({"coding_seconds_per_element": {"topka2a": 1e-9}},
+     "names 'topka2a', which codes no entries; give rates for the few-bit"),
+    ({"coding_seconds_per_element": {"quantized_8_8_fine": -1e-9}},
+     "is -1e-09: give a cost in seconds of at least 0"),
 ])
 def test_bad_planner_arguments(kwargs, match):
   with pytest.raises(ValueError, match=match):

@@ -8,7 +8,8 @@ predicts the step's end for a threshold from static sizes only:
 * backward time is spread over the leaves in proportion to their size, last
   leaf first, so a bucket is ready when its last-produced leaf is;
 * exchanges run one at a time, each as soon as its bucket is ready and the
-  previous exchange is done, taking selection plus α-β communication time;
+  previous exchange is done, taking selection (a few-bit code's coding, at
+  its own rate where one is given) plus α-β communication time;
 * with ``algorithm="auto"`` every bucket takes its cheapest algorithm, so
   tiny buckets go dense;
 * on a :class:`topka2a_jax.cost.Cluster` (a data axis that is a pair of
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -255,6 +256,13 @@ class StepModel:
     forms: the exchanges ``"auto"`` may take, or None for every one but the
       quantizing ones (``transforms/following.py`` sets it from the
       optimizer after the exchange).
+    coding_seconds_per_element: for the exchanges that code every entry in a
+      few bits, each one's own cost per element its coding passes over
+      (:func:`topka2a_jax.cost.elements_read`), as ``(name, seconds)``
+      pairs: coding a chunk costs less per element than searching it, and
+      one code less than another (``benchmarks/network.py`` fits one per
+      form on a link). A form not named is charged
+      ``selection_seconds_per_element``.
   """
 
   sizes: tuple[int, ...]
@@ -271,6 +279,7 @@ class StepModel:
   residual_slices: bool = True
   whole_selection: bool = False
   forms: tuple[str, ...] | None = None
+  coding_seconds_per_element: tuple[tuple[str, float], ...] = ()
   _seconds: dict[tuple[str, int, str], float] = dataclasses.field(
       default_factory=dict, init=False, repr=False, compare=False)
 
@@ -316,9 +325,10 @@ class StepModel:
                           self.value_bytes, self.residual_slices).seconds
       if route == TWO_LEVEL:
         length, devices = ceil_div(size, self.cluster.per_node), self.cluster.nodes
+    per_element = dict(self.coding_seconds_per_element).get(
+        algorithm, self.selection_seconds_per_element)
     return (comm
-            + self.selection_seconds_per_element * entry.elements_read(
-                length, devices)
+            + per_element * entry.elements_read(length, devices)
             + self.selection_seconds_per_entry * entry.selected_entries(
                 length, devices, self.density))
 
@@ -375,6 +385,7 @@ def step_model(
     residual_slices: bool = True,
     whole_selection: bool = False,
     forms: Sequence[str] | None = None,
+    coding_seconds_per_element: Mapping[str, float] | None = None,
 ) -> StepModel:
   """Validates the inputs and builds a :class:`StepModel`.
 
@@ -385,8 +396,9 @@ def step_model(
   outer link and its devices.
 
   Raises:
-    ValueError: empty ``sizes``, an unknown network, or a cluster whose
-      devices are not ``num_devices``.
+    ValueError: empty ``sizes``, an unknown network, a cluster whose
+      devices are not ``num_devices``, or a coding rate for an exchange that
+      codes nothing, or a negative one.
   """
   if not sizes or min(sizes) < 1:
     raise ValueError(f"need at least one leaf, all non-empty; got sizes {sizes}")
@@ -398,11 +410,21 @@ def step_model(
   net = cluster.outer if cluster is not None else get_network(network)
   if backward_seconds is None:
     backward_seconds = 0.0
+  coding = dict(coding_seconds_per_element or {})
+  coded = [name for name, entry in ALGORITHMS.items() if entry.quantizes]
+  for name, rate in coding.items():
+    if name not in coded:
+      raise ValueError(f"coding_seconds_per_element names {name!r}, which codes no "
+                       f"entries; give rates for the few-bit exchanges: "
+                       f"{', '.join(coded)}")
+    if not rate >= 0:
+      raise ValueError(f"coding_seconds_per_element[{name!r}] is {rate}: give a cost "
+                       "in seconds of at least 0, e.g. 2e-9 (2 ns per element)")
   return StepModel(tuple(sizes), num_devices, density, net, min_size,
                    backward_seconds, selection_seconds_per_element, value_bytes,
                    index_bytes, selection_seconds_per_entry, cluster,
                    residual_slices, whole_selection,
-                   None if forms is None else tuple(forms))
+                   None if forms is None else tuple(forms), tuple(sorted(coding.items())))
 
 
 def plan_fusion(
@@ -432,8 +454,8 @@ def plan_fusion(
     **model_options: ``network`` (preset name or :class:`topka2a_jax.cost.Network`,
       default ``"eth10"``), ``min_size``, ``backward_seconds``,
       ``selection_seconds_per_element``, ``selection_seconds_per_entry``,
-      ``value_bytes``, ``index_bytes``, ``cluster``, ``forms``; see
-      :func:`step_model`.
+      ``value_bytes``, ``index_bytes``, ``cluster``, ``forms``,
+      ``coding_seconds_per_element``; see :func:`step_model`.
 
   Returns:
     The :class:`FusionPlan`, with all-dense and all-TopkA baselines planned
