@@ -54,6 +54,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from topka2a_jax.collectives import ALGORITHMS, COLLECTIVES
 
@@ -308,17 +309,26 @@ def worker(sizes: list[int], densities: list[float], ranks: list[int], repeats: 
     Path(out).write_text(json.dumps(rows))
 
 
-def terms(row: dict, processes: int) -> list[float]:
-  """The model of one exchange: messages, bytes, elements, entries, matrix passes, products.
+def coded_forms(rows: list[dict]) -> list[str]:
+  """The few-bit exchanges among ``rows``, in registry order: one coding rate each."""
+  present = {r["algorithm"] for r in rows}
+  return [name for name, entry in ALGORITHMS.items()
+          if entry.quantizes and name in present]
+
+
+def terms(row: dict, processes: int, coded: list[str]) -> list[float]:
+  """The model of one exchange: messages, bytes, elements, entries, matrix passes,
+  products, then the elements each few-bit exchange of ``coded`` codes.
 
   Seconds = α * messages + bytes / bandwidth + per_element * elements
   + per_entry * entries selected + per_matrix_element * matrix elements
-  + per_multiply_add * multiply-adds, as in
+  + per_multiply_add * multiply-adds + coding[form] * elements coded, as in
   :class:`topka2a_jax.cost.StepModel`. Dense selects nothing; only
   PowerSGD passes over its matrix (a fixed number of times whatever the
   rank: two products with the factors, the mean and the residual) and
   multiplies (:attr:`topka2a_jax.cost.LowRankStep.multiply_adds`, growing
-  with the rank).
+  with the rank); a few-bit exchange's passes over the buffer are charged at
+  its own rate, not the selection's.
   """
   from topka2a_jax.cost import (
     elements_read,
@@ -327,64 +337,107 @@ def terms(row: dict, processes: int) -> list[float]:
     selected_entries,
   )
 
+  codes = [0.0] * len(coded)
   if row["algorithm"] == "powersgd":
     step = low_rank_step([matrix_of(row["size"])], processes, row["rank"], min_size=0)
-    return [step.cost.messages, step.cost.bytes, 0, 0, row["size"], step.multiply_adds]
+    return [step.cost.messages, step.cost.bytes, 0, 0, row["size"], step.multiply_adds,
+            *codes]
   cost = exchange_cost(row["algorithm"], row["size"], processes, row["density"])
   elements = elements_read(row["algorithm"], row["size"], processes)
   entries = selected_entries(row["algorithm"], row["size"], processes, row["density"])
-  return [cost.messages, cost.bytes, elements, entries, 0, 0]
+  if row["algorithm"] in coded:
+    codes[coded.index(row["algorithm"])], elements = elements, 0
+  return [cost.messages, cost.bytes, elements, entries, 0, 0, *codes]
 
 
-def fit(rows: list[dict], processes: int) -> tuple[float, ...]:
-  """Least-squares α (s), bandwidth (bytes/s), selection (s per element, per
-  entry), PowerSGD (s per matrix element, per multiply-add).
+class Fit(NamedTuple):
+  """The planner's model of the link, fitted to the measured exchanges.
+
+  Attributes:
+    alpha: seconds per message.
+    bandwidth: bytes per second per process.
+    per_element: selection's seconds per element read.
+    per_entry: seconds per entry selected.
+    per_matrix_element: PowerSGD's seconds per matrix element.
+    per_multiply_add: PowerSGD's seconds per multiply-add.
+    coding: each few-bit exchange's seconds per element its coding passes
+      over (``coding_seconds_per_element`` of :func:`topka2a_jax.plan_fusion`).
+  """
+
+  alpha: float
+  bandwidth: float
+  per_element: float
+  per_entry: float
+  per_matrix_element: float
+  per_multiply_add: float
+  coding: dict[str, float]
+
+  def coefficients(self, coded: list[str]) -> list[float]:
+    """The coefficients of :func:`terms`, in its order."""
+    return [self.alpha, 1 / self.bandwidth, self.per_element, self.per_entry,
+            self.per_matrix_element, self.per_multiply_add,
+            *(self.coding.get(name, self.per_element) for name in coded)]
+
+  def planner_options(self) -> dict:
+    """The fit as :func:`topka2a_jax.plan_fusion`'s model options."""
+    from topka2a_jax.cost import Network
+
+    return {"network": Network(self.alpha, self.bandwidth, "fitted",
+                               "benchmarks/network.py"),
+            "selection_seconds_per_element": self.per_element,
+            "selection_seconds_per_entry": self.per_entry,
+            "coding_seconds_per_element": self.coding}
+
+
+def exchange_rows(rows: list[dict]) -> list[dict]:
+  """The rows of one exchange each: not the defaults' whole update, not coding alone."""
+  return [r for r in rows if r["algorithm"] != DEFAULTS and r.get("kind") != CODES]
+
+
+def fit(rows: list[dict], processes: int) -> Fit:
+  """Least squares over ``rows`` of :func:`terms`' coefficients, all non-negative.
 
   Relative errors are minimised, so small exchanges count as much as large
-  ones, and every coefficient is kept non-negative (the best fit over the
-  subsets of terms whose unconstrained fit is non-negative).
+  ones (non-negative least squares on the design scaled by each row's time,
+  each column by its norm).
   """
-  import itertools
-
   import numpy as np
+  from scipy.optimize import nnls
 
+  coded = coded_forms(rows)
   times = np.array([r["seconds"] for r in rows])
-  design = np.array([terms(r, processes) for r in rows], float) / times[:, None]
-  count = design.shape[1]
-  best, best_error = np.zeros(count), np.inf
-  for used in itertools.chain.from_iterable(
-      itertools.combinations(range(count), n) for n in range(count, 0, -1)):
-    coefficients = np.zeros(count)
-    coefficients[list(used)] = np.linalg.lstsq(design[:, used], np.ones(len(rows)),
-                                               rcond=None)[0]
-    error = np.sum((design @ coefficients - 1) ** 2)
-    if (coefficients >= 0).all() and error < best_error:
-      best, best_error = coefficients, error
-  alpha, per_byte, *rest = best
-  return (float(alpha), 1.0 / max(float(per_byte), 1e-15), *map(float, rest))
+  design = np.array([terms(r, processes, coded) for r in rows], float) / times[:, None]
+  norms = np.linalg.norm(design, axis=0)
+  norms[norms == 0] = 1.0
+  scaled, _ = nnls(design / norms, np.ones(len(rows)))
+  alpha, per_byte, element, entry, matrix, flop, *codes = scaled / norms
+  return Fit(float(alpha), 1.0 / max(float(per_byte), 1e-15), float(element),
+             float(entry), float(matrix), float(flop),
+             {name: float(rate) for name, rate in zip(coded, codes)})
 
 
 def report(rows: list[dict], processes: int, rate: str) -> list[dict]:
   """Prints the table; returns the rows with ratios and predictions."""
   defaults = [r for r in rows if r["algorithm"] == DEFAULTS]
   coding = [r for r in rows if r.get("kind") == CODES]
-  rows = [r for r in rows if r["algorithm"] != DEFAULTS and r.get("kind") != CODES]
-  alpha, bandwidth, per_element, per_entry, per_matrix_element, per_flop = fit(
-      rows, processes)
+  rows = exchange_rows(rows)
+  fitted = fit(rows, processes)
+  coded = coded_forms(rows)
 
   def predicted(row: dict) -> float:
-    return float(np.dot(terms(row, processes),
-                        [alpha, 1 / bandwidth, per_element, per_entry,
-                         per_matrix_element, per_flop]))
+    return float(np.dot(terms(row, processes, coded), fitted.coefficients(coded)))
 
   import numpy as np
 
   print(f"\n{processes} processes, loopback at {rate}; fitted α = "
-        f"{alpha * 1e6:.0f} µs, bandwidth = {bandwidth / 1e6:.1f} MB/s per "
-        f"process, selection = {per_element * 1e9:.1f} ns per element + "
-        f"{per_entry * 1e9:.0f} ns per selected entry, "
-        f"PowerSGD {per_matrix_element * 1e9:.1f} ns per matrix element + "
-        f"{per_flop * 1e12:.0f} ps per multiply-add")
+        f"{fitted.alpha * 1e6:.0f} µs, bandwidth = {fitted.bandwidth / 1e6:.1f} MB/s per "
+        f"process, selection = {fitted.per_element * 1e9:.1f} ns per element + "
+        f"{fitted.per_entry * 1e9:.0f} ns per selected entry, "
+        f"PowerSGD {fitted.per_matrix_element * 1e9:.1f} ns per matrix element + "
+        f"{fitted.per_multiply_add * 1e12:.0f} ps per multiply-add")
+  if coded:
+    print("coding, ns per element its passes read: " + ", ".join(
+        f"{name} {rate * 1e9:.2f}" for name, rate in fitted.coding.items()))
   print(f"{'elements':>11s} {'density':>7s} {'algorithm':15s} {'seconds':>8s} "
         f"{'vs dense':>8s} {'model':>6s} {'off by':>7s}")
   dense = {r["size"]: r for r in rows if r["algorithm"] == "dense"}
@@ -422,7 +475,8 @@ def report(rows: list[dict], processes: int, rate: str) -> list[dict]:
     print(f"  {r['size']:11,} at {r['density']:g}: {r['seconds']:.4f} s, "
           f"{r['ratio']:.3f}x dense")
   if coding:
-    report_coding(rows, coding, processes, alpha, bandwidth)
+    report_coding(rows, coding, processes, fitted.alpha, fitted.bandwidth)
+  report_plans(rows, processes, fitted)
   return rows + defaults + coding
 
 
@@ -451,6 +505,50 @@ def report_coding(rows: list[dict], coding: list[dict], processes: int, alpha: f
           f"{link['seconds'] - r['seconds'] - wire - latency:+8.4f}")
 
 
+def report_plans(rows: list[dict], processes: int, fitted: Fit) -> None:
+  """Prints, per size, what ``algorithm="auto"`` plans under the fit against the fastest.
+
+  For each kind of optimizer after the exchange (:data:`topka2a_jax.cost.AUTO_FORMS`)
+  whose forms were all timed at a size, the planner prices one bucket of that
+  size among them with the fitted link and rates; beside its choice, the form
+  measured fastest among the same ones, and how much slower the choice ran.
+  """
+  import topka2a_jax
+  from topka2a_jax.cost import AUTO_FORMS
+
+  timed = {(r["algorithm"], r["size"], r["density"]): r["seconds"] for r in rows
+           if r["algorithm"] != "powersgd"}
+  print("\nWhat algorithm=\"auto\" plans for one bucket under this fit, by the "
+        "optimizer after it:")
+  print(f"{'elements':>11s} {'optimizer':9s} {'density':>7s} {'plans':18s} "
+        f"{'measured fastest':18s} {'planned / fastest':>17s}")
+  kinds = {}  # each set of forms once, by the first kind that has it
+  for kind, forms in AUTO_FORMS.items():
+    kinds.setdefault(forms, kind)
+  for size in sorted({r["size"] for r in rows}):
+    for forms, kind in kinds.items():
+      densities = sorted({density for name, at, density in timed
+                          if at == size and not ALGORITHMS[name].quantizes
+                          and name != "dense"}) if kind == "plain" else [1.0]
+      for density in densities:
+        seconds = {name: timed.get((name, size, 1.0 if name == "dense" else density))
+                   for name in forms}
+        if kind != "plain":  # a few-bit code is timed at whichever density
+          seconds.update({name: next((t for (n, at, _), t in timed.items()
+                                      if n == name and at == size), None)
+                          for name in forms if ALGORITHMS[name].quantizes})
+        if None in seconds.values():
+          continue  # not every form of this kind was timed here
+        plan = topka2a_jax.plan_fusion([size], processes, density, algorithm="auto",
+                                       forms=forms, min_size=0,
+                                       **fitted.planner_options())
+        chosen = plan.buckets[0].bucket.algorithm
+        fastest = min(seconds, key=seconds.get)
+        shown = f"{density:7g}" if kind == "plain" else f"{'-':>7s}"
+        print(f"{size:11,} {kind:9s} {shown} {chosen:18s} {fastest:18s} "
+              f"{seconds[chosen] / seconds[fastest]:16.3f}x")
+
+
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rate", default="1gbit", help="tc rate, e.g. 1gbit, 500mbit")
@@ -467,10 +565,12 @@ def main() -> int:
                       choices=list(ALGORITHMS), metavar="NAME",
                       help="the exchanges to time (default: every one); dense is "
                            "always timed, as the ratios' reference")
-  parser.add_argument("--json", help="also write the rows here")
+  parser.add_argument("--json", help="also write the rows and the fit here (the fit "
+                      "is what topka2a-plan --link-fit reads)")
   parser.add_argument("--rows", metavar="JSON",
                       help="report the rows a run wrote with --json, fitted anew, "
-                           "instead of measuring (needs no link)")
+                           "instead of measuring (needs no link); with --json, write "
+                           "them with the new fit")
   parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.rows:
@@ -478,7 +578,9 @@ def main() -> int:
     derived = ("ratio", "model_ratio", "link_seconds", "wire_seconds", "latency_seconds")
     measured = [{k: v for k, v in row.items() if k not in derived}
                 for row in saved["rows"]]
-    report(measured, saved["processes"], saved["rate"])
+    rows = report(measured, saved["processes"], saved["rate"])
+    if args.json:
+      write(args.json, {**saved, "rows": rows}, saved["processes"])
     return 0
   if args.worker:
     worker(args.sizes, args.densities, args.ranks, args.repeats, args.selection,
@@ -496,10 +598,16 @@ def main() -> int:
     return status
   rows = report(json.loads(out.read_text()), args.processes, args.rate)
   if args.json:
-    Path(args.json).write_text(json.dumps(
-        {"rate": args.rate, "delay_ms": args.delay_ms, "processes": args.processes,
-         "selection": args.selection, "rows": rows}, indent=1))
+    write(args.json, {"rate": args.rate, "delay_ms": args.delay_ms,
+                      "processes": args.processes, "selection": args.selection,
+                      "rows": rows}, args.processes)
   return 0
+
+
+def write(path: str, run: dict, processes: int) -> None:
+  """Writes a run's settings and rows to ``path`` as JSON, with their fit."""
+  fitted = fit(exchange_rows(run["rows"]), processes)
+  Path(path).write_text(json.dumps({**run, "fit": fitted._asdict()}, indent=1))
 
 
 if __name__ == "__main__":

@@ -15,8 +15,11 @@ spec.loader.exec_module(network_benchmark)
 
 
 def synthetic_rows(link, processes, per_element=0.0, per_entry=0.0, per_matrix=0.0,
-                   per_flop=0.0):
-  """Timings of the planner's model: α-β on ``link`` plus selection's and PowerSGD's passes."""
+                   per_flop=0.0, coding=None):
+  """Timings of the planner's model: α-β on ``link`` plus selection's and PowerSGD's
+  passes, and each few-bit code's passes at its rate in ``coding`` (else
+  ``per_element``)."""
+  coding = coding or {}
   rows = []
   for size in (1_000_000, 8_000_000):
     for rank in (1, 4):
@@ -45,7 +48,7 @@ def synthetic_rows(link, processes, per_element=0.0, per_entry=0.0, per_matrix=0
                 "topka2a_sparse": size + size // processes}.get(
             algorithm, (7 if rotated else 4) * size + (3 if rotated else 2) * (
                 size // processes))
-        seconds += per_element * read + per_entry * entries
+        seconds += coding.get(algorithm, per_element) * read + per_entry * entries
         rows.append({"size": size, "algorithm": algorithm, "density": density,
                      "seconds": seconds})
   return rows
@@ -56,14 +59,45 @@ def synthetic_rows(link, processes, per_element=0.0, per_entry=0.0, per_matrix=0
                           (2e-9, 1e-7, 5e-9, 3e-10)])
 def test_fit_recovers_a_known_link(per_element, per_entry, per_matrix, per_flop):
   link = Network(latency=2e-4, bandwidth=1.25e8)
-  alpha, bandwidth, element, entry, matrix, flop = network_benchmark.fit(
+  fitted = network_benchmark.fit(
       synthetic_rows(link, 4, per_element, per_entry, per_matrix, per_flop), 4)
-  assert alpha == pytest.approx(2e-4, rel=1e-6)
-  assert bandwidth == pytest.approx(1.25e8, rel=1e-6)
-  assert element == pytest.approx(per_element, abs=1e-15)
-  assert entry == pytest.approx(per_entry, abs=1e-13)
-  assert matrix == pytest.approx(per_matrix, abs=1e-15)
-  assert flop == pytest.approx(per_flop, abs=1e-17)
+  assert fitted.alpha == pytest.approx(2e-4, rel=1e-6)
+  assert fitted.bandwidth == pytest.approx(1.25e8, rel=1e-6)
+  assert fitted.per_element == pytest.approx(per_element, abs=1e-15)
+  assert fitted.per_entry == pytest.approx(per_entry, abs=1e-13)
+  assert fitted.per_matrix_element == pytest.approx(per_matrix, abs=1e-15)
+  assert fitted.per_multiply_add == pytest.approx(per_flop, abs=1e-17)
+  coded = [name for name, entry in ALGORITHMS.items() if entry.quantizes]
+  assert sorted(fitted.coding) == sorted(coded)  # one rate per few-bit code timed
+  assert all(rate == pytest.approx(per_element, abs=1e-15)
+             for rate in fitted.coding.values())
+
+
+def test_fit_gives_each_few_bit_code_its_own_rate():
+  coding = {"quantized_8_8_fine": 1.3e-9, "quantized_4_8": 0.9e-9, "rotated_4_8": 2e-9}
+  fitted = network_benchmark.fit(synthetic_rows(
+      Network(latency=2e-4, bandwidth=1.25e8), 4, 3e-9, 1e-7, coding=coding), 4)
+  assert fitted.per_element == pytest.approx(3e-9, rel=1e-6)
+  for name, rate in coding.items():
+    assert fitted.coding[name] == pytest.approx(rate, rel=1e-6)
+  assert fitted.coding["quantized_4_4"] == pytest.approx(3e-9, rel=1e-6)
+
+
+def test_report_says_what_auto_plans_under_the_fit(capsys):
+  # On 100 Gbit/s a few-bit code's passes at 2 ns outlast the wire it saves:
+  # before Adam and momentum SGD one bucket goes dense, which the synthetic
+  # timings make the fastest too; before plain SGD a top-k wins at 1%.
+  rows = synthetic_rows(Network(latency=1e-5, bandwidth=12.5e9), 4,
+                        coding={name: 2e-9 for name, entry in ALGORITHMS.items()
+                                if entry.quantizes})
+  network_benchmark.report(rows, 4, "100gbit")
+  plans = capsys.readouterr().out.split('plans for one bucket')[1].splitlines()[2:]
+  cells = [line.split() for line in plans if line.strip()]
+  assert {(c[1], c[3]) for c in cells if c[1] != "plain"} == {
+      ("adaptive", "dense"), ("momentum", "dense")}
+  assert all(c[-1] == "1.000x" for c in cells)  # the plan is the fastest each time
+  assert {c[3] for c in cells if c[1] == "plain" and c[2] == "0.01"} <= {
+      "allgather", "topka2a", "topka2a_sparse"}
 
 
 def test_report_puts_measured_beside_predicted(capsys):
