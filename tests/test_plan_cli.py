@@ -1,5 +1,6 @@
 """The command-line planner picks the algorithm the break-even densities say."""
 
+import json
 import math
 import os
 import pathlib
@@ -250,3 +251,39 @@ def test_the_readmes_planner_table_is_what_the_planner_prints(capsys):
       printed = re.search(r"all dense: [0-9.]+ ms \(speedup ([0-9.]+)x\)",
                           capsys.readouterr().out)[1]
       assert printed == cell, (network, model)
+
+
+def link_fit(path, coding_rate):
+  """A fit as ``benchmarks/network.py --json`` writes it: 100 Gbit/s, one coding rate."""
+  path.write_text(json.dumps({"rate": "100gbit", "processes": 4, "rows": [], "fit": {
+      "alpha": 1e-5, "bandwidth": 12.5e9, "per_element": 3e-9, "per_entry": 1e-7,
+      "per_matrix_element": 0.0, "per_multiply_add": 0.0,
+      "coding": {"quantized_8_8_fine": coding_rate, "quantized_4_8": coding_rate}}}))
+  return str(path)
+
+
+@pytest.mark.parametrize(("rate", "want"), [(2e-9, "dense"), (1e-12, "quantized_8_8_fine")])
+def test_a_link_fit_plans_adam_dense_where_coding_outlasts_the_wire(
+    capsys, tmp_path, rate, want):
+  # 25M entries on 4 devices: dense's ring 150 MB at 12.5 GB/s, 12 ms; the
+  # 8-bit code's 112.5M elements of passes 225 ms at 2 ns, 0.1 ms at 1 ps.
+  out = run(capsys, "--params", "25000000", "--devices", "4", "--optimizer", "adam",
+            "--link-fit", link_fit(tmp_path / "fit.json", rate))
+  assert chosen(out) == want
+  assert "network=fitted" in out.splitlines()[0]
+
+
+def test_a_link_fit_that_is_missing_or_not_a_fit_exits_with_the_fix(capsys, tmp_path):
+  for path, says in ((tmp_path / "none.json", "cannot read it"),
+                     (tmp_path / "rows.json", "holds no link fit (KeyError: 'fit')")):
+    if path.name == "rows.json":  # an old run's rows, written before the fit was
+      path.write_text(json.dumps({"rate": "1gbit", "processes": 4, "rows": []}))
+    with pytest.raises(SystemExit):
+      plan.main(["--params", "1000000", "--devices", "4", "--optimizer", "adam",
+                 "--link-fit", str(path)])
+    err = capsys.readouterr().err
+    assert says in err and "--rows OLD.json --json FIT.json" in err
+  with pytest.raises(SystemExit):
+    plan.main(["--params", "1000000", "--devices", "4", "--optimizer", "adam",
+               "--network", "eth1", "--link-fit", link_fit(tmp_path / "f.json", 1e-9)])
+  assert "--network and --link-fit each set the link: give one" in capsys.readouterr().err

@@ -9,6 +9,7 @@ topka2a_jax.tools.plan`` runs the same)::
   topka2a-plan --model gpt2 --devices 64 --density 0.01 \\
       --devices-per-node 8 --network eth10 --inner-network nvlink
   topka2a-plan --model gpt2 --devices 4 --network eth1 --algorithm quantized_8_8
+  topka2a-plan --model gpt2 --devices 4 --optimizer adam --link-fit fit.json
 
 Prints the fusion plan (one row per bucket), the predicted step against
 all-dense and all-TopkA exchanges, and the break-even densities of TopKA2A
@@ -18,6 +19,10 @@ one) needs no ``--density``. With ``--devices-per-node`` the devices
 form nodes (``topka2a(axis_name=("node", "local"))``): ``--network`` is the
 link between nodes, ``--inner-network`` the one inside a node, and every
 sparse bucket takes the cheaper of the flat and the two-level route.
+``--link-fit`` takes the link and the rates of one's own hosts from a JSON
+file that ``benchmarks/network.py --json`` wrote there: α, bandwidth, the
+selection's costs and each few-bit code's, so that a few-bit form is planned
+only where its coding costs less than the wire it saves.
 ``--model`` takes the layer shapes of a
 known model (:data:`topka2a_jax.tools.model_shapes.MODELS`, in the order its
 layers run; the backward pass produces their gradients in reverse).
@@ -34,8 +39,10 @@ Example:
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
+from pathlib import Path
 
 import topka2a_jax
 from topka2a_jax.collectives import ALGORITHMS
@@ -76,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--density", type=float,
                       help="fraction of each bucket sent; not needed with an --algorithm "
                            "that sends every entry (onebit, quantized_A_B, dense)")
-  parser.add_argument("--network", default="eth10",
+  parser.add_argument("--network",
                       help=f"one of {', '.join(NETWORKS)} (default eth10)")
   parser.add_argument("--devices-per-node", type=int,
                       help="devices per node, for a data axis of (node, local); "
@@ -87,6 +94,10 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--latency", type=float,
                       help="measured α in seconds (with --bandwidth, replaces --network)")
   parser.add_argument("--bandwidth", type=float, help="measured bytes per second")
+  parser.add_argument("--link-fit", metavar="JSON",
+                      help="the link and the hosts' selection and coding costs as "
+                           "benchmarks/network.py --json fitted them (replaces "
+                           "--network)")
   parser.add_argument(
       "--algorithm", default=AUTO, choices=[AUTO, *ALGORITHMS],
       help=f"the exchange of every large bucket; default {AUTO}: each bucket its "
@@ -146,8 +157,18 @@ def main(argv: list[str] | None = None) -> int:
     _parser().error("--density must be in (0, 1]")
   if (args.latency is None) != (args.bandwidth is None):
     _parser().error("give --latency and --bandwidth together")
-  network = (Network(args.latency, args.bandwidth, "measured")
-             if args.latency is not None else args.network)
+  given = [flag for flag, value in (("--network", args.network),
+                                    ("--latency", args.latency),
+                                    ("--link-fit", args.link_fit)) if value is not None]
+  if len(given) > 1:
+    _parser().error(f"{' and '.join(given)} each set the link: give one of them")
+  rates = {}
+  if args.link_fit is not None:
+    network, rates = _link_fit(args.link_fit)
+  elif args.latency is not None:
+    network = Network(args.latency, args.bandwidth, "measured")
+  else:
+    network = args.network or "eth10"
   cluster = None
   if args.devices_per_node is not None:
     if args.devices_per_node < 1 or args.devices % args.devices_per_node:
@@ -175,13 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     plan = topka2a_jax.plan_fusion(  # the first use of JAX: --help needs none
         sizes, args.devices, args.density, names=names, network=network,
         algorithm=args.algorithm, threshold=args.threshold, cluster=cluster,
-        forms=AUTO_FORMS[kind], **_backward(args))
+        forms=AUTO_FORMS[kind], **rates, **_backward(args))
   except ValueError as error:
     _parser().error(str(error))
   print(plan)
   if all(name in ALGORITHMS and (ALGORITHMS[name].quantizes or name == DENSE.name)
          for name in forms):  # no top-k among the forms: set one beside it
-    _print_top_k_beside(args, sizes, names, network, cluster, plan)
+    _print_top_k_beside(args, sizes, names, network, cluster, plan, rates)
   if args.algorithm == AUTO:
     print(f"--optimizer {args.optimizer}: each bucket the cheapest of "
           f"{', '.join(AUTO_FORMS[kind])} ({AUTO_FORMS_WHY[kind]})")
@@ -199,8 +220,29 @@ def main(argv: list[str] | None = None) -> int:
   return 0
 
 
+def _link_fit(path: str) -> tuple[Network, dict]:
+  """``--link-fit``: the fitted link, and the rates as :func:`plan_fusion` options."""
+  fix = ("write one with `python benchmarks/network.py --json FIT.json` on the link, "
+         "or refit saved rows with `--rows OLD.json --json FIT.json`")
+  try:
+    fitted = json.loads(Path(path).read_text())["fit"]
+    network = Network(fitted["alpha"], fitted["bandwidth"], "fitted",
+                      f"benchmarks/network.py's fit in {path}")
+    rates = {"selection_seconds_per_element": float(fitted["per_element"]),
+             "selection_seconds_per_entry": float(fitted["per_entry"]),
+             "coding_seconds_per_element": {
+                 name: float(rate) for name, rate in fitted["coding"].items()}}
+  except OSError as error:
+    _parser().error(f"--link-fit {path}: cannot read it ({error.strerror}); {fix}")
+  except (ValueError, KeyError, TypeError, AttributeError) as error:
+    _parser().error(f"--link-fit {path} holds no link fit ({type(error).__name__}: "
+                    f"{error}); {fix}")
+  return network, rates
+
+
 def _print_top_k_beside(args: argparse.Namespace, sizes: list[int], names: list[str],
-                        network: Network | str, cluster: Cluster | None, plan) -> None:
+                        network: Network | str, cluster: Cluster | None, plan,
+                        rates: dict) -> None:
   """For a plan without a top-k: the best top-k plan at ``--density``, and why not it."""
   if args.density >= 1:  # none given
     print("every entry is sent (no top-k, so no density); give --density to set the "
@@ -209,7 +251,7 @@ def _print_top_k_beside(args: argparse.Namespace, sizes: list[int], names: list[
   top_k = topka2a_jax.plan_fusion(
       sizes, args.devices, args.density, names=names, network=network, algorithm=AUTO,
       threshold=args.threshold, cluster=cluster, forms=AUTO_FORMS["plain"],
-      **_backward(args))
+      **rates, **_backward(args))
   print(f"the best top-k at density {args.density:g} (each bucket the cheapest of "
         f"{', '.join(AUTO_FORMS['plain'])}): {1e3 * top_k.step_seconds:.3f} ms "
         f"({top_k.step_seconds / plan.step_seconds:.2f}x this plan's time); before "
