@@ -18,6 +18,10 @@ initialisation:
   owners and 8 back, what ``"auto"`` sends before momentum SGD;
 * ``rotated 4 / 8 bits``: ``topka2a(algorithm="rotated_4_8")``, the same
   with each 512 entries rotated before their code;
+* ``signs, 4 bits back`` and ``signs both ways``: ``topka2a(algorithm=
+  "onebit_4")`` and ``"onebit_1"``, every entry's sign to the owners, their
+  means back in 4 bits or as signs again: the only forms that code every
+  entry in fewer bytes than a 1% top-k sends on 8 devices;
 * ``headline``: ``topka2a(0.01)`` with no other option, whatever ``"auto"``
   reads from the chain.
 
@@ -26,6 +30,7 @@ device sends a step (:func:`topka2a_jax.comm_report` of the compiled step).
 
 Run:
   python benchmarks/forms_by_optimizer.py [--steps 100] [--json out.json]
+      [--optimizers "sgd(0.05, momentum=0.9)" ...] [--forms "4 / 8 bits" ...]
 """
 
 from __future__ import annotations
@@ -73,6 +78,8 @@ FORMS = {
     "8 bits": exchange(algorithm="quantized_8_8_fine"),
     "4 / 8 bits": exchange(algorithm="quantized_4_8"),
     "rotated 4 / 8 bits": exchange(algorithm="rotated_4_8"),
+    "signs, 4 bits back": exchange(algorithm="onebit_4"),
+    "signs both ways": exchange(algorithm="onebit_1"),
     "headline": exchange(0.01),
 }
 """The exchanges compared: name -> ``(optimizer, mesh) -> the optimizer to train``."""
@@ -100,13 +107,21 @@ def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, default=100)
   parser.add_argument("--json", help="also write the rows here")
+  parser.add_argument("--optimizers", nargs="+", choices=list(OPTIMIZERS),
+                      default=list(OPTIMIZERS), metavar="NAME",
+                      help="the optimizers to train (default: every one)")
+  parser.add_argument("--forms", nargs="+", choices=list(FORMS), default=list(FORMS),
+                      metavar="NAME", help="the exchanges to train (default: every "
+                      "one); dense is always trained, as the ratios' reference")
   args = parser.parse_args()
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
   rows = []
   print(f"{'optimizer':26s} {'form':24s} {'final':>10s} {'vs dense':>9s} {'bytes':>8s}")
-  for optimizer, make in OPTIMIZERS.items():
-    dense = None
-    for form, options in FORMS.items():
+  forms = dict.fromkeys(["dense", *args.forms])
+  for optimizer in args.optimizers:
+    make, dense = OPTIMIZERS[optimizer], None
+    for form in forms:
+      options = FORMS[form]
       with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the warning of a top-k before Adam
         final, sent = train(options(make(), mesh), mesh, args.steps)
