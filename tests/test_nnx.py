@@ -176,6 +176,9 @@ EXCHANGE_STATES = {
     # ... or the gradient in 4 bits, both phases' roundings kept per device:
     "quantized_4_8, then adam": lambda mesh: optax.chain(topka2a_jax.topka2a(
         algorithm="quantized_4_8", mesh=mesh, min_size=0), optax.adam(1e-2)),
+    # ... or every device's Adam step, rotated before its 4-bit code:
+    "rotated_4_8 of adam": lambda mesh: topka2a_jax.compress_updates(
+        optax.adam(1e-2), algorithm="rotated_4_8", mesh=mesh, min_size=0),
 }
 
 
