@@ -138,15 +138,16 @@ class FusionPlan:
     spans = [f"{self.names[p.bucket.leaves[0]]} .. {self.names[p.bucket.leaves[-1]]}"
              for p in self.buckets]
     width = max(len("first .. last leaf"), *map(len, spans))  # whole names
+    named = max(14, *(len(p.bucket.algorithm) for p in self.buckets))  # whole names
     columns = (f"{'bucket':>6s} {'leaves':>6s} {'first .. last leaf':{width}s} "
-               f"{'elements':>12s} {'algorithm':>14s} {'ms':>9s} {'ends at ms':>10s}")
+               f"{'elements':>12s} {'algorithm':>{named}s} {'ms':>9s} {'ends at ms':>10s}")
     if self.cluster is not None:
       columns += f" {'route':>9s}"
     lines = [header, columns]
     for i, (planned, span) in enumerate(zip(self.buckets, spans)):
       lines.append(
           f"{i:6d} {len(planned.bucket.leaves):6d} {span:{width}s} "
-          f"{planned.bucket.size:12,d} {planned.bucket.algorithm:>14s} "
+          f"{planned.bucket.size:12,d} {planned.bucket.algorithm:>{named}s} "
           f"{1e3 * planned.seconds:9.3f} {1e3 * planned.finish:10.3f}"
           + (f" {planned.bucket.route:>9s}" if self.cluster is not None else ""))
     lines.append(f"backward pass: {1e3 * self.backward_seconds:.3f} ms "
