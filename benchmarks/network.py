@@ -15,9 +15,13 @@ step keeps them.
 
 From the measurements it fits the planner's model of an exchange (seconds =
 messages * α + bytes / bandwidth + elements read * selection + entries selected *
-per-entry cost + PowerSGD's passes over its matrix + its multiply-adds, least
-squares over all rows, :class:`topka2a_jax.cost.StepModel`) and prints,
-beside each measured ratio to dense, the ratio the fitted model predicts.
+per-entry cost + PowerSGD's passes over its matrix + its multiply-adds, each
+few-bit code's passes at its own coding rate; non-negative least squares over
+all rows, :class:`topka2a_jax.cost.StepModel`) and prints, beside each
+measured ratio to dense, the ratio the fitted model predicts. Last it prints
+what ``algorithm="auto"`` plans for one bucket of each size under the fit,
+by the optimizer after the exchange, beside the form measured fastest; the
+fit goes into ``--json``'s file, which ``topka2a-plan --link-fit`` reads.
 
 Needs root (or CAP_NET_ADMIN) for ``ip netns`` and ``tc``, and the kernel's
 ``tbf`` qdisc (``netem`` too for ``--delay-ms``). Where any is missing it
@@ -518,6 +522,14 @@ def report_plans(rows: list[dict], processes: int, fitted: Fit) -> None:
 
   timed = {(r["algorithm"], r["size"], r["density"]): r["seconds"] for r in rows
            if r["algorithm"] != "powersgd"}
+
+  def selects(name: str) -> bool:  # a top-k, whose time depends on its density
+    return ALGORITHMS[name].sparse and not ALGORITHMS[name].quantizes
+
+  def timing(name: str, size: int, density: float) -> float | None:
+    return next((t for (n, at, d), t in timed.items() if n == name and at == size
+                 and (d == density or not selects(name))), None)
+
   print("\nWhat algorithm=\"auto\" plans for one bucket under this fit, by the "
         "optimizer after it:")
   print(f"{'elements':>11s} {'optimizer':9s} {'density':>7s} {'plans':18s} "
@@ -527,16 +539,11 @@ def report_plans(rows: list[dict], processes: int, fitted: Fit) -> None:
     kinds.setdefault(forms, kind)
   for size in sorted({r["size"] for r in rows}):
     for forms, kind in kinds.items():
-      densities = sorted({density for name, at, density in timed
-                          if at == size and not ALGORITHMS[name].quantizes
-                          and name != "dense"}) if kind == "plain" else [1.0]
+      top_k = any(map(selects, forms))
+      densities = sorted({d for n, at, d in timed if at == size and selects(n)}
+                         ) if top_k else [1.0]
       for density in densities:
-        seconds = {name: timed.get((name, size, 1.0 if name == "dense" else density))
-                   for name in forms}
-        if kind != "plain":  # a few-bit code is timed at whichever density
-          seconds.update({name: next((t for (n, at, _), t in timed.items()
-                                      if n == name and at == size), None)
-                          for name in forms if ALGORITHMS[name].quantizes})
+        seconds = {name: timing(name, size, density) for name in forms}
         if None in seconds.values():
           continue  # not every form of this kind was timed here
         plan = topka2a_jax.plan_fusion([size], processes, density, algorithm="auto",
@@ -544,7 +551,7 @@ def report_plans(rows: list[dict], processes: int, fitted: Fit) -> None:
                                        **fitted.planner_options())
         chosen = plan.buckets[0].bucket.algorithm
         fastest = min(seconds, key=seconds.get)
-        shown = f"{density:7g}" if kind == "plain" else f"{'-':>7s}"
+        shown = f"{density:7g}" if top_k else f"{'-':>7s}"
         print(f"{size:11,} {kind:9s} {shown} {chosen:18s} {fastest:18s} "
               f"{seconds[chosen] / seconds[fastest]:16.3f}x")
 
