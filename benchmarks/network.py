@@ -380,17 +380,14 @@ class Fit(NamedTuple):
     """The coefficients of :func:`terms`, in its order."""
     return [self.alpha, 1 / self.bandwidth, self.per_element, self.per_entry,
             self.per_matrix_element, self.per_multiply_add,
-            *(self.coding.get(name, self.per_element) for name in coded)]
+            *(self.coding[name] for name in coded)]
 
   def planner_options(self) -> dict:
-    """The fit as :func:`topka2a_jax.plan_fusion`'s model options."""
-    from topka2a_jax.cost import Network
+    """The fit as :func:`topka2a_jax.plan_fusion`'s model options (what
+    ``topka2a-plan --link-fit`` makes of it)."""
+    from topka2a_jax.tools.plan import fit_options
 
-    return {"network": Network(self.alpha, self.bandwidth, "fitted",
-                               "benchmarks/network.py"),
-            "selection_seconds_per_element": self.per_element,
-            "selection_seconds_per_entry": self.per_entry,
-            "coding_seconds_per_element": self.coding}
+    return fit_options(self._asdict())
 
 
 def exchange_rows(rows: list[dict]) -> list[dict]:

@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     _parser().error(f"{' and '.join(given)} each set the link: give one of them")
   rates = {}
   if args.link_fit is not None:
-    network, rates = _link_fit(args.link_fit)
+    rates = _link_fit(args.link_fit)
+    network = rates.pop("network")
   elif args.latency is not None:
     network = Network(args.latency, args.bandwidth, "measured")
   else:
@@ -220,24 +221,39 @@ def main(argv: list[str] | None = None) -> int:
   return 0
 
 
-def _link_fit(path: str) -> tuple[Network, dict]:
-  """``--link-fit``: the fitted link, and the rates as :func:`plan_fusion` options."""
+def fit_options(fitted: dict, source: str = "benchmarks/network.py") -> dict:
+  """A link fit as :func:`topka2a_jax.plan_fusion`'s model options.
+
+  Args:
+    fitted: the ``"fit"`` that ``benchmarks/network.py --json`` writes: α,
+      bandwidth, the selection's two rates and each few-bit code's.
+    source: where the fit comes from, for the plan's network.
+
+  Example:
+    >>> options = fit_options({"alpha": 2e-4, "bandwidth": 3e7, "per_element": 7e-9,
+    ...                        "per_entry": 1e-7, "coding": {"quantized_8_8_fine": 2e-9}})
+    >>> options["network"].name, options["coding_seconds_per_element"]
+    ('fitted', {'quantized_8_8_fine': 2e-09})
+  """
+  return {"network": Network(fitted["alpha"], fitted["bandwidth"], "fitted", source),
+          "selection_seconds_per_element": float(fitted["per_element"]),
+          "selection_seconds_per_entry": float(fitted["per_entry"]),
+          "coding_seconds_per_element": {
+              name: float(rate) for name, rate in fitted["coding"].items()}}
+
+
+def _link_fit(path: str) -> dict:
+  """``--link-fit``: the fit in ``path`` as :func:`fit_options`, or the parser's error."""
   fix = ("write one with `python benchmarks/network.py --json FIT.json` on the link, "
          "or refit saved rows with `--rows OLD.json --json FIT.json`")
   try:
-    fitted = json.loads(Path(path).read_text())["fit"]
-    network = Network(fitted["alpha"], fitted["bandwidth"], "fitted",
-                      f"benchmarks/network.py's fit in {path}")
-    rates = {"selection_seconds_per_element": float(fitted["per_element"]),
-             "selection_seconds_per_entry": float(fitted["per_entry"]),
-             "coding_seconds_per_element": {
-                 name: float(rate) for name, rate in fitted["coding"].items()}}
+    return fit_options(json.loads(Path(path).read_text())["fit"],
+                       f"benchmarks/network.py's fit in {path}")
   except OSError as error:
     _parser().error(f"--link-fit {path}: cannot read it ({error.strerror}); {fix}")
   except (ValueError, KeyError, TypeError, AttributeError) as error:
     _parser().error(f"--link-fit {path} holds no link fit ({type(error).__name__}: "
                     f"{error}); {fix}")
-  return network, rates
 
 
 def _print_top_k_beside(args: argparse.Namespace, sizes: list[int], names: list[str],
