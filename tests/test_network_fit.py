@@ -132,3 +132,22 @@ def test_the_coding_rows_stay_out_of_the_fit_and_split_the_link_time(capsys):
   out = capsys.readouterr().out
   assert "Where the few-bit exchanges' time goes" in out
   assert "quantized_8_8" in out.split("time goes")[1]
+
+
+def test_the_json_it_writes_is_what_topka2a_plan_reads(tmp_path, capsys):
+  # The user's path: `network.py --json fit.json` on the link, then
+  # `topka2a-plan --link-fit fit.json`. On 100 Gbit/s with 2 ns a coded
+  # element, dense wins before Adam, as the report says.
+  from topka2a_jax.tools import plan
+
+  rows = synthetic_rows(Network(latency=1e-5, bandwidth=12.5e9), 4,
+                        coding={name: 2e-9 for name, entry in ALGORITHMS.items()
+                                if entry.quantizes})
+  path = tmp_path / "fit.json"
+  network_benchmark.write(str(path), {"rate": "100gbit", "processes": 4, "rows": rows}, 4)
+  assert plan.main(["--params", "25000000", "--devices", "4", "--optimizer", "adam",
+                    "--link-fit", str(path)]) == 0
+  out = capsys.readouterr().out
+  [row] = [line for line in out.splitlines() if "gradient .. gradient" in line]
+  assert row.split()[-3] == "dense"
+  assert "every bucket goes dense" in out
