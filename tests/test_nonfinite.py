@@ -10,9 +10,11 @@ import optax
 import pytest
 import reference
 from cases import random_grads, residuals_of
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import topka2a_jax
+from topka2a_jax._src.transforms.nonfinite import nonfinite_on_any_device
 
 
 def poisoned(grads, value, device=3, leaf="b"):
@@ -305,3 +307,65 @@ def test_float64_parameters_through_a_few_bit_code_are_told_its_range(mesh, make
       topka2a_jax.init(make(mesh), params, mesh)
   assert any("float64 gradients go through a few-bit code" in str(w.message)
              and w.filename == __file__ for w in said) == warns
+
+
+def _nan_at(pattern, grads, device=3):
+  """``grads`` (one leaf, ``(8, rows, 256)``) with NaN where ``pattern`` says, on one device."""
+  grads = grads.copy()
+  flat = grads[device].reshape(-1)
+  if pattern == "whole rows":
+    grads[device, ::7] = np.nan
+  else:
+    flat[{"first entry": 0, "a middle entry": flat.size // 2 + 3,
+          "last entry": -1}[pattern]] = np.nan
+  return grads
+
+
+@pytest.mark.parametrize("pattern", ["a middle entry", "first entry", "last entry",
+                                     "whole rows"])
+@pytest.mark.parametrize("entries", [4096, 65536, 262144])
+def test_nan_is_seen_in_a_large_float32_leaf_on_one_device(mesh, entries, pattern):
+  """XLA's CPU max reduction drops NaN in float32 arrays of 4096 entries or more;
+  the check must not."""
+  grads = _nan_at(pattern, np.ones((8, entries // 256, 256), np.float32))
+
+  def check(g):
+    return nonfinite_on_any_device(g[0], "data")
+
+  run = jax.jit(jax.shard_map(check, mesh=mesh, in_specs=P("data"), out_specs=P()))
+  seen = run(jax.device_put(grads, NamedSharding(mesh, P("data"))))
+  assert bool(seen)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: optax.chain(topka2a_jax.topka2a(0.01, min_size=0), optax.adam(1e-3)),
+    lambda: optax.chain(topka2a_jax.topka2a(0.01, min_size=0), optax.sgd(0.1)),
+    lambda: topka2a_jax.skip_nonfinite(
+        optax.chain(topka2a_jax.topka2a(0.01, min_size=0), optax.adam(1e-3))),
+    lambda: topka2a_jax.sharded_optimizer(optax.adam(1e-3), 0.01, min_size=0),
+    lambda: topka2a_jax.compress_updates(optax.adam(1e-3), min_size=0),
+], ids=["8-bit before adam", "top-k before sgd", "skip_nonfinite", "sharded_optimizer",
+        "compress_updates"])
+def test_one_nan_entry_in_a_large_leaf_skips_the_step_everywhere(mesh, exchange_steps, make):
+  """One NaN entry of a 16 x 256 gradient on device 3: no NaN is applied or kept.
+
+  The exchange keeps its residuals as they were; an optimizer after it in a
+  plain chain still takes its step on the zero mean (momentum), so only the
+  wrappers that own the optimizer's step return zeros.
+  """
+  rng = np.random.default_rng(5)
+  good = {"w": rng.normal(size=(8, 16, 256)).astype(np.float32)}
+  bad = {"w": _nan_at("a middle entry", rng.normal(size=(8, 16, 256)).astype(np.float32))}
+  (_, before), (skipped, during) = exchange_steps(make(), mesh, [good, bad])
+  assert np.isfinite(skipped["w"]).all()
+  counted_before, counted_during = [], []
+  for (path, old), new in zip(jax.tree_util.tree_leaves_with_path(before),
+                              jax.tree.leaves(during)):
+    name = jax.tree_util.keystr(path)
+    assert np.isfinite(np.asarray(new, np.float32)).all(), name
+    if "nonfinite_steps" in name:
+      counted_before.append(int(np.max(old)))
+      counted_during.append(int(np.max(new)))
+    elif "residuals" in name:
+      np.testing.assert_array_equal(np.asarray(new), np.asarray(old), err_msg=name)
+  assert max(counted_during) == max(counted_before) + 1

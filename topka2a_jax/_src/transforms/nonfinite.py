@@ -47,16 +47,19 @@ from topka2a_jax._src.transforms.extra_args import NONFINITE
 def _holds_nonfinite(leaf: jax.Array, devices: int) -> jax.Array:
   """Whether ``leaf`` holds a NaN, an infinity, or a magnitude whose sum over ``devices`` overflows.
 
-  One reduction, nothing written: XLA's maximum propagates NaN, so the
-  largest magnitude is finite exactly when every entry is
-  (``jnp.any(~jnp.isfinite(leaf))`` writes a flag per entry first on XLA's
-  CPU backend). An entry above the largest float32 (float64 for float64
-  leaves) over ``devices`` could make the exchange's sum infinite from
-  finite gradients; such a step counts as bad too.
+  One fused reduction, nothing written: the largest magnitude, with every
+  NaN read as infinity first. The maximum alone is not enough: XLA's CPU
+  backend reduces float32 arrays of 4096 entries or more in vectorized
+  pieces that drop NaN (one NaN gives the largest of the rest, an all-NaN
+  array ``-inf``), while ``jnp.any(~jnp.isfinite(leaf))`` writes a flag per
+  entry first there. An entry above the largest float32 (float64 for
+  float64 leaves) over ``devices`` could make the exchange's sum infinite
+  from finite gradients; such a step counts as bad too.
   """
   wide = jnp.promote_types(jnp.float32, leaf.dtype)  # the sum's dtype, and the limit's
-  largest = jnp.max(jnp.abs(leaf)).astype(wide)
-  return ~(largest <= jnp.asarray(float(jnp.finfo(wide).max) / devices, wide))  # NaN: False
+  magnitude = jnp.where(jnp.isnan(leaf), jnp.inf, jnp.abs(leaf))
+  largest = jnp.max(magnitude).astype(wide)
+  return ~(largest <= jnp.asarray(float(jnp.finfo(wide).max) / devices, wide))
 
 
 def nonfinite_on_any_device(tree: Any, axis_name: Hashable) -> jax.Array:
