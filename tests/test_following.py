@@ -7,6 +7,7 @@ README's program (an ``algorithm="dense"`` chain, the mean gradient by
 written out by hand.
 """
 
+import functools
 import warnings
 
 import jax
@@ -88,15 +89,17 @@ def test_nested_chains_and_a_transform_called_alone():
   probe = optax.GradientTransformation(lambda p: (), update)
   tx = optax.chain(optax.chain(probe, optax.clip_by_global_norm(1.0)), optax.adam(1e-3))
   tx.update({"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}))
-  probe.update({"w": jnp.ones(2)}, ())  # alone: nothing follows
-  assert inner_probe == ["adaptive", "plain"]
+  probe.update({"w": jnp.ones(2)}, ())  # alone: what follows is not seen
+  assert inner_probe == ["adaptive", "unknown"]
 
 
 def test_the_chain_frames_are_optax_chains():
-  # follower() reads the members a chain's init and update close over.
+  # follower() reads the members a chain's and a named chain's init and update close over.
   chain = optax.chain(optax.identity(), optax.sgd(0.1))
-  for fn, field in ((chain.init, "init_fns"), (chain.update, "update_fns")):
-    assert following._CHAIN_FRAMES[fn.__code__] == field
+  named = optax.named_chain(("a", optax.identity()), ("b", optax.sgd(0.1)))
+  for fn, field in ((chain.init, "init_fns"), (chain.update, "update_fns"),
+                    (named.init, "transforms"), (named.update, "transforms")):
+    assert following._CHAIN_FRAMES[fn.__code__][0] == field
     assert field in fn.__code__.co_freevars
 
 
@@ -169,3 +172,123 @@ def test_an_optimizer_it_cannot_classify_gets_the_safe_form_and_one_line(mesh):
                                                    mesh=mesh), optax.sgd(0.05)), mesh,
                    steps=0)
   assert unknown == coded
+
+
+class _UpdateObject:
+  """A user's update held in an object."""
+
+  def __init__(self, inner):
+    self.inner = inner
+
+  def __call__(self, updates, state, params=None):
+    return self.inner.update(updates, state, params)
+
+
+class _SlottedUpdate:
+  """An update whose object shows nothing: no attributes, no name."""
+
+  __slots__ = ("inner",)
+
+  def __init__(self, inner):
+    self.inner = inner
+
+  def __call__(self, updates, state, params=None):
+    return self.inner.update(updates, state, params)
+
+
+def _partial_update(updates, state, params=None, *, inner):
+  return inner.update(updates, state, params)
+
+
+ADAM = optax.adam(1e-3)
+
+
+@pytest.mark.parametrize("optimizer, kind", [
+    (optax.GradientTransformation(ADAM.init, _UpdateObject(ADAM)), "adaptive"),
+    (optax.GradientTransformation(ADAM.init, functools.partial(_partial_update, inner=ADAM)),
+     "adaptive"),
+    (optax.GradientTransformation(ADAM.init, jax.jit(ADAM.update)), "adaptive"),
+    (optax.GradientTransformation(ADAM.init, _SlottedUpdate(ADAM)), "unknown"),
+    (optax.contrib.muon(1e-3), "adaptive"),
+    (optax.MultiSteps(ADAM, 4).gradient_transformation(), "adaptive"),
+    (optax.multi_transform({"a": ADAM, "s": optax.sgd(0.1)}, {"w": "a"}), "adaptive"),
+    (optax.clip_by_global_norm(1.0), "unknown"),  # no step after it: the mean leaves the chain
+    (optax.contrib.adopt(1e-3), "adaptive"), (optax.rprop(1e-3), "adaptive"),
+], ids=["callable object", "partial", "jit", "slotted object", "muon", "MultiSteps",
+        "multi_transform", "clip alone", "adopt", "rprop"])
+def test_wrapped_optimizers_are_read_through_their_wrappers(optimizer, kind):
+  assert kind_after(optimizer) == kind
+
+
+def test_named_chain_is_read_as_chain_is():
+  seen = []
+
+  def update(updates, state, params=None):
+    seen.append(following.kind_of(following.follower(update)))
+    return updates, state
+
+  probe = optax.GradientTransformation(lambda p: (), update)
+  for tx in (optax.named_chain(("x", probe), ("opt", optax.adam(1e-3))),
+             optax.named_chain(("x", optax.chain(probe)), ("opt", optax.sgd(0.1))),
+             optax.chain(optax.named_chain(("x", probe)), optax.sgd(0.1, momentum=0.9)),
+             optax.named_chain(("x", probe))):
+    tx.update({"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}))
+  assert seen == ["adaptive", "plain", "momentum", "unknown"]
+
+
+def _sent(tx, mesh):
+  return train(tx, mesh, steps=0)[1]
+
+
+def test_what_cannot_be_read_gets_the_8_bit_form_and_one_warning_naming_follows(mesh):
+  coded = _sent(optax.chain(topka2a_jax.topka2a(algorithm="quantized_8_8_fine", mesh=mesh),
+                            optax.adam(1e-3)), mesh)
+  for tx in (optax.chain(topka2a_jax.topka2a(0.01, mesh=mesh)),  # Adam applied by hand
+             optax.chain(topka2a_jax.topka2a(0.01, mesh=mesh),
+                         optax.GradientTransformation(ADAM.init, _SlottedUpdate(ADAM)))):
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      assert _sent(tx, mesh) == coded
+    said = [str(w.message) for w in caught if "follows=" in str(w.message)]
+    assert len(said) == 1 and "every entry in 8 bits" in said[0], said
+
+
+def test_an_init_and_update_that_read_apart_get_the_safe_form(mesh):
+  """Adam's init with an SGD step's update: not positively plain SGD."""
+  sgd = optax.sgd(0.1)
+  tx = optax.chain(topka2a_jax.topka2a(0.01, mesh=mesh),
+                   optax.GradientTransformation(ADAM.init, sgd.update))
+  with pytest.warns(UserWarning, match="init reads adaptive after it and its update plain"):
+    sent = _sent(tx, mesh)
+  assert sent == _sent(optax.chain(topka2a_jax.topka2a(0.01, mesh=mesh), optax.adam(1e-3)),
+                       mesh)
+
+
+@pytest.mark.parametrize("follows, like", [
+    ("sgd", optax.sgd(0.1)), ("adam", optax.adam(1e-3)),
+    ("momentum", optax.sgd(0.1, momentum=0.9)), (optax.adam(1e-3), optax.adam(1e-3))],
+    ids=["sgd", "adam", "momentum", "a transform"])
+def test_follows_says_what_the_chain_cannot(mesh, follows, like):
+  alone = optax.chain(topka2a_jax.topka2a(0.01, mesh=mesh, follows=follows))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    sent = _sent(alone, mesh)
+  assert sent == _sent(optax.chain(topka2a_jax.topka2a(0.01, mesh=mesh), like), mesh)
+
+
+@pytest.mark.parametrize("follows, error, match", [
+    ("adamw", ValueError, r"follows='adamw' names no optimizer kind.*'adam', 'momentum', 'sgd'"),
+    (0.1, TypeError, r"follows= takes the optimizer after the exchange.*got float"),
+])
+def test_a_bad_follows_is_refused_naming_what_it_takes(follows, error, match):
+  with pytest.raises(error, match=match):
+    topka2a_jax.topka2a(0.01, follows=follows)
+
+
+def test_under_named_chain_the_headline_line_trains_as_dense(mesh):
+  """Read as plain SGD, it sent a top-k to Adam and ended 6,000x above dense."""
+  dense, _ = train(optax.chain(topka2a_jax.topka2a(algorithm="dense", mesh=mesh),
+                               optax.adam(1e-2)), mesh)
+  named, _ = train(optax.named_chain(("exchange", topka2a_jax.topka2a(0.01, mesh=mesh)),
+                                     ("adam", optax.adam(1e-2))), mesh)
+  assert named < 1.25 * dense

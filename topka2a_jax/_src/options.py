@@ -164,6 +164,29 @@ def _density(density: Any, algorithm: str) -> float:
   return check_density(density)
 
 
+FOLLOWS_KINDS = {"adam": "adaptive", "momentum": "momentum", "sgd": "plain"}
+"""``follows=``'s names, and the kind of optimizer each says (``planner/forms.py``)."""
+
+
+def _follows(value: Any) -> Any:
+  """None, a name of :data:`FOLLOWS_KINDS` (as its kind), or an optax transform."""
+  if value is None:
+    return None
+  if isinstance(value, str):
+    if value not in FOLLOWS_KINDS:
+      raise ValueError(
+          f"follows={value!r} names no optimizer kind: give one of "
+          f"{', '.join(map(repr, FOLLOWS_KINDS))} (Adam's family, momentum SGD, plain "
+          "SGD), or the optimizer itself, follows=optax.adam(1e-3)")
+    return FOLLOWS_KINDS[value]
+  if not (callable(getattr(value, "init", None)) and callable(getattr(value, "update", None))):
+    raise TypeError(
+        f"follows= takes the optimizer after the exchange (an optax transform such as "
+        f"optax.adam(1e-3)) or one of {', '.join(map(repr, FOLLOWS_KINDS))}; got "
+        f"{type(value).__name__}")
+  return value
+
+
 def _axis(value: Any, given: dict[str, Any]) -> DataAxis:
   del given
   return DataAxis.parse(value)
@@ -280,6 +303,17 @@ class Options:
       "them. An explicit top-k "
       "or sign before Adam's family is kept, with a warning.",
       _algorithm)
+  follows: Any = _option(
+      None,
+      "what the program does with the exchange's mean, for ``algorithm=\"auto\"``: "
+      "the optimizer itself (``follows=optax.adam(1e-3)``) or its kind, "
+      "``\"adam\"`` (Adam's family, signs, any per-entry adaptive step), "
+      "``\"momentum\"`` or ``\"sgd\"`` (plain SGD, the mean applied as it is). "
+      "None (the default) reads it from the ``optax.chain`` or ``optax.named_chain`` "
+      "running the exchange; where nothing can be read there (no chain, nothing "
+      "after the exchange in it, an optimizer it does not know), ``\"auto\"`` sends "
+      "every entry in 8 bits, safe before both, and says so once.",
+      lambda value, given: _follows(value), annotation="Any")
   error_feedback: bool = _option(
       True,
       "keep what was not sent and add it to the next step's gradient. Without it "

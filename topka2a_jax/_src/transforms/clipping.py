@@ -24,6 +24,8 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import types
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -39,7 +41,13 @@ _CHAIN_UPDATE = optax.chain(optax.identity()).update.__code__
 
 
 def held(fn: Any, seen: set[int] | None = None) -> Iterator[Any]:
-  """``fn`` and everything its closures hold, depth first, each once.
+  """``fn`` and everything it holds, depth first, each once.
+
+  What a function holds is its closure; a ``functools.partial`` holds its
+  function and arguments, a bound method its function and object, a
+  ``jax.jit``-wrapped function the function it wraps, a callable object its
+  class's ``__call__`` and its attributes, an object reached that way its
+  attributes, a dict its values (``optax.partition``'s transforms).
 
   Args:
     fn: an update function, a ``GradientTransformation`` or a sequence of them
@@ -47,16 +55,37 @@ def held(fn: Any, seen: set[int] | None = None) -> Iterator[Any]:
     seen: ids already walked (a closure may hold the same function twice).
   """
   seen = set() if seen is None else seen
-  if id(fn) in seen:
+  if id(fn) in seen or isinstance(fn, (str, bytes, int, float, type, types.ModuleType)):
     return
   seen.add(id(fn))
   if isinstance(fn, (tuple, list)):  # a GradientTransformation, or chain's update_fns
     for item in fn:
       yield from held(item, seen)
     return
+  if isinstance(fn, dict):
+    for item in fn.values():
+      yield from held(item, seen)
+    return
   yield fn
-  for contents in _closure(fn).values():
+  for contents in _held_by(fn):
     yield from held(contents, seen)
+
+
+def _held_by(fn: Any) -> list[Any]:
+  """What ``fn`` holds directly (see :func:`held`)."""
+  if isinstance(fn, types.FunctionType):
+    return [*_closure(fn).values(), *([fn.__wrapped__] if hasattr(fn, "__wrapped__") else [])]
+  if isinstance(fn, functools.partial):
+    return [fn.func, *fn.args, *fn.keywords.values()]
+  if isinstance(fn, types.MethodType):
+    return [fn.__func__, *vars(fn.__self__).values()] if hasattr(fn.__self__, "__dict__") \
+        else [fn.__func__]
+  wrapped = getattr(fn, "__wrapped__", None)  # jax.jit's and functools.wraps' wrappers
+  if wrapped is not None:
+    return [wrapped]
+  if callable(fn) and hasattr(fn, "__dict__"):  # a callable object
+    return [getattr(type(fn), "__call__", None), *vars(fn).values()]
+  return []
 
 
 def transform_names(fn: Any) -> Iterator[str]:

@@ -66,7 +66,9 @@ _ADAPTIVE_NAMES = frozenset({
     "scale_by_param_block_rms", "scale_by_muon", "scale_by_frozen_rms",
     "adam", "adamw", "nadam", "nadamw", "radam", "amsgrad", "adabelief", "adamax",
     "adamaxw", "rmsprop", "adafactor", "lion", "lamb", "adagrad", "yogi", "novograd",
-    "adadelta", "sm3", "adan", "sign_sgd", "muon", "frozen_variance_adam"})
+    "adadelta", "sm3", "adan", "sign_sgd", "muon", "frozen_variance_adam",
+    "scale_by_adopt", "adopt", "scale_by_ademamix", "ademamix", "scale_by_prodigy",
+    "prodigy", "scale_by_rprop", "rprop", "scale_by_schedule_free", "schedule_free"})
 """Factories of per-entry adaptive steps (Adam and its family, signs, Muon)."""
 
 _MOMENTUM_NAMES = frozenset({"trace", "ema", "sgd", "lars"})
@@ -79,7 +81,8 @@ _NEUTRAL_NAMES = frozenset({
     "adaptive_grad_clip", "zero_nans", "masked", "add_noise", "noisy_sgd",
     "keep_params_nonnegative", "scale_by_trust_ratio", "inject_hyperparams",
     "inject_stateful_hyperparams", "apply_if_finite", "skip_nonfinite",
-    "skip_not_finite", "centralize", "scale_by_polyak", "polyak_sgd"})
+    "skip_not_finite", "centralize", "scale_by_polyak", "polyak_sgd", "partition",
+    "multi_transform", "MultiSteps"})
 """Factories that change no entry's timing: scales, decays, clips, masks."""
 
 
@@ -102,9 +105,27 @@ def _factories(fns: Sequence[Any], updates_only: bool) -> set[str]:
 
 
 _CHAIN = optax.chain(optax.identity())
-_CHAIN_FRAMES = {_CHAIN.init.__code__: "init_fns", _CHAIN.update.__code__: "update_fns"}
-"""The codes of every ``optax.chain``'s init and update, and the member
-functions each closes over. ``tests/test_following.py`` holds them to optax."""
+_NAMED_CHAIN = optax.named_chain(("only", optax.identity()))
+_CHAIN_FRAMES = {
+    _CHAIN.init.__code__: ("init_fns", False),
+    _CHAIN.update.__code__: ("update_fns", True),
+    _NAMED_CHAIN.init.__code__: ("transforms", True),
+    _NAMED_CHAIN.update.__code__: ("transforms", True),
+}
+"""The codes of every ``optax.chain``'s and ``optax.named_chain``'s init and
+update, the local each reads its members from, and whether the members'
+update functions are there (a chain's init holds init functions only; a
+named chain holds ``(name, transform)`` pairs). ``tests/test_following.py``
+holds them to optax."""
+
+_STEP_NAMES = frozenset({"scale", "scale_by_learning_rate", "scale_by_schedule",
+                         "scale_by_polyak", "polyak_sgd", "noisy_sgd"})
+"""Neutral factories that make a step of the mean: plain SGD is one of them."""
+
+
+def _members(field: str, members: Sequence[Any]) -> list[Any]:
+  """A chain's members as functions or transforms, in order."""
+  return [member for _, member in members] if field == "transforms" else list(members)
 
 
 def follower(own: Callable[..., Any]) -> tuple[tuple[Any, ...], bool] | None:
@@ -116,22 +137,26 @@ def follower(own: Callable[..., Any]) -> tuple[tuple[Any, ...], bool] | None:
     own: the running transform's init or update function.
 
   Returns:
-    ``(functions, updates)``: what follows, and whether they are update
-    functions (from a chain's update) or init functions; None where no
-    chain runs ``own`` (the transform was called alone).
+    ``(functions, updates)``: what follows (functions, or whole transforms
+    under ``optax.named_chain``), and whether their update functions are
+    there (from a chain's update, or any named chain); None where no chain
+    runs ``own`` (the transform was called alone, or by a combinator this
+    module does not read).
   """
-  frame, after, updates, inner = sys._getframe(1), [], False, own
+  frame, after, updates, inner = sys._getframe(1), [], True, (own,)
   found = False
   while frame is not None:
-    field = _CHAIN_FRAMES.get(frame.f_code)
+    field, has_updates = _CHAIN_FRAMES.get(frame.f_code, (None, False))
     members = frame.f_locals.get(field) if field else None
     if members is not None:
+      members = _members(field, members)
       position = next((i for i, member in enumerate(members)
-                       if any(one is inner for one in held(member))), None)
+                       if any(one is mine for one in held(member) for mine in inner)), None)
       if position is not None:
         after += members[position + 1:]
-        updates, found = field == "update_fns", True
-        inner = members[position]
+        updates, found = updates and has_updates, True
+        inner = tuple(members[position]) if isinstance(members[position], tuple) \
+            else (members[position],)
     frame = frame.f_back
   return (tuple(after), updates) if found else None
 
@@ -139,28 +164,42 @@ def follower(own: Callable[..., Any]) -> tuple[tuple[Any, ...], bool] | None:
 def kind_of(followed: tuple[tuple[Any, ...], bool] | None) -> str:
   """The kind of optimizer :func:`follower` found: one of the four kinds.
 
-  From a chain's init (which holds no update functions) only Adam's family
-  and momentum are told apart; everything else reads as :data:`PLAIN`.
+  :data:`PLAIN` only where it is positively known: a step of plain SGD (a
+  learning rate's scale) follows, and nothing that is not neutral. From a
+  chain's init (which holds no update functions) only Adam's family and
+  momentum are told apart; everything else reads as :data:`PLAIN` there,
+  and the update decides. No chain, nothing after the exchange in it, or
+  functions whose names say nothing: :data:`UNKNOWN`.
   """
-  if followed is None:
-    return PLAIN
+  if followed is None or not followed[0]:
+    return UNKNOWN
   fns, updates = followed
   names = _factories(fns, updates_only=updates)
   if names & _ADAPTIVE_NAMES:
     return ADAPTIVE
   if names & _MOMENTUM_NAMES:
     return MOMENTUM
-  if not updates or names <= _NEUTRAL_NAMES:
+  if not updates or (names & _STEP_NAMES and names <= _NEUTRAL_NAMES):
     return PLAIN
   return UNKNOWN
 
 
-def unknown_names(followed: tuple[tuple[Any, ...], bool] | None) -> list[str]:
-  """The qualified names of the functions after the exchange that it does not know."""
+def unrecognised(followed: tuple[tuple[Any, ...], bool] | None) -> str:
+  """What the exchange could not read of the optimizer after it, in a phrase."""
   if followed is None:
-    return []
+    return ("no optax.chain or optax.named_chain is running it, so it cannot see what "
+            "is done with its mean")
+  if not followed[0]:
+    return ("nothing follows it in its chain, so it cannot see what is done with its "
+            "mean")
   known = _NEUTRAL_NAMES | _ADAPTIVE_NAMES | _MOMENTUM_NAMES
-  return sorted(name for name in _qualnames(*followed) if name.split(".")[0] not in known)
+  names = sorted(name for name in _qualnames(*followed) if name.split(".")[0] not in known)
+  if names:
+    return f"it does not know the optimizer after it ({', '.join(names)})"
+  if not _qualnames(*followed):
+    return ("the functions after it carry no name it can read ("
+            f"{', '.join(type(fn).__name__ for fn in followed[0])})")
+  return "nothing after it in its chain makes a step of the mean"
 
 
 _SENDS_BURSTS = frozenset({"topka2a", "topka2a_sparse", "allgather", "onebit", "onebit_4",
@@ -171,20 +210,37 @@ the gradient's signs."""
 _LOG = logging.getLogger("topka2a_jax")
 
 
+def _named_kind(follows: Any) -> tuple[str, str]:
+  """The kind ``follows=`` says, and what could not be read where it says nothing."""
+  if isinstance(follows, str):
+    return follows, ""
+  named = ((follows.update,), True)
+  kind = kind_of(named)
+  return kind, (unrecognised(named) if kind == UNKNOWN else "")
+
+
 def for_follower(options: Options, followed: tuple[tuple[Any, ...], bool] | None,
-                 said: set[str]) -> Options:
+                 said: set[str], at_init: bool = False) -> Options:
   """``options`` with ``"auto"``'s forms set for the optimizer after the exchange.
 
+  The optimizer is ``follows=`` where given, else what :func:`follower`
+  read from the chain. A top-k goes out only where plain SGD is positively
+  known to follow; where the chain says nothing readable, or its init and
+  its update read differently, the 8-bit form goes out, safe before both.
+
   Says each thing once per transform (``said`` remembers): the forms
-  ``"auto"`` plans with and why, at INFO on the ``topka2a_jax`` logger; a
-  warning for an optimizer it cannot classify; a warning for an explicit
-  top-k or sign of the gradient before an adaptive optimizer (kept: the user
-  asked for it).
+  ``"auto"`` plans with and why, as a WARNING-level line on the
+  ``topka2a_jax`` logger (Python prints it without any logging set up); a
+  warning naming what it could not read and how to say it; a warning for an
+  explicit top-k or sign of the gradient before an adaptive optimizer
+  (kept: the user asked for it).
 
   Args:
     options: the transform's checked options.
     followed: :func:`follower` of the transform's init or update.
     said: what this transform has said already; updated.
+    at_init: whether this is the transform's init (which decides nothing:
+      it remembers the kind it read, and the update decides).
 
   Returns:
     The options the exchange runs with.
@@ -192,7 +248,19 @@ def for_follower(options: Options, followed: tuple[tuple[Any, ...], bool] | None
   Warns:
     UserWarning: as above.
   """
-  kind = kind_of(followed)
+  if options.follows is not None:
+    kind, missing = _named_kind(options.follows)
+  else:
+    kind, missing = kind_of(followed), ""
+    if kind == UNKNOWN:
+      missing = unrecognised(followed)
+    if at_init and kind in (ADAPTIVE, MOMENTUM):
+      said.add(f"init saw {kind}")
+    seen_at_init = [one for one in (ADAPTIVE, MOMENTUM) if f"init saw {one}" in said]
+    if not at_init and kind != UNKNOWN and seen_at_init and kind not in seen_at_init:
+      missing = (f"its chain's init reads {seen_at_init[0]} after it and its update "
+                 f"{kind}: one of them runs through something it does not read")
+      kind = UNKNOWN
   if options.algorithm != algorithms.AUTO:
     if kind == ADAPTIVE and options.algorithm in _SENDS_BURSTS and "bursts" not in said:
       said.add("bursts")
@@ -207,16 +275,19 @@ def for_follower(options: Options, followed: tuple[tuple[Any, ...], bool] | None
           "of dense), or dense where that is cheaper.", UserWarning, stacklevel=4)
     return options
   if options.value_dtype is not None or options.density >= 1.0:
-    kind = PLAIN  # a narrow top-k was asked for, or one that sends every entry
+    kind, missing = PLAIN, ""  # a narrow top-k was asked for, or one that sends every entry
   if kind == UNKNOWN and "unknown" not in said:
     said.add("unknown")
     warnings.warn(
-        "topka2a(algorithm='auto') does not know the optimizer after it in the chain "
-        f"({', '.join(unknown_names(followed))}), so it plans the form safe before "
-        f"both SGD and Adam: every entry in 8 bits ({CODED_FORM!r}), or dense where "
-        "that is cheaper. Pass algorithm= to choose.", UserWarning, stacklevel=4)
-  if kind not in said and followed is not None and followed[1]:
+        f"topka2a(algorithm='auto'): {missing}. So it plans the form safe before both "
+        f"SGD and Adam: every entry in 8 bits ({CODED_FORM!r}), or dense where that is "
+        "cheaper. Say what follows with topka2a(..., follows=optax.adam(...)) (or "
+        "follows='adam', 'momentum', 'sgd'; 'sgd' lets it send a top-k), or choose "
+        "the form with algorithm=.", UserWarning, stacklevel=4)
+  elif not at_init and kind not in said:
     said.add(kind)
-    _LOG.info("topka2a(algorithm='auto') plans each bucket among %s: %s.",
-              ", ".join(FORMS[kind]), WHY[kind])
+    _LOG.warning("topka2a(algorithm='auto') plans each bucket among %s: %s. (Set "
+                 "follows= or algorithm= to choose; this line is logged once per "
+                 "transform on the 'topka2a_jax' logger.)", ", ".join(FORMS[kind]),
+                 WHY[kind])
   return dataclasses.replace(options, auto_forms=FORMS[kind])

@@ -99,6 +99,7 @@ NOT_TAKEN = {
     "fusion": "every sparse leaf is its own bucket, exchanged by its own owner phase",
     "backward_seconds": "its plan is per leaf and prices no overlap",
     "rank": "PowerSGD leaves no owner a summed shard",
+    "follows": "it runs inner itself, and its form follows inner",
 }
 """Options of :func:`topka2a_jax.topka2a` that :func:`sharded_optimizer` refuses, and why."""
 

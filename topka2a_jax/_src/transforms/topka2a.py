@@ -100,7 +100,8 @@ def topka2a(density: float | None = None,
   said: set[str] = set()  # what the transform has said of the optimizer after it
 
   def init_fn(params: optax.Params) -> TopKA2AState:
-    return init_state(for_follower(checked, follower(init_fn), said), params)
+    return init_state(for_follower(checked, follower(init_fn), said, at_init=True),
+                      params)
 
   def update_fn(updates: optax.Updates, state: TopKA2AState,
                 params: optax.Params | None = None,

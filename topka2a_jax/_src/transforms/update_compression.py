@@ -75,7 +75,7 @@ from topka2a_jax._src.axis import (
 )
 from topka2a_jax._src.caller import user_stacklevel
 from topka2a_jax._src.collectives.algorithms import AUTO, ONEBIT_4
-from topka2a_jax._src.options import Options, takes_options
+from topka2a_jax._src.options import Options, refuse_options, takes_options
 from topka2a_jax._src.states import CompressedUpdatesState
 from topka2a_jax._src.transforms.error_feedback import held_where
 from topka2a_jax._src.transforms.exchange_state import (
@@ -96,7 +96,7 @@ sign, the owners' means back in 4 bits. Chosen on
 signs with 8 bits back; the guide "Adam" has the measurements."""
 
 
-@takes_options(defaults={"algorithm": None}, docs={
+@takes_options(exclude=("follows",), defaults={"algorithm": None}, docs={
     "algorithm": (
         "by default ``\"onebit_4\"`` without a density (every entry's sign to its "
         "shard's owner, the owners' means back in 4 bits; 1-bit Adam's exchange) and "
@@ -149,6 +149,8 @@ def compress_updates(inner: optax.GradientTransformation, density: float | None 
     >>> int(opt_state.exchange.count)
     1
   """
+  refuse_options("compress_updates", options, {
+      "follows": "it runs inner on every device itself, and the exchange sends inner's steps"})
   if options.get("algorithm") is None:
     options["algorithm"] = DEFAULT_ALGORITHM if density is None else AUTO
   checked = dataclasses.replace(Options.create(density, **options), whole_selection=True)
