@@ -1,8 +1,10 @@
 """Checkpoints: bitwise resume in a fresh process, restarts on other device counts."""
 
 import functools
+import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -546,6 +548,27 @@ def test_a_step_claimed_by_a_job_killed_before_writing_it_is_taken_over_later(tm
     assert restarted.save(2, state)
   with topka2a_jax.CheckpointManager(tmp_path, mesh) as fresh:
     assert fresh.all_steps() == [1, 2]
+
+
+def test_a_restart_after_a_kill_between_claim_and_save_saves_at_once(tmp_path, mesh):
+  """The killed job's process is gone from this host: its claim is taken, no two-minute wait."""
+  state = resumable.fresh(mesh)
+  ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                         capture_output=True, text=True, check=True)
+  claims = tmp_path / step_claims.CLAIMS
+  claims.mkdir()
+  (claims / "1").write_text(json.dumps({"token": "killed", "host": socket.gethostname(),
+                                        "pid": int(ended.stdout), "time": time.time()}))
+  with topka2a_jax.CheckpointManager(tmp_path, mesh) as restarted:
+    assert restarted.save(1, state)
+
+
+def test_the_claims_of_steps_the_manager_removed_are_removed(tmp_path, mesh):
+  state = resumable.fresh(mesh)
+  with topka2a_jax.CheckpointManager(tmp_path, mesh, max_to_keep=2, async_save=False) as manager:
+    for step in range(1, 7):
+      manager.save(step, state)
+  assert sorted(os.listdir(tmp_path / step_claims.CLAIMS)) == ["5", "6"]
 
 
 def test_the_manager_refuses_steps_and_settings_it_could_not_restore(tmp_path, mesh):

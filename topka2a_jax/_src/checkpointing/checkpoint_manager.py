@@ -191,13 +191,10 @@ class CheckpointManager:
     if jax.process_count() > 1:
       lost = multihost_utils.broadcast_one_to_all(np.int32(refused is not None))
       if lost and refused is None:
-        refused = f"step {step} of {root} is claimed by another job (process 0 names it)"
+        refused = (f"step {step} of {root} cannot be claimed (process 0 says why): "
+                   "nothing was written")
     if refused is not None:
-      raise FileExistsError(
-          f"{refused}: another job saves to this root. Nothing was written, and "
-          "nothing of the other job's is removed; save to another root, or "
-          "restore the latest step and go on from there once the other job has "
-          "stopped")
+      raise FileExistsError(refused)
 
   def _check_after_latest(self, step: int) -> None:
     """Raises FileExistsError unless ``step`` is after every step on disk."""
@@ -222,6 +219,8 @@ class CheckpointManager:
     for step in self._unsealed:
       if step in complete and jax.process_index() == 0:
         integrity.write_manifest(self.step_directory(step))
+    if self._unsealed and complete and jax.process_index() == 0:
+      step_claims.remove_claims(Path(self._manager.directory), complete, max(complete))
     self._unsealed = []
 
   def restore(self, like: Any, step: int | None = None) -> Any:
