@@ -369,3 +369,21 @@ def test_one_nan_entry_in_a_large_leaf_skips_the_step_everywhere(mesh, exchange_
     elif "residuals" in name:
       np.testing.assert_array_equal(np.asarray(new), np.asarray(old), err_msg=name)
   assert max(counted_during) == max(counted_before) + 1
+
+
+@pytest.mark.parametrize("algorithm", ["rotated_4_4", "rotated_4_8"])
+def test_a_step_of_huge_entries_leaves_a_rotated_code_finite_and_stepping(
+    mesh, exchange_steps, algorithm):
+  """Entries near 1e37 with random signs (under the check's 3.4e38 / 8), then ordinary steps:
+  the owners' 4-bit rounding, unrotated, must not overflow into the residual."""
+  rng = np.random.default_rng(0)
+  grads = [{"w": (size * (1 + 0.1 * rng.random((8, 4096)))
+                  * rng.choice([-1.0, 1.0], size=(1, 4096))).astype(np.float32).reshape(8, 64, 64)}
+           for size in (1e37, 1.0, 1.0, 1.0)]
+  tx = optax.chain(topka2a_jax.topka2a(algorithm=algorithm, min_size=0))
+  history = exchange_steps(tx, mesh, grads)
+  for updates, state in history:
+    assert np.isfinite(residuals_of(state)["w"]).all()
+    assert np.isfinite(updates["w"]).all()
+  assert [int(state[0].count) for _, state in history] == [1, 2, 3, 4]
+  assert int(history[-1][1][0].nonfinite_steps) == 0

@@ -102,7 +102,11 @@ def rotate(chunked: jax.Array) -> jax.Array:
 
 
 def unrotate(chunked: jax.Array) -> jax.Array:
-  """The inverse of :func:`rotate`: each chunk times ``2**-floor(m/2) D H``."""
+  """The inverse of :func:`rotate`: each chunk times ``2**-floor(m/2) D H``.
+
+  The power of two goes first, as in :func:`rotate`: the transform adds up
+  a chunk's entries, whose sum could overflow before it is scaled down.
+  """
   length = chunked.shape[-1]
-  d = signs(length) * 2.0 ** -(_log2(length) // 2)
-  return _hadamard(chunked) * jnp.asarray(d, chunked.dtype)
+  scale = jnp.asarray(2.0 ** -(_log2(length) // 2), chunked.dtype)  # exact
+  return _hadamard(chunked * scale) * jnp.asarray(signs(length), chunked.dtype)
