@@ -226,6 +226,24 @@ def test_inside_a_larger_jit_and_donation(mesh):
                               atol=8 * np.finfo(np.float32).eps)
 
 
+def test_a_state_that_holds_the_parameters_themselves_is_donated_safely(mesh):
+  """optax.contrib.prodigy keeps params0, the very buffers of the parameters: donating
+  them twice crashed the process. The steps equal those that donate nothing."""
+  params, data = mlp_problem()
+  batch = minibatches(data, 1)[0]
+  tx = optax.chain(topka2a_jax.topka2a(0.05, mesh=mesh), optax.contrib.prodigy())
+  runs = []
+  for donate in (True, False):
+    placed = jax.device_put(params, NamedSharding(mesh, P()))
+    state = tx.init(placed)
+    assert state[1].params0["w1"] is placed["w1"]  # one buffer, twice in the inputs
+    step = topka2a_jax.train_step(mlp_loss, tx, mesh, donate=donate)
+    for _ in range(2):
+      placed, state, _ = step(placed, state, batch)
+    runs.append(jax.tree.map(np.asarray, (placed, state)))
+  chex.assert_trees_all_equal(*runs)
+
+
 # A 4 x 2 mesh with automatic axes; parameters sharded over "model" by
 # device_put alone, as pjit-style code does, and one replicated over it.
 SPECS = {"w": P(None, "model"), "b": P("model"), "v": P("model", None), "c": P()}

@@ -158,7 +158,8 @@ class NnxTrainStep(DataParallelStep):
         topka2a exchange or keeps per-parameter state before it.
     """
     inputs, static = self._prepare(model, optimizer, batch, kwargs)
-    new_params, new_rest, new_opt_state, *out = self._jitted(*inputs, **static)
+    new_params, new_rest, new_opt_state, *out = self._jitted(*self._unaliased(inputs),
+                                                             **static)
     watchdog.watch(out[0])
     nnx.update(model, new_params, new_rest)
     nnx.update(optimizer.opt_state, nnx.state(new_opt_state, graph=optimizer.graph))

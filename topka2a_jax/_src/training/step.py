@@ -276,8 +276,34 @@ class DataParallelStep:
     self._backward: dict[Any, float] = {}
     # What the exchanges can hide behind: nothing where collectives run in line.
     self._overlaps = compute.device_of(mesh.devices.flat[0]).overlaps
+    self._donate = donate
     self._jitted = jax.jit(self._run, static_argnames=("model", "tx", "specs", "backward"),
                            donate_argnums=(0, 1, 2) if donate else ())
+
+  def _unaliased(self, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``inputs`` with a copy of every donated leaf whose buffer an earlier one holds.
+
+    An optimizer may keep the parameters themselves in its state
+    (``optax.contrib.prodigy``'s ``params0``); donating one buffer twice is
+    refused by XLA, or crashes the process. The copy is made only where a
+    buffer repeats, on the first step in practice (the step's outputs are
+    new buffers).
+    """
+    if not self._donate:
+      return inputs
+    seen: set[Any] = set()
+
+    def once(leaf: Any) -> Any:
+      if not isinstance(leaf, jax.Array) or leaf.is_deleted():
+        return leaf
+      shard = leaf.addressable_shards[0] if leaf.addressable_shards else None
+      buffer = None if shard is None else (shard.device, shard.data.unsafe_buffer_pointer())
+      if buffer is None or buffer not in seen:
+        seen.add(buffer)
+        return leaf
+      return leaf.copy()
+
+    return (*jax.tree.map(once, inputs[:3]), *inputs[3:])
 
   def _gradient_fn(self, model: Any, keys: Any) -> tuple[Callable[..., Any], Any]:
     """On one device: ``(value_and_grad, key)`` for :func:`accumulated_gradients`."""
@@ -432,7 +458,7 @@ class TrainStep(DataParallelStep):
     """
     _check_not_donated(params, opt_state)
     inputs, static = self._prepare(params, opt_state, batch, key, extra_args)
-    new_params, _, new_opt_state, *out = self._jitted(*inputs, **static)
+    new_params, _, new_opt_state, *out = self._jitted(*self._unaliased(inputs), **static)
     watchdog.watch(out[0])
     return (new_params, new_opt_state, *out)
 
