@@ -149,3 +149,14 @@ def test_plans_from_a_pytree_of_shapes():
   plan = plan_fusion(params, 8, 0.1, threshold=1)
   assert plan.names == ("['dense']['bias']", "['dense']['kernel']")
   assert sorted(b.bucket.size for b in plan.buckets) == [512, 512 * 512]
+
+
+@pytest.mark.parametrize("options, says", [
+    ({"selection_seconds_per_entry": float("nan")}, "selection_seconds_per_entry is nan"),
+    ({"selection_seconds_per_element": -1e-9}, "selection_seconds_per_element is -1e-09"),
+    ({"backward_seconds": -5}, "backward_seconds is -5"),
+    ({"names": ["a"]}, "names has 1 entries for 2 leaves"),
+], ids=["nan rate", "negative rate", "negative backward", "names short"])
+def test_plan_fusion_refuses_figures_no_step_has(options, says):
+  with pytest.raises(ValueError, match=says):
+    plan_fusion([100, 200], 8, 0.01, **options)

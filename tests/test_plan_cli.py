@@ -287,3 +287,44 @@ def test_a_link_fit_that_is_missing_or_not_a_fit_exits_with_the_fix(capsys, tmp_
     plan.main(["--params", "1000000", "--devices", "4", "--optimizer", "adam",
                "--network", "eth1", "--link-fit", link_fit(tmp_path / "f.json", 1e-9)])
   assert "--network and --link-fit each set the link: give one" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("alpha", True, "its alpha is True, not a number"),
+    ("alpha", "2e-4", "its alpha is '2e-4', not a number"),
+    ("bandwidth", 1e-300, "is beyond what a link can have"),
+    ("alpha", 1e308, "is beyond what a link can have"),
+    ("per_element", -1e-6, "selection_seconds_per_element is -1e-06: give a duration"),
+    ("per_entry", float("nan"), "selection_seconds_per_entry is nan: give a duration"),
+    ("per_element", float("inf"), "selection_seconds_per_element is inf: give a duration"),
+], ids=["alpha true", "alpha a string", "bandwidth 1e-300", "alpha 1e308",
+        "per_element negative", "per_entry nan", "per_element inf"])
+def test_a_link_fit_with_meaningless_figures_exits_naming_the_figure(
+    capsys, tmp_path, field, value, says):
+  path = tmp_path / "fit.json"
+  written = json.loads(pathlib.Path(link_fit(path, 1e-9)).read_text())
+  written["fit"][field] = value
+  path.write_text(json.dumps(written))
+  with pytest.raises(SystemExit) as exited:
+    plan.main(["--params", "25000000", "--devices", "8", "--optimizer", "sgd",
+               "--density", "0.01", "--link-fit", str(path)])
+  assert exited.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_a_link_fit_nested_beyond_reading_exits_with_the_fix(capsys, tmp_path):
+  path = tmp_path / "deep.json"
+  path.write_text("[" * 100_000)
+  with pytest.raises(SystemExit) as exited:
+    plan.main(["--params", "1000000", "--devices", "4", "--density", "0.01",
+               "--link-fit", str(path)])
+  assert exited.value.code == 2 and "holds no link fit (RecursionError" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["adamw", "Adam", "lion", "adafactor", " sgd "])
+def test_the_optimizers_users_name_are_planned_as_their_kind(capsys, name):
+  kind = "sgd" if name.strip() == "sgd" else "adam"
+  want = run(capsys, "--params", "25000000", "--devices", "8", "--density", "0.01",
+             "--optimizer", kind)
+  assert run(capsys, "--params", "25000000", "--devices", "8", "--density", "0.01",
+             "--optimizer", name) \
+      .replace(f"--optimizer {name.strip().lower()}", f"--optimizer {kind}") == want

@@ -42,6 +42,7 @@ import argparse
 import json
 import math
 import sys
+from typing import Any
 from pathlib import Path
 
 import topka2a_jax
@@ -66,8 +67,12 @@ DESCRIPTION = "Command-line planner: predicted buckets and speedups before anyth
 AUTO = "auto"
 """``--algorithm``'s default, as ``topka2a``'s: each bucket its cheapest."""
 
-OPTIMIZERS = {"adam": "adaptive", "momentum": "momentum", "sgd": "plain"}
-"""``--optimizer``'s names and the kinds of :data:`topka2a_jax.cost.AUTO_FORMS`."""
+OPTIMIZERS = {"adam": "adaptive", "momentum": "momentum", "sgd": "plain",
+              **dict.fromkeys(("adamw", "nadam", "nadamw", "lion", "adafactor", "rmsprop",
+                               "lamb", "adagrad", "muon"), "adaptive"),
+              "nesterov": "momentum"}
+"""``--optimizer``'s names and the kinds of :data:`topka2a_jax.cost.AUTO_FORMS`: Adam's
+family and the other per-entry adaptive steps plan as ``adam``."""
 
 DENSE, ALLGATHER, TOPKA2A, TOPKA2A_SPARSE = (
     ALGORITHMS[name] for name in ("dense", "allgather", "topka2a", "topka2a_sparse"))
@@ -105,8 +110,10 @@ def _parser() -> argparse.ArgumentParser:
            + "; ".join(f"{a.name}: {a.summary}" for a in ALGORITHMS.values()))
   parser.add_argument(
       "--optimizer", default="sgd", choices=sorted(OPTIMIZERS),
+      type=lambda name: name.strip().lower(),
       help="what follows topka2a(...) in the chain, which decides the forms "
-           "--algorithm auto plans with: adam (Adam's family) the 8-bit gradient or "
+           "--algorithm auto plans with: adam (Adam's family; adamw, lion, adafactor, "
+           "rmsprop... plan the same) the 8-bit gradient or "
            "dense, momentum (momentum SGD) 4 bits up and 8 back or dense, sgd (plain "
            "SGD, the default) the top-k forms or dense")
   parser.add_argument("--rank", type=int,
@@ -235,11 +242,18 @@ def fit_options(fitted: dict, source: str = "benchmarks/network.py") -> dict:
     >>> options["network"].name, options["coding_seconds_per_element"]
     ('fitted', {'quantized_8_8_fine': 2e-09})
   """
-  return {"network": Network(fitted["alpha"], fitted["bandwidth"], "fitted", source),
-          "selection_seconds_per_element": float(fitted["per_element"]),
-          "selection_seconds_per_entry": float(fitted["per_entry"]),
+  def number(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      raise TypeError(f"its {what} is {value!r}, not a number")
+    return float(value)
+
+  return {"network": Network(number(fitted["alpha"], "alpha"),
+                             number(fitted["bandwidth"], "bandwidth"), "fitted", source),
+          "selection_seconds_per_element": number(fitted["per_element"], "per_element"),
+          "selection_seconds_per_entry": number(fitted["per_entry"], "per_entry"),
           "coding_seconds_per_element": {
-              name: float(rate) for name, rate in fitted["coding"].items()}}
+              name: number(rate, f"coding rate of {name}")
+              for name, rate in fitted["coding"].items()}}
 
 
 def _link_fit(path: str) -> dict:
@@ -251,7 +265,7 @@ def _link_fit(path: str) -> dict:
                        f"benchmarks/network.py's fit in {path}")
   except OSError as error:
     _parser().error(f"--link-fit {path}: cannot read it ({error.strerror}); {fix}")
-  except (ValueError, KeyError, TypeError, AttributeError) as error:
+  except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as error:
     _parser().error(f"--link-fit {path} holds no link fit ({type(error).__name__}: "
                     f"{error}); {fix}")
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -370,6 +371,18 @@ class StepModel:
     return threshold, planned
 
 
+_LONGEST_STEP_SECONDS = 1e9
+"""A predicted step past this (31 years) comes from a link no network has."""
+
+
+def _check_seconds(name: str, seconds: Any) -> None:
+  """Raises ValueError unless ``seconds`` is a finite real number of at least 0."""
+  if (isinstance(seconds, bool) or not isinstance(seconds, numbers.Real)
+      or not 0 <= seconds < math.inf):
+    raise ValueError(f"{name} is {seconds!r}: give a duration in seconds, finite and at "
+                     "least 0 (e.g. 2e-9 for 2 ns per element)")
+
+
 def step_model(
     sizes: Sequence[int],
     num_devices: int,
@@ -411,6 +424,10 @@ def step_model(
   net = cluster.outer if cluster is not None else get_network(network)
   if backward_seconds is None:
     backward_seconds = 0.0
+  for name, seconds in (("backward_seconds", backward_seconds),
+                        ("selection_seconds_per_element", selection_seconds_per_element),
+                        ("selection_seconds_per_entry", selection_seconds_per_entry)):
+    _check_seconds(name, seconds)
   coding = dict(coding_seconds_per_element or {})
   coded = [name for name, entry in ALGORITHMS.items() if entry.quantizes]
   for name, rate in coding.items():
@@ -418,9 +435,7 @@ def step_model(
       raise ValueError(f"coding_seconds_per_element names {name!r}, which codes no "
                        f"entries; give rates for the few-bit exchanges: "
                        f"{', '.join(coded)}")
-    if not rate >= 0:
-      raise ValueError(f"coding_seconds_per_element[{name!r}] is {rate}: give a cost "
-                       "in seconds of at least 0, e.g. 2e-9 (2 ns per element)")
+    _check_seconds(f"coding_seconds_per_element[{name!r}]", rate)
   return StepModel(tuple(sizes), num_devices, density, net, min_size,
                    backward_seconds, selection_seconds_per_element, value_bytes,
                    index_bytes, selection_seconds_per_entry, cluster,
@@ -478,6 +493,9 @@ def plan_fusion(
     sizes = [math.prod(leaf.shape) for _, leaf in with_paths]
   model = step_model(sizes, num_devices, density, **model_options)
   names = tuple(names) if names is not None else tuple(map(str, range(len(sizes))))
+  if len(names) != len(sizes):
+    raise ValueError(f"names has {len(names)} entries for {len(sizes)} leaves: give one "
+                     "name per size, or leave names out")
 
   def end(choice: str) -> tuple[int, tuple[PlannedBucket, ...]]:
     if threshold == "auto":
@@ -485,6 +503,12 @@ def plan_fusion(
     return threshold, model.layout(choice, threshold)
 
   chosen_threshold, planned = end(algorithm)
+  if not planned[-1].finish < _LONGEST_STEP_SECONDS:
+    raise ValueError(
+        f"the step predicted on {model.network.name} is {planned[-1].finish} s: its "
+        f"latency ({model.network.latency} s) or bandwidth ({model.network.bandwidth} "
+        "bytes/s) is beyond what a link can have. Give a measured link "
+        "(benchmarks/network.py fits one) or a preset of topka2a_jax.cost.NETWORKS")
   return FusionPlan(
       buckets=planned,
       threshold=chosen_threshold,
