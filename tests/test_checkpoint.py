@@ -571,6 +571,20 @@ def test_the_claims_of_steps_the_manager_removed_are_removed(tmp_path, mesh):
   assert sorted(os.listdir(tmp_path / step_claims.CLAIMS)) == ["5", "6"]
 
 
+def test_a_step_directory_that_links_into_another_root_is_refused(tmp_path, mesh):
+  state = resumable.fresh(mesh)
+  for root in ("a", "b"):
+    with topka2a_jax.CheckpointManager(tmp_path / root, mesh, async_save=False) as manager:
+      for step in (1, 2):
+        manager.save(step, state)
+  shutil.rmtree(tmp_path / "a" / "2")
+  (tmp_path / "a" / "2").symlink_to(tmp_path / "b" / "2")
+  with topka2a_jax.CheckpointManager(tmp_path / "a", mesh) as manager:
+    with pytest.raises(ValueError, match=r"a[/\\]2 is a symbolic link .*nothing outside the root"):
+      manager.restore(state)
+    manager.restore(state, step=1)  # its own steps still read
+
+
 def test_the_manager_refuses_steps_and_settings_it_could_not_restore(tmp_path, mesh):
   state = resumable.fresh(mesh)
   for keep in (0, -1, 1.5, True):

@@ -247,6 +247,12 @@ class CheckpointManager:
           f"{self._manager.directory} holds no complete checkpoint of step {step} "
           f"(complete steps: {steps}); nothing was loaded")
     directory = self.step_directory(step)
+    if directory.is_symlink():
+      raise ValueError(
+          f"{directory} is a symbolic link (to {os.readlink(directory)}), not a step this "
+          "root's manager wrote: nothing outside the root is read. Nothing was loaded; "
+          "remove the link, or restore from the root it points into with a manager "
+          "of that root")
     if (directory / integrity.MANIFEST_FILE).is_file():
       try:
         integrity.verify(directory)
