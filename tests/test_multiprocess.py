@@ -96,11 +96,11 @@ def test_launcher_names_the_first_process_to_fail_not_the_lowest_rank(tmp_path):
   assert named_first >= 4, f"named the process that failed first in {named_first} of 5"
 
 
-def launched(tmp_path, source: str) -> subprocess.CompletedProcess:
+def launched(tmp_path, source: str, **options) -> subprocess.CompletedProcess:
   """``topka2a-launch -n 2`` of a script of ``source`` (no JAX needed)."""
   script = tmp_path / "worker.py"
   script.write_text(source)
-  return run([sys.executable, *LAUNCHER, "-n", "2", str(script)])
+  return run([sys.executable, *LAUNCHER, "-n", "2", str(script)], **options)
 
 
 def test_the_launcher_drops_glooes_all_connected_line_and_keeps_a_missing_peer(tmp_path):
@@ -142,17 +142,62 @@ def test_what_the_others_print_after_the_first_failure_is_summarized(tmp_path):
       "    print(f'peer traceback line {i}', flush=True)\n"
       "  print('RuntimeError: Gloo all-reduce failed: Connection closed by peer', flush=True)\n"
       "  sys.exit(1)\n"
-      "signal.signal(signal.SIGTERM, broken)\n"
-      "if rank == 1:\n"
-      "  print('RuntimeError: boom', flush=True)\n"
-      "  sys.exit(3)\n"
-      "time.sleep(60)\n")
+      "ready = os.path.join(os.environ['READY_DIR'], 'handler installed')\n"
+      "if rank == 0:\n"
+      "  signal.signal(signal.SIGTERM, broken)\n"
+      "  open(ready, 'w').close()\n"
+      "  time.sleep(60)\n"
+      "while not os.path.exists(ready):  # rank 0 catches SIGTERM before rank 1 fails\n"
+      "  time.sleep(0.01)\n"
+      "print('RuntimeError: boom', flush=True)\n"
+      "sys.exit(3)\n",
+      READY_DIR=str(tmp_path))
   assert done.returncode == 3
   assert "[1] RuntimeError: boom" in done.stdout
   assert "peer traceback line" not in done.stdout
   assert ("launch: process 0 printed 14 more lines after process 1 failed, held back "
           in done.stderr)
   assert "its last: 'RuntimeError: Gloo all-reduce failed" in done.stderr
+
+
+def test_a_line_without_a_newline_is_forwarded_in_pieces_whole(tmp_path):
+  done = launched(tmp_path,
+                  "import sys\n"
+                  "sys.stdout.write('y' * 1_000_000); sys.stdout.flush()\n"
+                  "print(' end')\n")
+  assert done.returncode == 0, done.stderr
+  for rank in (0, 1):  # each piece on its own line, never inside the other process's
+    pieces = [line[len(f"[{rank}] "):] for line in done.stdout.splitlines()
+              if line.startswith(f"[{rank}] ")]
+    assert len(pieces) > 1 and "".join(pieces) == "y" * 1_000_000 + " end"
+
+
+def test_what_a_failed_worker_started_is_stopped_with_it(tmp_path):
+  """A data loader's process, say: it must not outlive the job."""
+  pids = tmp_path / "children"
+  done = launched(tmp_path,
+                  "import os, subprocess, sys, time\n"
+                  "child = subprocess.Popen([sys.executable, '-c', 'import time; "
+                  "time.sleep(120)'])\n"
+                  "with open(os.environ['PIDS'], 'a') as out:\n"
+                  "  out.write(f'{child.pid}\\n')\n"
+                  "if os.environ['TOPKA2A_PROCESS_ID'] == '1':\n"
+                  "  time.sleep(1); sys.exit(3)\n"
+                  "time.sleep(120)\n", PIDS=str(pids))
+  assert done.returncode == 3
+  children = [int(pid) for pid in pids.read_text().split()]
+  assert len(children) == 2
+  deadline = time.time() + 10
+  while not all(map(_gone, children)) and time.time() < deadline:
+    time.sleep(0.1)
+  assert all(map(_gone, children))
+
+
+@pytest.mark.parametrize("processes, devices", [(0, 1), (2, 0), (-1, 1), (True, 1)])
+def test_launch_refuses_a_job_that_would_run_nothing(processes, devices):
+  from topka2a_jax._src.runtime.launch import launch
+  with pytest.raises(ValueError, match="at least 1"):
+    launch([sys.executable, "-c", "pass"], processes, devices)
 
 
 def test_launcher_refuses_a_missing_script():

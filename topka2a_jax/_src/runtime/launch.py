@@ -10,7 +10,10 @@ CPU devices, and gloo collectives over TCP. Output lines are forwarded with a
 launcher says which rank failed and exits with its status; it exits 0 when
 all succeed. SIGTERM, SIGINT or SIGHUP to the launcher stop every process
 before it exits (with 128 + the signal's number); on Linux the processes are
-killed with the launcher too when it is itself killed (SIGKILL).
+killed with the launcher too when it is itself killed (SIGKILL). Each process
+runs in a process group of its own, and stopping it stops the group: what a
+process started itself (a data loader's workers) goes with it, except after a
+SIGKILL to the launcher, which leaves it no moment to act.
 """
 
 from __future__ import annotations
@@ -40,6 +43,10 @@ it is killed (JAX catches SIGTERM, for saving on preemption)."""
 FAILURE_GRACE_SECONDS = 1.0
 """How long the others get when a process failed: their collectives wait for
 it, so there is nothing left for them to finish."""
+
+LONGEST_PIECE = 1 << 16
+"""Characters of a process's line forwarded at once: a line without a newline
+is passed on in pieces of this size, not held in memory whole."""
 
 PR_SET_PDEATHSIG = 1
 """``prctl``'s option: the signal a process gets when its parent dies."""
@@ -108,20 +115,30 @@ class _Output:
     The stream decodes bytes that are not UTF-8 as escapes (``\\xff``), and a
     line that cannot be written (the launcher's own output closed) is
     dropped: the pipe is read to its end whatever comes, so that no process
-    ever blocks on a full pipe.
+    ever blocks on a full pipe. A line longer than :data:`LONGEST_PIECE` is
+    forwarded as it comes, in pieces of that size, each on a line of its own
+    with the rank, never held whole.
     """
-    for line in stream:
-      if _is_chatter(line):
+    at_start = True  # whether the next piece begins a line
+    while True:
+      piece = stream.readline(LONGEST_PIECE)  # a line, or its next piece
+      if not piece:
+        return
+      if at_start and piece.endswith("\n") and _is_chatter(piece):
         continue
       with self.lock:
         if self.failed is not None and rank != self.failed:
-          self.held.setdefault(rank, []).append(line.rstrip("\n"))
+          held = self.held.setdefault(rank, [])
+          if at_start or not held:
+            held.append(piece.rstrip("\n")[:LONGEST_PIECE])
+          at_start = piece.endswith("\n")
           continue
-        try:
-          sys.stdout.write(f"[{rank}] {line}")
+        try:  # a piece of a longer line goes on a line of its own, never inside another's
+          sys.stdout.write(f"[{rank}] {piece}" if piece.endswith("\n") else f"[{rank}] {piece}\n")
           sys.stdout.flush()
         except (OSError, ValueError):  # a closed or broken stdout: keep reading
           pass
+      at_start = piece.endswith("\n")
 
   def summary(self) -> list[str]:
     """One line per process whose output after the failure was held back."""
@@ -133,10 +150,18 @@ class _Output:
               for rank, lines in sorted(self.held.items()) if lines]
 
 
+def _signal_group(process: subprocess.Popen, number: int) -> None:
+  """Sends ``number`` to ``process``'s group: the process and every child it started."""
+  try:
+    os.killpg(process.pid, number)
+  except (ProcessLookupError, PermissionError):  # the group has no process left
+    pass
+
+
 def _stop(processes: Sequence[subprocess.Popen], grace: float) -> None:
+  """Stops every process and what it started (each runs in its own process group)."""
   for process in processes:
-    if process.poll() is None:
-      process.send_signal(signal.SIGTERM)
+    _signal_group(process, signal.SIGTERM)
   deadline = time.monotonic() + grace
   for process in processes:
     try:
@@ -144,6 +169,8 @@ def _stop(processes: Sequence[subprocess.Popen], grace: float) -> None:
     except subprocess.TimeoutExpired:
       process.kill()
       process.wait()
+  for process in processes:  # children that outlived their process, or ignored SIGTERM
+    _signal_group(process, signal.SIGKILL)
 
 
 def _dies_with(parent: int):
@@ -197,6 +224,11 @@ def launch(command: Sequence[str], num_processes: int, devices_per_process: int,
   if not command:
     raise ValueError("launch needs a command to run, e.g. [sys.executable, \"train.py\"]; "
                      "got none")
+  for name, value in (("num_processes", num_processes),
+                      ("devices_per_process", devices_per_process)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"launch needs {name} of at least 1, got {value!r}: a job of no "
+                       "process, or of processes with no device, runs nothing")
   port = free_port()
   output = _Output()
   processes, readers = [], []
@@ -211,7 +243,7 @@ def launch(command: Sequence[str], num_processes: int, devices_per_process: int,
           [*prefix, *command],
           env=process_env(rank, num_processes, devices_per_process, port, host),
           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, encoding="utf-8",
-          errors="backslashreplace",
+          errors="backslashreplace", start_new_session=True,  # a group to stop whole
           preexec_fn=dies_with_launcher))  # noqa: PLW1509 (no thread runs yet)
     exits: queue.Queue = queue.Queue()  # (rank, status), in the order they ended
     for rank, process in enumerate(processes):
