@@ -518,10 +518,35 @@ def test_calling_a_step_again_on_inputs_it_donated_names_donation(mesh):
      r"b1=1.5: a moment's decay is a number in \[0, 1\)"),
     (lambda mesh: topka2a_jax.frozen_variance_adam(1e-3, freeze_after=5, variance_floor=-1),
      ValueError, "variance_floor=-1: the floor is a share of the mean variance"),
-], ids=["train_step-None", "init-None", "b1-1.5", "variance_floor-negative"])
+    (lambda mesh: topka2a_jax.frozen_variance_adam(float("nan"), freeze_after=5), ValueError,
+     "learning_rate=nan: give a finite number"),
+    (lambda mesh: topka2a_jax.frozen_variance_adam(1e-3, freeze_after=5, eps=-1), ValueError,
+     "eps=-1: Adam's eps is added to a square root"),
+    (lambda mesh: topka2a_jax.train_step(lambda p, x: 0.0, optax.sgd(0.1), mesh,
+                                         donate="yes"), TypeError,
+     "donate must be True or False, got 'yes'"),
+    (lambda mesh: topka2a_jax.comm_report(None), TypeError,
+     "comm_report reads a lowered or compiled program"),
+    (lambda mesh: topka2a_jax.comm_report("not HLO"), ValueError, "text that is not HLO"),
+    (lambda mesh: topka2a_jax.tune_fusion(None, 1, 10), TypeError,
+     "make_step must build a step for a threshold"),
+    (lambda mesh: topka2a_jax.tune_fusion(lambda t: (lambda: None), 1, 10, repeats=0),
+     ValueError, "repeats must be at least 1"),
+    (lambda mesh: topka2a_jax.tune_fusion(lambda t: (lambda: None), 1, 10,
+                                          measure=lambda run: float("nan")),
+     ValueError, "timed at nan s"),
+], ids=["train_step-None", "init-None", "b1-1.5", "variance_floor-negative",
+        "learning_rate-nan", "eps-negative", "donate-yes", "comm_report-None",
+        "comm_report-text", "tune_fusion-None", "repeats-0", "timing-nan"])
 def test_arguments_that_cannot_work_are_named(mesh, call, error, match):
   with pytest.raises(error, match=match):
     call(mesh)
+
+
+def test_a_density_given_as_a_scalar_array_is_taken():
+  assert topka2a_jax.topka2a(jnp.asarray(0.01)) is not None
+  with pytest.raises(ValueError, match="density must be a number in"):
+    topka2a_jax.topka2a(jnp.asarray([0.01, 0.02]))
 
 
 def test_launch_without_a_command_says_what_it_needs():

@@ -61,6 +61,9 @@ def check_density(density: Any) -> float:
     ValueError: density must be a number in (0, 1], the fraction of gradient entries each device
     sends; got -0.1. For example density=0.01 sends 1%.
   """
+  if getattr(density, "shape", None) == () and getattr(density, "dtype", None) is not None \
+      and np.issubdtype(density.dtype, np.floating):
+    density = float(density)  # a concrete 0-d array, jnp.asarray(0.01); a tracer raises here
   if (not isinstance(density, numbers.Real) or isinstance(density, bool)
       or not math.isfinite(density) or not 0.0 < density <= 1.0):
     raise ValueError(

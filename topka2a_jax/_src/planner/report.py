@@ -224,7 +224,13 @@ def comm_report(program: Any, num_devices: int | None = None,
   """
   if hasattr(program, "compile"):
     program = program.compile()
+  if not (isinstance(program, str) or callable(getattr(program, "as_text", None))):
+    raise TypeError(f"comm_report reads a lowered or compiled program (step.lower(...) of "
+                    f"a jitted step) or its HLO text; got {type(program).__name__}")
   text = program if isinstance(program, str) else program.as_text()
+  if "HloModule" not in text:
+    raise ValueError("comm_report got text that is not HLO (no 'HloModule' in it): give "
+                     "the step's step.lower(...), its .compile(), or their .as_text()")
   if num_devices is None:
     partitions = _PARTITIONS.search(text)
     num_devices = int(partitions.group(1)) if partitions else 1

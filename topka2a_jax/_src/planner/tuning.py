@@ -25,6 +25,8 @@ Example:
 
 from __future__ import annotations
 
+import math
+
 import statistics
 import time
 from collections.abc import Callable
@@ -89,16 +91,25 @@ def tune_fusion(
   Raises:
     ValueError: ``low`` or ``high`` out of order, or fewer than 2 points.
   """
+  if not callable(make_step):
+    raise TypeError(f"make_step must build a step for a threshold (threshold -> a "
+                    f"zero-argument callable); got {type(make_step).__name__}")
   if not 1 <= low <= high:
     raise ValueError(f"need 1 <= low <= high, got low={low}, high={high}")
   if points < 2:
     raise ValueError(f"points must be at least 2, got {points}")
+  if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+    raise ValueError(f"repeats must be at least 1 timed step per threshold, got {repeats!r}")
   measure = measure or (lambda run: time_call(run, repeats=repeats))
   timings: dict[int, float] = {}
 
   def evaluate(threshold: int) -> float:
     if threshold not in timings:
-      timings[threshold] = measure(make_step(threshold))
+      seconds = measure(make_step(threshold))
+      if not 0 <= seconds < math.inf:
+        raise ValueError(f"the step at threshold {threshold} was timed at {seconds!r} s; "
+                         "a measure must return a finite duration >= 0")
+      timings[threshold] = seconds
     return timings[threshold]
 
   best = search_threshold(evaluate, low, high, points=points, coarse=points)

@@ -225,6 +225,6 @@ def nnx_train_step(
     >>> model.layers[1].mean.shape  # batch statistics, averaged over devices
     (32,)
   """
-  axis = check_step_options(mesh, axis_name, micro_batches)
+  axis = check_step_options(mesh, axis_name, micro_batches, donate, has_aux)
   return NnxTrainStep(loss_fn, mesh, axis=axis, has_aux=has_aux,
                       micro_batches=micro_batches, donate=donate)

@@ -83,7 +83,8 @@ def check_batch(batch: Any, num_devices: int, micro_batches: int,
           "remainder of the batch.")
 
 
-def check_step_options(mesh: Mesh, axis_name: Hashable, micro_batches: int) -> DataAxis:
+def check_step_options(mesh: Mesh, axis_name: Hashable, micro_batches: int,
+                       donate: bool = True, has_aux: bool = False) -> DataAxis:
   """The data axis, parsed; raises unless it is on ``mesh`` and ``micro_batches`` an int >= 1.
 
   Example:
@@ -93,6 +94,9 @@ def check_step_options(mesh: Mesh, axis_name: Hashable, micro_batches: int) -> D
     with axis_name=...
   """
   checked_count("micro_batches", micro_batches, 1)
+  for name, value in (("donate", donate), ("has_aux", has_aux)):
+    if not isinstance(value, bool):
+      raise TypeError(f"{name} must be True or False, got {value!r}")
   axis = DataAxis.parse(axis_name)
   axis.check_on(mesh)
   return axis
@@ -583,7 +587,7 @@ def train_step(
     >>> int(metrics["kept"]) <= 64 * 32  # a count over the global batch
     True
   """
-  axis = check_step_options(mesh, axis_name, micro_batches)
+  axis = check_step_options(mesh, axis_name, micro_batches, donate, has_aux)
   return TrainStep(loss_fn, tx, mesh, axis=axis, has_aux=has_aux,
                    micro_batches=micro_batches, param_specs=param_specs,
                    donate=donate)

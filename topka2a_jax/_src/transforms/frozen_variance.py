@@ -95,6 +95,9 @@ def scale_by_frozen_rms(b1: float, b2: float = 0.999, eps: float = 1e-8, *,
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < 1:
       raise ValueError(f"{name}={value!r}: a moment's decay is a number in [0, 1) "
                        "(Adam's are 0.9 and 0.999)")
+  if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 <= eps < math.inf:
+    raise ValueError(f"eps={eps!r}: Adam's eps is added to a square root, a number >= 0 "
+                     "(1e-8 by default)")
   if (isinstance(variance_floor, bool) or not isinstance(variance_floor, numbers.Real)
       or not 0 <= variance_floor < math.inf):
     raise ValueError(f"variance_floor={variance_floor!r}: the floor is a share of the mean "
@@ -154,6 +157,11 @@ def frozen_variance_adam(learning_rate: optax.ScalarOrSchedule,
   if "warmup_steps" in options:
     raise ValueError("frozen_variance_adam exchanges densely for freeze_after "
                      "steps; it takes no warmup_steps= option.")
+  if not callable(learning_rate) and (
+      isinstance(learning_rate, bool) or not isinstance(learning_rate, numbers.Real)
+      or not math.isfinite(learning_rate)):
+    raise ValueError(f"learning_rate={learning_rate!r}: give a finite number (1e-3) or an "
+                     "optax schedule")
   frozen_rms = scale_by_frozen_rms(b1, b2, eps, freeze_after=freeze_after,
                                    variance_floor=variance_floor)  # checks freeze_after
   return optax.chain(
