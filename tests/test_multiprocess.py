@@ -9,6 +9,7 @@ import types
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from cases import LAUNCHER
@@ -527,3 +528,14 @@ def test_a_peer_the_store_has_not_heard_from_is_named_as_behind(monkeypatch):
   peers = watchdog.StallWatch._peers(types.SimpleNamespace(_store=store))
   message = watchdog.stall_message(4, 700.0, peers)
   assert "process 1 stopped making progress (process 1 dispatched 0 steps" in message
+
+
+def test_a_process_that_ends_publishes_every_step_it_dispatched():
+  """A peer's stall message then counts them all, not the last poll's count."""
+  store = _Store()
+  stall_watch = watchdog.StallWatch(600, 1, store)
+  done = jnp.zeros(())  # ready: each step has finished
+  for _ in range(3):
+    stall_watch.dispatched(done)
+  stall_watch.stop()  # at once, before a poll could see the three
+  assert store.values["topka2a_jax/steps/1"] == "3"

@@ -86,10 +86,17 @@ class StallWatch:
     atexit.register(self.stop)
 
   def stop(self) -> None:
-    """Ends the polling and waits (up to :data:`STOP_SECONDS`) for its last call."""
+    """Ends the polling, waits (up to :data:`STOP_SECONDS`) for its last call, and
+    publishes the final count, so that a peer's stall message counts every step
+    this process dispatched before it ended."""
     self._stopping.set()
     if self._thread is not threading.current_thread():
       self._thread.join(STOP_SECONDS)
+      if not self._thread.is_alive():
+        with self._lock:
+          dispatched = self._dispatched
+        if dispatched != self._published:
+          self._publish(dispatched)
 
   def dispatched(self, loss: jax.Array) -> None:
     """Notes one dispatched step, whose ``loss`` is ready when it has finished."""
