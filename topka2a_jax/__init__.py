@@ -50,6 +50,7 @@ if TYPE_CHECKING:  # the face; at run time each name is imported on first use (_
   from topka2a_jax._src.planner.tuning import tune_fusion
   from topka2a_jax._src.states import (
     CompressedUpdatesState,
+    LocalStepsState,
     ShardedOptimizerState,
     TopKA2AState,
   )
@@ -61,6 +62,7 @@ if TYPE_CHECKING:  # the face; at run time each name is imported on first use (_
     frozen_variance_adam,
     scale_by_frozen_rms,
   )
+  from topka2a_jax._src.transforms.local_steps import local_params, local_steps
   from topka2a_jax._src.transforms.nonfinite import SkipNonFiniteState, skip_nonfinite
   from topka2a_jax._src.transforms.sharded_optimizer import sharded_optimizer
   from topka2a_jax._src.transforms.topka2a import topka2a
@@ -71,6 +73,7 @@ __all__ = [
   "CommReport",
   "CompressedUpdatesState",
   "FusionPlan",
+  "LocalStepsState",
   "ShardedOptimizerState",
   "SkipNonFiniteState",
   "TopKA2AState",
@@ -79,6 +82,8 @@ __all__ = [
   "compress_updates",
   "frozen_variance_adam",
   "init",
+  "local_params",
+  "local_steps",
   "plan_fusion",
   "restore",
   "save",

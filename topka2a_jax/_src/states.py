@@ -77,16 +77,41 @@ class ShardedOptimizerState(NamedTuple):
   inner: optax.OptState
 
 
+class LocalStepsState(NamedTuple):
+  """State of :func:`topka2a_jax.local_steps`.
+
+  Attributes:
+    exchange: the exchange's :class:`topka2a_jax.TopKA2AState`: residuals of
+      the pseudo-gradients per device, counts of rounds replicated.
+    inner: the inner optimizer's state, one copy per device, kept across
+      rounds: as global arrays, every leaf ``(P, *shape)`` split along
+      dimension 0 by the data axis.
+    offset: every device's local parameters minus the shared ones, laid out
+      as ``inner``: zero at the start of each round.
+    outer: the outer optimizer's state, replicated.
+    step: the inner steps taken in this round so far (int32, replicated).
+  """
+
+  exchange: TopKA2AState
+  inner: optax.OptState
+  offset: optax.Params
+  outer: optax.OptState
+  step: jax.Array
+
+
 RESIDUAL, SHARD, REPLICA = "residual", "shard", "replica"
 """The kinds of per-device state: a residual (what one device has not sent),
 one device's shard of :func:`topka2a_jax.sharded_optimizer`'s optimizer
-state, or one device's copy of :func:`topka2a_jax.compress_updates`'
-optimizer state."""
+state, or one device's copy of :func:`topka2a_jax.compress_updates`' or
+:func:`topka2a_jax.local_steps`' optimizer state, or of the latter's local
+parameters (on another device count, every device starts from the mean of
+the copies: the round's mean progress is kept)."""
 
 PER_DEVICE: dict[type, dict[str, str]] = {
     TopKA2AState: {"residuals": RESIDUAL},
     ShardedOptimizerState: {"inner": SHARD},
     CompressedUpdatesState: {"inner": REPLICA},
+    LocalStepsState: {"inner": REPLICA, "offset": REPLICA},
 }
 """For each state, its per-device fields and their kind. Every other field
 is replicated, or is itself one of these states (``exchange``)."""

@@ -42,8 +42,8 @@ import argparse
 import json
 import math
 import sys
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import topka2a_jax
 from topka2a_jax.collectives import ALGORITHMS

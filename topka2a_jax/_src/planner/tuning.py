@@ -26,7 +26,6 @@ Example:
 from __future__ import annotations
 
 import math
-
 import statistics
 import time
 from collections.abc import Callable

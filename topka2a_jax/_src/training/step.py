@@ -46,6 +46,7 @@ from topka2a_jax._src.training import placement
 from topka2a_jax._src.transforms.clipping import warn_if_clipped_before_exchange
 from topka2a_jax._src.transforms.extra_args import BACKWARD_SECONDS, PARAM_SPECS
 from topka2a_jax._src.transforms.leaves import leaves_of
+from topka2a_jax._src.transforms.local_steps import local_params
 
 LossFn = Callable[..., Any]
 
@@ -329,7 +330,9 @@ class DataParallelStep:
             backward):
     axis = self._axis.name
     value_and_grad, key = self._gradient_fn(model, keys)
-    local = lax.pcast(params, axis, to="varying")
+    # Each device's own parameters: the shared ones, or with local steps the
+    # shared ones plus how far this device has moved in the round.
+    local = local_params(lax.pcast(params, axis, to="varying"), opt_state)
     loss, grads, aux, carry = accumulated_gradients(
         value_and_grad, local, carry, batch, key, self._micro_batches)
     updates, opt_state = optax.with_extra_args_support(tx).update(

@@ -84,7 +84,7 @@ def _held_by(fn: Any) -> list[Any]:
   if wrapped is not None:
     return [wrapped]
   if callable(fn) and hasattr(fn, "__dict__"):  # a callable object
-    return [getattr(type(fn), "__call__", None), *vars(fn).values()]
+    return [type(fn).__call__, *vars(fn).values()]
   return []
 
 

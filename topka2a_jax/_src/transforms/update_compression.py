@@ -55,39 +55,34 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from topka2a_jax._src import layout
 from topka2a_jax._src.arguments import checked_optimizer
 from topka2a_jax._src.axis import (
   as_varying,
   bound_axis_size,
-  holds_tracer,
   is_bound,
   per_device_blocks,
 )
-from topka2a_jax._src.caller import user_stacklevel
 from topka2a_jax._src.collectives.algorithms import AUTO, ONEBIT_4
 from topka2a_jax._src.options import Options, refuse_options, takes_options
 from topka2a_jax._src.states import CompressedUpdatesState
 from topka2a_jax._src.transforms.error_feedback import held_where
 from topka2a_jax._src.transforms.exchange_state import (
   checked_residuals,
-  holds_exchange,
   init_state,
-  layout_mesh,
   update_state,
 )
 from topka2a_jax._src.transforms.extra_args import NONFINITE, PARAM_SPECS
 from topka2a_jax._src.transforms.leaves import check_per_device, given_specs, leaves_of
 from topka2a_jax._src.transforms.nonfinite import nonfinite_on_any_device
+from topka2a_jax._src.transforms.per_device import (
+  per_device_state,
+  warn_if_a_zero_step_is_not_finite,
+)
 
 DEFAULT_ALGORITHM = ONEBIT_4.name
 """What ``compress_updates(inner)`` sends without a density: every entry's
@@ -158,7 +153,11 @@ def compress_updates(inner: optax.GradientTransformation, density: float | None 
 
   def init_fn(params: optax.Params) -> CompressedUpdatesState:
     exchange = init_state(checked, params)
-    return CompressedUpdatesState(exchange, _init_inner(checked, inner, params))
+    state = CompressedUpdatesState(exchange, per_device_state(
+        checked, inner.init, params, "compress_updates"))
+    if not is_bound(checked.axis_name):
+      warn_if_a_zero_step_is_not_finite(inner, params, "compress_updates")
+    return state
 
   def update_fn(updates: optax.Updates, state: CompressedUpdatesState,
                 params: optax.Params | None = None,
@@ -166,68 +165,6 @@ def compress_updates(inner: optax.GradientTransformation, density: float | None 
     return _update(checked, inner, updates, state, params, extra_args)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _init_inner(options: Options, inner: optax.GradientTransformation,
-                params: optax.Params) -> Any:
-  """``inner``'s state: per device inside shard_map, else global arrays on the mesh."""
-  tree = leaves_of(params)
-  leaves, treedef = tree.values, tree.structure
-  if is_bound(options.axis_name):
-    return _checked(per_device_blocks(inner.init(params), options.axis_name))
-  mesh = layout_mesh(options, leaves)  # init_state has refused a missing one
-  others = layout.automatic_axes(mesh, options.axis)
-  specs = [layout.restrict_spec(layout.param_spec_of(leaf, mesh), leaf.shape, others)
-           for leaf in leaves]
-  devices = options.axis.size(mesh)
-  with layout.laid_out_for(mesh):  # an exchange inside is refused, not asked for a mesh
-    one = _checked(inner.init(params))
-    if not holds_tracer(one):
-      _warn_if_a_zero_step_is_not_finite(inner, one, params)
-  shardings = jax.tree.map(
-      lambda spec: NamedSharding(mesh, spec),
-      layout.replica_specs(one, options.axis, treedef, specs),
-      is_leaf=lambda node: isinstance(node, P))
-
-  def copies(state: Any) -> Any:
-    return jax.tree.map(lambda x: jnp.broadcast_to(x[None], (devices, *x.shape)),
-                        state)
-
-  if holds_tracer(one):
-    return jax.tree.map(layout.constrain, copies(one), shardings)
-  return jax.jit(copies, out_shardings=shardings)(one)
-
-
-def _warn_if_a_zero_step_is_not_finite(inner: optax.GradientTransformationExtraArgs,
-                                       state: Any, params: optax.Params) -> None:
-  """Warns where ``inner``'s state is float16 and its step on a zero gradient is not finite.
-
-  Adam's ``eps`` of 1e-8 is 0 in float16, so its step is 0 / 0 wherever a
-  moment is zero: every such step would be skipped, silently but for the
-  ``nonfinite_steps`` count.
-  """
-  if not any(getattr(leaf, "dtype", None) == jnp.float16 for leaf in jax.tree.leaves(state)):
-    return
-  zeros = jax.tree.map(jnp.zeros_like, params)
-  steps, _ = jax.jit(inner.update)(zeros, state, params)
-  if all(bool(jnp.all(jnp.isfinite(step))) for step in jax.tree.leaves(steps)):
-    return
-  warnings.warn(
-      "compress_updates: the inner optimizer's state is float16 and its step on a "
-      "zero gradient is not finite (Adam's eps=1e-8 is 0 in float16): every step "
-      "whose moments hold a zero would be skipped, counted in nonfinite_steps. "
-      "Give it an eps float16 holds (optax.adam(lr, eps=1e-4)), or keep the "
-      "parameters or the optimizer's state in float32.", stacklevel=user_stacklevel())
-
-
-def _checked(state: Any) -> Any:
-  if holds_exchange(state):
-    raise ValueError(
-        "compress_updates exchanges the inner optimizer's updates itself, but "
-        "the inner optimizer holds a topka2a exchange (topka2a, "
-        "sharded_optimizer or compress_updates) too. Pass the plain "
-        "optimizer: compress_updates(optax.adam(...), density).")
-  return state
 
 
 def _update(options: Options, inner: optax.GradientTransformationExtraArgs,

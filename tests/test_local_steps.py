@@ -1,0 +1,225 @@
+"""local_steps: each device trains alone for a round, then one exchange of the pseudo-gradients.
+
+References: a NumPy model (float64) of the algorithm: per-device Adam on
+given gradients, each device's distance from the shared parameters summed
+over the round, the exchange model of ``tests/reference.py`` applied to the
+pseudo-gradients (shared minus local) with error feedback, and an outer SGD
+with momentum, written out by hand; and, through ``train_step``, local SGD
+on per-device least squares with the gradient taken at each device's own
+parameters, the rounds ended by the exact mean.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import reference
+from cases import SHAPES, random_grads
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import topka2a_jax
+
+DEVICES = 8
+B1, B2, EPS, LR = 0.9, 0.999, 0.5, 0.1
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
+
+
+def _close(got, want, what):
+  scale = max(1.0, float(np.abs(want).max()))
+  np.testing.assert_allclose(got, want, rtol=1e-5,
+                             atol=64 * np.finfo(np.float32).eps * scale, err_msg=what)
+
+
+class NumpyLocalSteps:
+  """The algorithm in float64: Adam per device, rounds of ``every``, EF exchange, outer momentum."""
+
+  def __init__(self, shapes, every, algorithm, density):
+    self.every, self.algorithm, self.density = every, algorithm, density
+    self.params = {k: np.zeros(s) for k, s in shapes.items()}
+    self.mu = {k: np.zeros((DEVICES, *s)) for k, s in shapes.items()}
+    self.nu = {k: np.zeros((DEVICES, *s)) for k, s in shapes.items()}
+    self.offset = {k: np.zeros((DEVICES, *s)) for k, s in shapes.items()}
+    self.trace = {k: np.zeros(s) for k, s in shapes.items()}
+    self.travelled = {k: np.zeros(s) for k, s in shapes.items()}  # rounds' mean offsets
+    self.residuals, self.count, self.step = {}, 0, 0
+
+  def update(self, grads):
+    self.count += 1
+    for k, g in grads.items():
+      self.mu[k] = B1 * self.mu[k] + (1 - B1) * g
+      self.nu[k] = B2 * self.nu[k] + (1 - B2) * g.astype(np.float64) ** 2
+      m = self.mu[k] / (1 - B1 ** self.count)
+      v = self.nu[k] / (1 - B2 ** self.count)
+      self.offset[k] = self.offset[k] - LR * m / (np.sqrt(v) + EPS)
+    self.step += 1
+    if self.step < self.every:
+      return {k: np.zeros_like(p) for k, p in self.params.items()}
+    self.step = 0
+    for k, o in self.offset.items():
+      self.travelled[k] = self.travelled[k] + o.mean(0)
+    pseudo = {k: -o for k, o in self.offset.items()}
+    means, self.residuals = reference.leafwise(self.algorithm, pseudo, self.residuals,
+                                               self.density)
+    moved = {}
+    for k, mean in means.items():
+      self.trace[k] = OUTER_MOMENTUM * self.trace[k] + mean
+      moved[k] = -OUTER_LR * self.trace[k]
+      self.params[k] = self.params[k] + moved[k]
+      self.offset[k] = np.zeros_like(self.offset[k])
+    return moved
+
+
+def _steps(tx, mesh, grads_per_step, params):
+  """``tx.update(grads, state, params)`` on every device, the updates applied, per step."""
+  state = topka2a_jax.init(tx, params, mesh)
+  specs = topka2a_jax.state_specs(state)
+
+  def step(grads, state, params):
+    updates, state = tx.update(jax.tree.map(lambda g: g[0], grads), state, params)
+    return updates, state, optax.apply_updates(params, updates)
+
+  run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("data"), specs, P()),
+                              out_specs=(P(), specs, P())))
+  params = jax.device_put(params, NamedSharding(mesh, P()))
+  history = []
+  for grads in grads_per_step:
+    updates, state, params = run(jax.device_put(grads, NamedSharding(mesh, P("data"))),
+                                 state, params)
+    history.append((jax.tree.map(np.asarray, updates), state))
+  return history
+
+
+@pytest.mark.parametrize("every", [3, 1])
+def test_rounds_match_the_numpy_model(mesh, every):
+  """The exact mean (dense): every update, offset, moment and count as the model's."""
+  tx = topka2a_jax.local_steps(
+      optax.adam(LR, b1=B1, b2=B2, eps=EPS), every,
+      optax.sgd(OUTER_LR, momentum=OUTER_MOMENTUM), algorithm="dense")
+  steps = [random_grads(seed) for seed in range(7)]
+  model = NumpyLocalSteps(SHAPES, every, "dense", None)
+  params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
+  for i, (grads, (updates, state)) in enumerate(zip(steps, _steps(tx, mesh, steps, params))):
+    want = model.update(grads)
+    assert int(state.step) == model.step, f"step {i}"
+    assert int(state.exchange.count) == (i + 1) // every, f"step {i}"
+    for k in SHAPES:
+      _close(updates[k], want[k], f"step {i} {k}")
+      _close(np.asarray(state.offset[k]), model.offset[k], f"step {i} offset {k}")
+      _close(np.asarray(state.inner[0].mu[k]), model.mu[k], f"step {i} mu {k}")
+
+
+@pytest.mark.parametrize("algorithm, density, every", [
+    ("quantized_8_8_fine", None, 3), ("rotated_4_8", None, 2), ("topka2a", 0.1, 2),
+    ("quantized_4_8", None, 1)])
+def test_a_compressed_round_delivers_the_mean_pseudo_gradient_or_owes_it(
+    mesh, algorithm, density, every):
+  """In parameter space: what the shared parameters moved, plus what error feedback
+  still owes them (the residuals' sum over the devices), is every round's mean
+  distance travelled, from the NumPy model's Adam, with outer SGD at 1."""
+  tx = topka2a_jax.local_steps(optax.adam(LR, b1=B1, b2=B2, eps=EPS), every,
+                               optax.sgd(1.0), density, algorithm=algorithm, min_size=0,
+                               fusion=1)
+  steps = [random_grads(seed) for seed in range(7)]
+  model = NumpyLocalSteps(SHAPES, every, "dense", None)  # its offsets: Adam's alone
+  params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
+  moved = {k: np.zeros(s) for k, s in SHAPES.items()}
+  for i, (grads, (updates, state)) in enumerate(zip(steps, _steps(tx, mesh, steps, params))):
+    model.update(grads)
+    for k in SHAPES:
+      _close(np.asarray(state.inner[0].mu[k]), model.mu[k], f"step {i} mu {k}")
+      moved[k] += updates[k]
+  travelled = model.travelled
+  for k in SHAPES:
+    owed = -np.asarray(state.exchange.residuals[k], np.float64).reshape(DEVICES, -1).sum(0)
+    _close(moved[k].ravel() + owed / DEVICES, travelled[k].ravel(), f"{algorithm} {k}")
+    if algorithm != "topka2a":  # a code sends every entry: little is owed
+      assert np.abs(owed / DEVICES).max() < 0.1 * np.abs(travelled[k]).max()
+
+
+def _least_squares(params, batch):
+  x, y = batch
+  return jnp.mean((x @ params["w"] - y) ** 2)
+
+
+def test_train_step_takes_each_devices_gradient_at_its_own_parameters(mesh):
+  """Local SGD on per-device least squares: the shared parameters after two rounds
+  of three steps are the mean of the devices' own SGD runs (NumPy, float64)."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(DEVICES * 16, 12)).astype(np.float32)
+  y = rng.normal(size=(DEVICES * 16, 3)).astype(np.float32)
+  lr, every = 0.05, 3
+  tx = topka2a_jax.local_steps(optax.sgd(lr), every, algorithm="dense", mesh=mesh)
+  step = topka2a_jax.train_step(_least_squares, tx, mesh)
+  params = {"w": jnp.zeros((12, 3))}
+  state = tx.init(params)
+  shared = np.zeros((12, 3))
+  for round_ in range(2):
+    local = [shared.copy() for _ in range(DEVICES)]
+    for _ in range(every):
+      params, state, _ = step(params, state, (x, y))
+      for device in range(DEVICES):
+        xs, ys = (a[device * 16:(device + 1) * 16].astype(np.float64) for a in (x, y))
+        grad = 2 * xs.T @ (xs @ local[device] - ys) / ys.size
+        local[device] = local[device] - lr * grad
+    shared = np.mean(local, axis=0)
+    _close(np.asarray(params["w"]), shared, f"round {round_}")
+  assert int(state.exchange.count) == 2
+
+
+def test_every_one_with_outer_sgd_one_is_compress_updates(mesh):
+  """One inner step a round, the mean applied as it is: compress_updates' step."""
+  grads = [random_grads(seed) for seed in range(4)]
+  params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
+  inner = optax.adam(LR, b1=B1, b2=B2, eps=EPS)
+  local = _steps(topka2a_jax.local_steps(inner, 1, algorithm="quantized_8_8_fine",
+                                         min_size=0), mesh, grads, params)
+  compressed = _steps(topka2a_jax.compress_updates(inner, algorithm="quantized_8_8_fine",
+                                                   min_size=0), mesh, grads, params)
+  for (got, _), (want, _) in zip(local, compressed):
+    chex.assert_trees_all_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_a_non_finite_gradient_skips_the_step_and_the_round_waits(mesh):
+  grads = [random_grads(seed) for seed in range(3)]
+  bad = {k: v.copy() for k, v in grads[1].items()}
+  bad["b"][3, 0] = np.nan
+  params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
+  tx = topka2a_jax.local_steps(optax.adam(LR), 2, algorithm="dense")
+  history = _steps(tx, mesh, [grads[0], bad, grads[2]], params)
+  clean = _steps(tx, mesh, [grads[0], grads[2]], params)
+  assert [int(s.step) for _, s in history] == [1, 1, 0]
+  chex.assert_trees_all_close(history[2][0], clean[1][0], rtol=0, atol=0)
+  assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(history[1][1]))
+
+
+def test_bytes_per_step_are_the_exchanges_over_the_round(mesh):
+  """The compiled step holds the round's exchange once; it runs one step in ``every``."""
+  params = {"w": jnp.zeros((256, 64))}
+  x = np.ones((DEVICES * 4, 256), np.float32)
+  loss = lambda p, x: jnp.mean((x @ p["w"]) ** 2)
+  sent = {}
+  for name, tx in (("dense", optax.chain(topka2a_jax.topka2a(algorithm="dense", mesh=mesh),
+                                         optax.adam(1e-3))),
+                   ("local", topka2a_jax.local_steps(optax.adam(1e-3), 8, mesh=mesh))):
+    step = topka2a_jax.train_step(loss, tx, mesh)
+    sent[name] = topka2a_jax.comm_report(step.lower(params, tx.init(params), x)).total_bytes
+  assert sent["local"] / 8 <= 0.05 * sent["dense"]
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), 0), ValueError,
+     "every must be at least 1"),
+    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), 2.5), TypeError, "every must be an int"),
+    (lambda: topka2a_jax.local_steps(optax.adam, 4), TypeError,
+     "inner must be an optax.GradientTransformation"),
+    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), 4, outer="sgd"), TypeError,
+     "outer must be an optax.GradientTransformation"),
+    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), 4, follows="sgd"), TypeError,
+     "local_steps takes no follows="),
+], ids=["every-0", "every-float", "inner-factory", "outer-string", "follows"])
+def test_bad_arguments_are_refused_naming_the_fix(call, error, match):
+  with pytest.raises(error, match=match):
+    call()

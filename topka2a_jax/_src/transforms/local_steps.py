@@ -1,0 +1,250 @@
+"""Local steps: every device trains alone for a round, then one compressed exchange.
+
+``optax.chain(topka2a(...), optax.adam(lr))`` exchanges every step, so Adam's
+step stays bound by the wire however few bits an entry takes. With
+:func:`local_steps` (the DiLoCo family's algorithm) the exchange runs once a
+round of ``every`` steps:
+
+1. every device runs ``inner`` (AdamW, say) on its own gradient, taken at
+   its own local parameters, for ``every`` steps; its state is kept across
+   rounds;
+2. at the end of the round each device's pseudo-gradient, the shared
+   parameters minus its local ones, goes through one of the library's
+   exchanges with error feedback (by default every entry in 8 bits);
+3. the mean pseudo-gradient goes to ``outer`` (by default ``optax.sgd(1.0)``:
+   the shared parameters move to the mean of the local ones, to the code's
+   rounding), which updates the shared parameters, from which every device
+   starts the next round.
+
+The parameters the caller holds (and evaluates) are the shared ones: they
+move only at the end of a round. Each device's local parameters are those
+plus its ``offset`` in the state (:func:`local_params`), where
+:func:`topka2a_jax.train_step` and :func:`topka2a_jax.nnx_train_step` take
+the gradient; a hand-written step does the same. Adam only ever sees dense
+local gradients, so the bursts a top-k hands it never arise, and the
+exchange's bytes per step are divided by ``every``.
+
+Example:
+  >>> mesh = jax.make_mesh((8,), ("data",))
+  >>> tx = local_steps(optax.adam(1e-2), every=4, mesh=mesh)
+  >>> params = {"w": jnp.zeros((64, 4))}
+  >>> step = topka2a_jax.train_step(lambda p, x: jnp.mean((x @ p["w"] - 1) ** 2), tx, mesh)
+  >>> state = tx.init(params)
+  >>> for _ in range(4):
+  ...   params, state, loss = step(params, state, jnp.ones((8, 64)))
+  >>> int(state.exchange.count), float(params["w"][0, 0]) > 0  # one round, one exchange
+  (1, True)
+
+References:
+  Douillard et al. "DiLoCo: Distributed Low-Communication Training of
+  Language Models." arXiv 2311.08105.
+
+  Charles et al. "Communication-Efficient Language Model Training Scales
+  Reliably and Robustly: Scaling Laws for DiLoCo." arXiv 2503.09799 (short
+  rounds: H = 1 is the worst; the outer learning rate grows with replicas).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from topka2a_jax._src.arguments import checked_count, checked_optimizer
+from topka2a_jax._src.axis import as_varying, bound_axis_size, is_bound, per_device_blocks
+from topka2a_jax._src.options import Options, refuse_options, takes_options
+from topka2a_jax._src.planner.forms import CODED_FORM
+from topka2a_jax._src.states import LocalStepsState
+from topka2a_jax._src.transforms.error_feedback import held_where
+from topka2a_jax._src.transforms.exchange_state import (
+  checked_residuals,
+  init_state,
+  update_state,
+)
+from topka2a_jax._src.transforms.extra_args import NONFINITE, PARAM_SPECS
+from topka2a_jax._src.transforms.following import for_follower
+from topka2a_jax._src.transforms.leaves import check_per_device, given_specs, leaves_of
+from topka2a_jax._src.transforms.nonfinite import nonfinite_on_any_device
+from topka2a_jax._src.transforms.per_device import (
+  per_device_state,
+  warn_if_a_zero_step_is_not_finite,
+)
+
+DEFAULT_EVERY = 4
+"""Inner steps per round by default (``benchmarks/local_steps.py`` chose it)."""
+
+DEFAULT_ALGORITHM = CODED_FORM
+"""The pseudo-gradient's form by default: every entry in 8 bits, one scale
+per 256 entries, both phases' rounding fed back (``benchmarks/local_steps.py``
+compares it with the rotated 4-bit code, a top-k and dense)."""
+
+
+def default_outer() -> optax.GradientTransformation:
+  """The outer optimizer by default: ``optax.sgd(1.0)``, the mean of the local
+  parameters (``benchmarks/local_steps.py`` compares it with DiLoCo's Nesterov)."""
+  return optax.sgd(1.0)
+
+
+@takes_options(exclude=("follows",), defaults={"algorithm": DEFAULT_ALGORITHM}, docs={
+    "algorithm": (
+        f"the pseudo-gradient's exchange: by default ``{DEFAULT_ALGORITHM!r}`` (every "
+        "entry in 8 bits); any name of :data:`topka2a_jax.collectives.ALGORITHMS` "
+        "(a top-k needs ``density``), ``\"powersgd\"``, or ``\"auto\"``, whose forms "
+        "then follow ``outer`` as :func:`topka2a_jax.topka2a`'s follow the optimizer "
+        "after it."),
+    "skip_nonfinite": (
+        "a non-finite gradient or inner step on any device skips that step "
+        "everywhere (local parameters and ``inner``'s state as they were, the round "
+        "one step longer); a round whose pseudo-gradient is not finite is dropped, "
+        "the shared parameters kept."),
+    "warmup_steps": "exchange the first this many rounds' pseudo-gradients densely.",
+})
+def local_steps(inner: optax.GradientTransformation, every: int = DEFAULT_EVERY,
+                outer: optax.GradientTransformation | None = None,
+                density: float | None = None,
+                **options: Any) -> optax.GradientTransformationExtraArgs:
+  """Trains ``every`` steps on each device alone, then exchanges the pseudo-gradients.
+
+  Use it as the whole optimizer of a data-parallel step, in place of
+  ``optax.chain(topka2a(...), inner)``.
+
+  Args:
+    inner: the optimizer each device runs on its own gradient (any optax
+      transform, e.g. ``optax.adamw(1e-3)``); its state is kept across rounds.
+    every: inner steps per round, at least 1.
+    outer: the optimizer of the shared parameters, given the mean
+      pseudo-gradient (shared minus local parameters) once a round; by
+      default ``optax.sgd(1.0)``, which moves them to the local ones' mean.
+      DiLoCo's is ``optax.sgd(0.7, momentum=0.9, nesterov=True)``.
+    density: fraction of every bucket sent where a top-k is chosen.
+    **options: every option of the exchange, below.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with state
+    :class:`topka2a_jax.LocalStepsState`; its update needs ``params`` (the
+    shared parameters) and gradients taken at :func:`local_params`.
+
+  Raises:
+    ValueError, TypeError: ``every`` below 1, ``inner`` or ``outer`` not an
+      optax transform, or a bad option (as :func:`topka2a_jax.topka2a`).
+
+  Example:
+    >>> tx = local_steps(optax.adamw(1e-3), every=8,
+    ...                  outer=optax.sgd(0.7, momentum=0.9, nesterov=True),
+    ...                  mesh=jax.make_mesh((8,), ("data",)))
+  """
+  refuse_options("local_steps", options, {
+      "follows": "its exchange's form follows outer, which it runs itself"})
+  every = checked_count("every", every, 1)
+  inner = optax.with_extra_args_support(checked_optimizer("inner", inner))
+  outer = optax.with_extra_args_support(
+      checked_optimizer("outer", default_outer() if outer is None else outer))
+  options.setdefault("algorithm", DEFAULT_ALGORITHM)
+  checked = for_follower(Options.create(density, **options), ((outer.update,), True), set())
+
+  def init_fn(params: optax.Params) -> LocalStepsState:
+    exchange = init_state(checked, params)
+    state = LocalStepsState(
+        exchange,
+        per_device_state(checked, inner.init, params, "local_steps"),
+        per_device_state(checked, _zero_offset, params, "local_steps"),
+        outer.init(params),
+        jnp.zeros((), jnp.int32))
+    if not is_bound(checked.axis_name):
+      warn_if_a_zero_step_is_not_finite(inner, params, "local_steps")
+    return state
+
+  def update_fn(updates: optax.Updates, state: LocalStepsState,
+                params: optax.Params | None = None,
+                **extra_args: Any) -> tuple[optax.Updates, LocalStepsState]:
+    return _update(checked, inner, outer, every, updates, state, params, extra_args)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def local_params(params: optax.Params, opt_state: Any) -> optax.Params:
+  """The parameters this device trains at: the shared ``params`` plus its offset.
+
+  Inside ``shard_map``, with the state of :func:`local_steps` anywhere in
+  ``opt_state``; ``params`` as they are for any other optimizer. Take the
+  gradient there.
+
+  Example:
+    >>> local_params({"w": jnp.ones(2)}, (optax.EmptyState(),))["w"]
+    Array([1., 1.], dtype=float32)
+  """
+  found = [node for node in jax.tree.leaves(opt_state, is_leaf=_is_local_steps_state)
+           if isinstance(node, LocalStepsState)]
+  if not found:
+    return params
+  return jax.tree.map(lambda p, o: (p + o[0]).astype(p.dtype), params, found[0].offset)
+
+
+def _is_local_steps_state(node: Any) -> bool:
+  return isinstance(node, LocalStepsState)
+
+
+def _zero_offset(params: optax.Params) -> optax.Params:
+  """No distance from the shared parameters yet, in at least float32."""
+  return jax.tree.map(
+      lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
+
+
+def _update(options: Options, inner: optax.GradientTransformationExtraArgs,
+            outer: optax.GradientTransformationExtraArgs, every: int,
+            grads: optax.Updates, state: LocalStepsState, params: optax.Params | None,
+            extra_args: dict[str, Any]) -> tuple[optax.Updates, LocalStepsState]:
+  """One device's step: ``inner`` at its local parameters; at a round's end, the exchange."""
+  axis = options.axis_name
+  bound_axis_size(axis)  # refuses outside shard_map, naming the fix
+  if not isinstance(state, LocalStepsState):
+    raise TypeError(f"expected the LocalStepsState made by local_steps' init, got "
+                    f"{type(state).__name__}")
+  if params is None:
+    raise ValueError("local_steps needs the shared parameters: call "
+                     "tx.update(grads, state, params), as train_step does")
+  tree = leaves_of(grads)
+  check_per_device(tree.values, tree.paths, axis)
+  checked_residuals(options, tree.structure, state.exchange, tree.values, tree.paths,
+                    given_specs(tree.structure, extra_args.get(PARAM_SPECS)))
+  own_inner = jax.tree.map(lambda x: x[0], state.inner)
+  offset = jax.tree.map(lambda x: x[0], state.offset)
+  local = jax.tree.map(lambda p, o: (p + o).astype(p.dtype), params, offset)
+  steps, new_inner = inner.update(grads, own_inner, local, **extra_args)
+  new_offset = jax.tree.map(lambda o, s: as_varying(o + s.astype(o.dtype), axis), offset, steps)
+  new_inner = jax.tree.map(lambda x: as_varying(x, axis), new_inner)
+  decided = extra_args.get(NONFINITE)  # by skip_nonfinite around this transform
+  bad = None
+  if decided is not None or options.skip_nonfinite:
+    checked = leaves_of(steps).values + ([] if decided is not None else tree.values)
+    bad = nonfinite_on_any_device(checked, axis)
+    bad = bad if decided is None else bad | decided
+    new_inner = held_where(bad, own_inner, new_inner)
+    new_offset = held_where(bad, offset, new_offset)
+  step = state.step + (1 if bad is None else (~bad).astype(jnp.int32))
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  exchange_args = {key: value for key, value in extra_args.items() if key != NONFINITE}
+
+  def round_ends(new_offset: Any) -> tuple[Any, ...]:
+    pseudo = jax.tree.map(jnp.negative, new_offset)  # shared minus local
+    means, exchange = update_state(options, pseudo, state.exchange, exchange_args)
+    moved, new_outer = outer.update(means, state.outer, params)
+    dropped = exchange.nonfinite_steps != state.exchange.nonfinite_steps
+    new_outer = held_where(dropped, state.outer, new_outer)
+    moved = jax.tree.map(lambda m, p: jnp.where(dropped, 0, m).astype(p.dtype), moved, params)
+    restart = jax.tree.map(lambda o: as_varying(jnp.zeros_like(o), axis), new_offset)
+    return moved, exchange, new_outer, restart, jnp.zeros_like(step)
+
+  def round_goes_on(new_offset: Any) -> tuple[Any, ...]:
+    return zeros, state.exchange, state.outer, new_offset, step
+
+  if every == 1 and bad is None:
+    result = round_ends(new_offset)
+  else:
+    result = lax.cond(step >= every, round_ends, round_goes_on, new_offset)
+  moved, exchange, new_outer, new_offset, step = result
+  return moved, LocalStepsState(exchange, per_device_blocks(new_inner, axis),
+                                per_device_blocks(new_offset, axis), new_outer, step)

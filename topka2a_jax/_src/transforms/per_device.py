@@ -1,0 +1,115 @@
+"""State that each device keeps a copy of: an optimizer run on its own gradient.
+
+:func:`topka2a_jax.compress_updates` and :func:`topka2a_jax.local_steps`
+run an optimizer on every device's own gradient, so its state (and, for
+local steps, the local parameters) differs from device to device. Here it
+is made once per device: inside ``shard_map`` as this device's block, or
+outside as global arrays, every leaf ``(P, *shape)`` split along dimension
+0 by the data axis and like its parameter over other mesh axes
+(``layout.replica_specs``). :data:`topka2a_jax._src.states.REPLICA` names
+this kind of state for the specs, the checkpoints and a restore onto
+another device count (every device then starts from the mean of the copies).
+
+Example:
+  >>> mesh = jax.make_mesh((8,), ("data",))
+  >>> options = Options.create(None, algorithm="dense", mesh=mesh)
+  >>> state = per_device_state(options, optax.adam(1e-3).init, {"w": jnp.zeros(4)},
+  ...                          "my_transform")
+  >>> state[0].mu["w"].shape
+  (8, 4)
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from topka2a_jax._src import layout
+from topka2a_jax._src.axis import holds_tracer, is_bound, per_device_blocks
+from topka2a_jax._src.caller import user_stacklevel
+from topka2a_jax._src.options import Options
+from topka2a_jax._src.transforms.exchange_state import holds_exchange, layout_mesh
+from topka2a_jax._src.transforms.leaves import leaves_of
+
+
+def per_device_state(options: Options, make: Callable[[optax.Params], Any],
+                     params: optax.Params, transform: str) -> Any:
+  """``make(params)``, one copy per device: this device's block inside shard_map,
+  else global arrays on the mesh.
+
+  Args:
+    options: the transform's options (its axis and mesh).
+    make: builds one device's state from the parameters (an optimizer's
+      ``init``).
+    params: the parameters (arrays or shapes).
+    transform: the transform's name, for its errors.
+
+  Raises:
+    ValueError: the state holds an exchange of this library's (an optimizer
+      given to ``transform`` that exchanges by itself).
+  """
+  tree = leaves_of(params)
+  leaves, treedef = tree.values, tree.structure
+  if is_bound(options.axis_name):
+    return per_device_blocks(_without_exchange(make(params), transform), options.axis_name)
+  mesh = layout_mesh(options, leaves)  # init_state has refused a missing one
+  others = layout.automatic_axes(mesh, options.axis)
+  specs = [layout.restrict_spec(layout.param_spec_of(leaf, mesh), leaf.shape, others)
+           for leaf in leaves]
+  devices = options.axis.size(mesh)
+  with layout.laid_out_for(mesh):  # an exchange inside is refused, not asked for a mesh
+    one = _without_exchange(make(params), transform)
+  shardings = jax.tree.map(
+      lambda spec: NamedSharding(mesh, spec),
+      layout.replica_specs(one, options.axis, treedef, specs),
+      is_leaf=lambda node: isinstance(node, P))
+
+  def copies(state: Any) -> Any:
+    return jax.tree.map(lambda x: jnp.broadcast_to(x[None], (devices, *x.shape)),
+                        state)
+
+  if holds_tracer(one):
+    return jax.tree.map(layout.constrain, copies(one), shardings)
+  return jax.jit(copies, out_shardings=shardings)(one)
+
+
+def warn_if_a_zero_step_is_not_finite(inner: optax.GradientTransformationExtraArgs,
+                                      params: optax.Params, transform: str) -> None:
+  """Warns where ``inner``'s state is float16 and its step on a zero gradient is not finite.
+
+  Adam's ``eps`` of 1e-8 is 0 in float16, so its step is 0 / 0 wherever a
+  moment is zero: every such step would be skipped, silently but for the
+  ``nonfinite_steps`` count. Nothing is checked while tracing.
+  """
+  if holds_tracer(jax.tree.leaves(params)):
+    return
+  state = jax.eval_shape(inner.init, params)
+  if not any(getattr(leaf, "dtype", None) == jnp.float16 for leaf in jax.tree.leaves(state)):
+    return
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  steps, _ = jax.jit(inner.update)(zeros, inner.init(params), params)
+  if all(bool(jnp.all(jnp.isfinite(step))) for step in jax.tree.leaves(steps)):
+    return
+  warnings.warn(
+      f"{transform}: the inner optimizer's state is float16 and its step on a "
+      "zero gradient is not finite (Adam's eps=1e-8 is 0 in float16): every step "
+      "whose moments hold a zero would be skipped, counted in nonfinite_steps. "
+      "Give it an eps float16 holds (optax.adam(lr, eps=1e-4)), or keep the "
+      "parameters or the optimizer's state in float32.", stacklevel=user_stacklevel())
+
+
+def _without_exchange(state: Any, transform: str) -> Any:
+  if holds_exchange(state):
+    raise ValueError(
+        f"{transform} exchanges what the inner optimizer makes itself, but the inner "
+        "optimizer holds a topka2a exchange (topka2a, sharded_optimizer, "
+        "compress_updates or local_steps) too. Pass the plain optimizer: "
+        f"{transform}(optax.adam(...), ...).")
+  return state
