@@ -76,6 +76,15 @@ RUNS = {
         "quantized_8_8_fine", "rotated_4_8", "rotated_4_4")},
     "defaults, buckets split to overlap the backward pass": {
         "backward_seconds": "estimated"},
+    **{f"local {every}{name}": {"form": "local", "every": every, **options}
+       for every in (2, 4, 8)
+       for name, options in (
+           ("", {}),  # local_steps' defaults: 8 bits, outer SGD at 1
+           (", exact mean", {"algorithm": "dense"}),
+           (", rotated_4_8", {"algorithm": "rotated_4_8"}),
+           (", top-k 3%", {"algorithm": "topka2a_sparse", "density": 0.03}),
+           (", nesterov", {"outer": "nesterov"}),
+           (", outer 0.8 momentum 0.5", {"outer": "slow momentum"}))},
 }
 """Configurations: name -> options of ``topka2a`` besides the density.
 
@@ -137,6 +146,13 @@ def optimizer(name: str, density: float, mesh, schedule, b1: float,
     options["backward_seconds"] = backward_seconds
   form = options.pop("form", "gradient")
   density = options.pop("density", density)
+  if form == "local":
+    outer = {None: None,
+             "nesterov": optax.sgd(0.7, momentum=0.9, nesterov=True),  # DiLoCo's
+             "slow momentum": optax.sgd(0.8, momentum=0.5, nesterov=True),
+             }[options.pop("outer", None)]
+    return topka2a_jax.local_steps(optax.adam(schedule, b1=b1), options.pop("every"), outer,
+                                   density, mesh=mesh, **options)
   if form == "updates":
     return topka2a_jax.compress_updates(optax.adam(schedule, b1=b1), density,
                                         mesh=mesh, **options)

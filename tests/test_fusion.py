@@ -136,7 +136,7 @@ def test_plan_is_printable_and_deterministic():
     ({"coding_seconds_per_element": {"topka2a": 1e-9}},
      "names 'topka2a', which codes no entries; give rates for the few-bit"),
     ({"coding_seconds_per_element": {"quantized_8_8_fine": -1e-9}},
-     "is -1e-09: give a cost in seconds of at least 0"),
+     "is -1e-09: give a duration in seconds, finite and at least 0"),
 ])
 def test_bad_planner_arguments(kwargs, match):
   with pytest.raises(ValueError, match=match):

@@ -81,9 +81,11 @@ def test_dense_over_data_follows_a_plain_jit_step(mesh):
   for name, value in params.items():
     assert value.sharding.is_equivalent_to(NamedSharding(mesh, SPECS[name]), value.ndim)
     # Twenty Adam steps of float32 roundings in another order: m / sqrt(v)
-    # turns a gradient's last-bit difference into a step's, on O(1) values.
+    # turns a gradient's last-bit difference into a step's, on O(1) values;
+    # where a gradient is near zero the step's direction itself moves by a
+    # part in 1e3 or so (6e-5 on one entry of 4096 on some CPUs).
     np.testing.assert_allclose(value, expected[name], rtol=0,
-                               atol=256 * np.finfo(np.float32).eps, err_msg=name)
+                               atol=1024 * np.finfo(np.float32).eps, err_msg=name)
   np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
 
 

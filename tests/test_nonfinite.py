@@ -297,7 +297,7 @@ def test_finite_gradients_whose_sum_overflows_float32_are_skipped(mesh, exchange
 @pytest.mark.parametrize("make, warns", [
     (lambda mesh: topka2a_jax.topka2a(algorithm="quantized_8_8_fine", mesh=mesh), True),
     (lambda mesh: topka2a_jax.compress_updates(optax.sgd(1.0), mesh=mesh), True),
-    (lambda mesh: topka2a_jax.topka2a(0.1, mesh=mesh), False),
+    (lambda mesh: topka2a_jax.topka2a(0.1, mesh=mesh, follows="sgd"), False),
 ], ids=["8-bit", "signs", "top-k"])
 def test_float64_parameters_through_a_few_bit_code_are_told_its_range(mesh, make, warns):
   with jax.enable_x64():

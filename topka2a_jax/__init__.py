@@ -53,6 +53,7 @@ if TYPE_CHECKING:  # the face; at run time each name is imported on first use (_
     LocalStepsState,
     ShardedOptimizerState,
     TopKA2AState,
+    local_params,
   )
   from topka2a_jax._src.training.nnx_step import NnxTrainStep as NnxTrainStep
   from topka2a_jax._src.training.nnx_step import nnx_train_step as nnx_train_step
@@ -62,7 +63,7 @@ if TYPE_CHECKING:  # the face; at run time each name is imported on first use (_
     frozen_variance_adam,
     scale_by_frozen_rms,
   )
-  from topka2a_jax._src.transforms.local_steps import local_params, local_steps
+  from topka2a_jax._src.transforms.local_steps import local_steps
   from topka2a_jax._src.transforms.nonfinite import SkipNonFiniteState, skip_nonfinite
   from topka2a_jax._src.transforms.sharded_optimizer import sharded_optimizer
   from topka2a_jax._src.transforms.topka2a import topka2a

@@ -169,3 +169,32 @@ def map_per_device(state: Any, per_device: Callable[[str, Any], Any],
     return node._replace(**fields)
 
   return jax.tree.map(visit, state, is_leaf=stop)
+
+
+def local_params(params: optax.Params, opt_state: Any) -> optax.Params:
+  """The parameters this device trains at: the shared ``params`` plus its offset.
+
+  Inside ``shard_map``, with the state of :func:`local_steps` anywhere in
+  ``opt_state``; ``params`` as they are for any other optimizer. Take the
+  gradient there.
+
+  Example:
+    >>> local_params({"w": jnp.ones(2)}, (optax.EmptyState(),))["w"]
+    Array([1., 1.], dtype=float32)
+  """
+  is_local = lambda node: isinstance(node, LocalStepsState)
+  found = [node for node in jax.tree.leaves(opt_state, is_leaf=is_local) if is_local(node)]
+  if not found:
+    return params
+  return jax.tree.map(lambda p, o: (p + o[0]).astype(p.dtype), params, found[0].offset)
+
+
+def holds_exchange(state: Any) -> bool:
+  """Whether an optimizer state holds a :class:`topka2a_jax.TopKA2AState` anywhere.
+
+  Example:
+    >>> holds_exchange(optax.adam(1e-3).init({"w": jnp.zeros(2)}))
+    False
+  """
+  is_exchange = lambda node: isinstance(node, TopKA2AState)
+  return any(map(is_exchange, jax.tree.leaves(state, is_leaf=is_exchange)))

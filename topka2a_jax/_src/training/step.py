@@ -42,11 +42,11 @@ from topka2a_jax._src.arguments import checked_count, checked_optimizer
 from topka2a_jax._src.axis import DataAxis, holds_tracer
 from topka2a_jax._src.planner import compute
 from topka2a_jax._src.runtime import watchdog
+from topka2a_jax._src.states import local_params
 from topka2a_jax._src.training import placement
 from topka2a_jax._src.transforms.clipping import warn_if_clipped_before_exchange
 from topka2a_jax._src.transforms.extra_args import BACKWARD_SECONDS, PARAM_SPECS
 from topka2a_jax._src.transforms.leaves import leaves_of
-from topka2a_jax._src.transforms.local_steps import local_params
 
 LossFn = Callable[..., Any]
 
@@ -298,8 +298,8 @@ class DataParallelStep:
       return inputs
     seen: set[Any] = set()
 
-    def once(leaf: Any) -> Any:
-      if not isinstance(leaf, jax.Array) or leaf.is_deleted():
+    def once(leaf: Any) -> Any:  # inside a caller's jit (nnx.jit), XLA sees the aliases
+      if not isinstance(leaf, jax.Array) or holds_tracer([leaf]) or leaf.is_deleted():
         return leaf
       shard = leaf.addressable_shards[0] if leaf.addressable_shards else None
       buffer = None if shard is None else (shard.device, shard.data.unsafe_buffer_pointer())

@@ -51,17 +51,6 @@ from topka2a_jax._src.transforms.leaves import (
 )
 
 
-def holds_exchange(state: Any) -> bool:
-  """Whether an optimizer state holds a :class:`topka2a_jax.TopKA2AState` anywhere.
-
-  Example:
-    >>> holds_exchange(optax.adam(1e-3).init({"w": jnp.zeros(2)}))
-    False
-  """
-  is_exchange = lambda node: isinstance(node, TopKA2AState)
-  return any(map(is_exchange, jax.tree.leaves(state, is_leaf=is_exchange)))
-
-
 def layout_mesh(options: Options, leaves: Sequence[Any]) -> Mesh | None:
   """The mesh to lay a fresh state out for, if the call is outside shard_map."""
   for mesh in (options.mesh, layout.mesh_laid_out_for()):

@@ -18,7 +18,7 @@ round of ``every`` steps:
 
 The parameters the caller holds (and evaluates) are the shared ones: they
 move only at the end of a round. Each device's local parameters are those
-plus its ``offset`` in the state (:func:`local_params`), where
+plus its ``offset`` in the state (:func:`topka2a_jax.local_params`), where
 :func:`topka2a_jax.train_step` and :func:`topka2a_jax.nnx_train_step` take
 the gradient; a hand-written step does the same. Adam only ever sees dense
 local gradients, so the bursts a top-k hands it never arise, and the
@@ -62,6 +62,7 @@ from topka2a_jax._src.transforms.error_feedback import held_where
 from topka2a_jax._src.transforms.exchange_state import (
   checked_residuals,
   init_state,
+  layout_mesh,
   update_state,
 )
 from topka2a_jax._src.transforms.extra_args import NONFINITE, PARAM_SPECS
@@ -74,17 +75,18 @@ from topka2a_jax._src.transforms.per_device import (
 )
 
 DEFAULT_EVERY = 4
-"""Inner steps per round by default (``benchmarks/local_steps.py`` chose it)."""
+"""Inner steps per round by default (``benchmarks/network_training.py``'s
+``local`` runs chose it)."""
 
 DEFAULT_ALGORITHM = CODED_FORM
 """The pseudo-gradient's form by default: every entry in 8 bits, one scale
-per 256 entries, both phases' rounding fed back (``benchmarks/local_steps.py``
+per 256 entries, both phases' rounding fed back (``benchmarks/network_training.py``
 compares it with the rotated 4-bit code, a top-k and dense)."""
 
 
 def default_outer() -> optax.GradientTransformation:
   """The outer optimizer by default: ``optax.sgd(1.0)``, the mean of the local
-  parameters (``benchmarks/local_steps.py`` compares it with DiLoCo's Nesterov)."""
+  parameters (``benchmarks/network_training.py`` compares it with DiLoCo's Nesterov)."""
   return optax.sgd(1.0)
 
 
@@ -147,10 +149,11 @@ def local_steps(inner: optax.GradientTransformation, every: int = DEFAULT_EVERY,
 
   def init_fn(params: optax.Params) -> LocalStepsState:
     exchange = init_state(checked, params)
+    mesh = layout_mesh(checked, jax.tree.leaves(params))
     state = LocalStepsState(
         exchange,
-        per_device_state(checked, inner.init, params, "local_steps"),
-        per_device_state(checked, _zero_offset, params, "local_steps"),
+        per_device_state(checked, inner.init, params, mesh, "local_steps"),
+        per_device_state(checked, _zero_offset, params, mesh, "local_steps"),
         outer.init(params),
         jnp.zeros((), jnp.int32))
     if not is_bound(checked.axis_name):
@@ -163,28 +166,6 @@ def local_steps(inner: optax.GradientTransformation, every: int = DEFAULT_EVERY,
     return _update(checked, inner, outer, every, updates, state, params, extra_args)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def local_params(params: optax.Params, opt_state: Any) -> optax.Params:
-  """The parameters this device trains at: the shared ``params`` plus its offset.
-
-  Inside ``shard_map``, with the state of :func:`local_steps` anywhere in
-  ``opt_state``; ``params`` as they are for any other optimizer. Take the
-  gradient there.
-
-  Example:
-    >>> local_params({"w": jnp.ones(2)}, (optax.EmptyState(),))["w"]
-    Array([1., 1.], dtype=float32)
-  """
-  found = [node for node in jax.tree.leaves(opt_state, is_leaf=_is_local_steps_state)
-           if isinstance(node, LocalStepsState)]
-  if not found:
-    return params
-  return jax.tree.map(lambda p, o: (p + o[0]).astype(p.dtype), params, found[0].offset)
-
-
-def _is_local_steps_state(node: Any) -> bool:
-  return isinstance(node, LocalStepsState)
 
 
 def _zero_offset(params: optax.Params) -> optax.Params:

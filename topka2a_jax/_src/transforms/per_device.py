@@ -14,7 +14,7 @@ Example:
   >>> mesh = jax.make_mesh((8,), ("data",))
   >>> options = Options.create(None, algorithm="dense", mesh=mesh)
   >>> state = per_device_state(options, optax.adam(1e-3).init, {"w": jnp.zeros(4)},
-  ...                          "my_transform")
+  ...                          mesh, "my_transform")
   >>> state[0].mu["w"].shape
   (8, 4)
 """
@@ -28,19 +28,19 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from topka2a_jax._src import layout
 from topka2a_jax._src.axis import holds_tracer, is_bound, per_device_blocks
 from topka2a_jax._src.caller import user_stacklevel
 from topka2a_jax._src.options import Options
-from topka2a_jax._src.transforms.exchange_state import holds_exchange, layout_mesh
+from topka2a_jax._src.states import holds_exchange
 from topka2a_jax._src.transforms.leaves import leaves_of
 
 
 def per_device_state(options: Options, make: Callable[[optax.Params], Any],
-                     params: optax.Params, transform: str) -> Any:
+                     params: optax.Params, mesh: Mesh | None, transform: str) -> Any:
   """``make(params)``, one copy per device: this device's block inside shard_map,
   else global arrays on the mesh.
 
@@ -49,6 +49,8 @@ def per_device_state(options: Options, make: Callable[[optax.Params], Any],
     make: builds one device's state from the parameters (an optimizer's
       ``init``).
     params: the parameters (arrays or shapes).
+    mesh: the mesh to lay the copies out for outside shard_map
+      (``exchange_state.layout_mesh``; the exchange's init has refused None).
     transform: the transform's name, for its errors.
 
   Raises:
@@ -59,7 +61,6 @@ def per_device_state(options: Options, make: Callable[[optax.Params], Any],
   leaves, treedef = tree.values, tree.structure
   if is_bound(options.axis_name):
     return per_device_blocks(_without_exchange(make(params), transform), options.axis_name)
-  mesh = layout_mesh(options, leaves)  # init_state has refused a missing one
   others = layout.automatic_axes(mesh, options.axis)
   specs = [layout.restrict_spec(layout.param_spec_of(leaf, mesh), leaf.shape, others)
            for leaf in leaves]

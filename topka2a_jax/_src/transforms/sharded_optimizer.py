@@ -64,12 +64,11 @@ from topka2a_jax._src.buffers import padded_rows, split_by_widths
 from topka2a_jax._src.collectives.algorithms import ALGORITHMS, AUTO, DENSE, TOPKA2A
 from topka2a_jax._src.options import Options, refuse_options, takes_options
 from topka2a_jax._src.sizes import ceil_div
-from topka2a_jax._src.states import ShardedOptimizerState, TopKA2AState
+from topka2a_jax._src.states import ShardedOptimizerState, TopKA2AState, holds_exchange
 from topka2a_jax._src.transforms import error_feedback
 from topka2a_jax._src.transforms.clipping import transform_names
 from topka2a_jax._src.transforms.exchange_plan import ExchangePlan
 from topka2a_jax._src.transforms.exchange_state import (
-  holds_exchange,
   init_state,
   layout_mesh,
   planned,

@@ -74,6 +74,7 @@ from topka2a_jax._src.transforms.error_feedback import held_where
 from topka2a_jax._src.transforms.exchange_state import (
   checked_residuals,
   init_state,
+  layout_mesh,
   update_state,
 )
 from topka2a_jax._src.transforms.extra_args import NONFINITE, PARAM_SPECS
@@ -154,7 +155,8 @@ def compress_updates(inner: optax.GradientTransformation, density: float | None 
   def init_fn(params: optax.Params) -> CompressedUpdatesState:
     exchange = init_state(checked, params)
     state = CompressedUpdatesState(exchange, per_device_state(
-        checked, inner.init, params, "compress_updates"))
+        checked, inner.init, params, layout_mesh(checked, jax.tree.leaves(params)),
+        "compress_updates"))
     if not is_bound(checked.axis_name):
       warn_if_a_zero_step_is_not_finite(inner, params, "compress_updates")
     return state
