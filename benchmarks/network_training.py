@@ -25,7 +25,11 @@ batches, ``--batch`` the windows per process and step.
 ``--local`` trains the same way in one process on as many emulated CPU
 devices, with no link: the losses come out as on the link (to float
 rounding: gloo adds in another order), the times do not. ``--b1`` sets
-Adam's first-moment decay.
+Adam's first-moment decay. The ``local N...`` runs train with
+``local_steps(optax.adam(...), N, ...)``: rounds of N steps, their
+pseudo-gradients in 8 bits (or as named), outer SGD at 1 (or DiLoCo's
+Nesterov); their bytes are a round's over its N steps, and the validation
+loss is the shared parameters', which move once a round.
 
 Run:
   python benchmarks/network_training.py [--rate 1gbit] [--processes 4]
@@ -284,6 +288,8 @@ def worker(args: argparse.Namespace) -> None:
         init(jax.random.key(args.seed)))
     state, step = tx.init(params), topka2a_jax.train_step(loss, tx, mesh)
     sent = topka2a_jax.comm_report(step.lower(params, state, batches[0])).total_bytes
+    # local_steps' program holds its round's exchange once, run one step in `every`.
+    sent /= run_options(name).get("every", 1)
     params, state, _ = step(params, state, batches[0])  # compiles
     jax.block_until_ready(params)
     params = jax.tree.map(lambda v: jax.make_array_from_callback(

@@ -23,8 +23,10 @@ this list (``tests/test_package.py`` holds it so).
   collective per bucket, the warm-up, non-finite and overflow switches;
   ended at the means, or at the owners' shards for the sharded optimizer),
   ``extra_args.py`` (the keys passed through
-  optax's extra arguments), ``update_compression.py``,
-  ``frozen_variance.py``, ``sharded_optimizer.py``, ``nonfinite.py``,
+  optax's extra arguments), ``update_compression.py``, ``local_steps.py``
+  (rounds of local steps, one exchange a round), ``per_device.py`` (state
+  each device keeps a copy of), ``frozen_variance.py``,
+  ``sharded_optimizer.py``, ``nonfinite.py``,
   ``clipping.py``, ``following.py`` (what follows the exchange in its chain,
   which sets ``"auto"``'s forms).
 * ``options.py``: every option of the transforms, declared once (default,
