@@ -777,3 +777,29 @@ def test_a_state_that_cannot_be_saved_is_refused_before_anything_is_written(
     with pytest.raises(ValueError, match=match):
       manager.save(1, state)
     assert manager.all_steps() == []
+
+
+@pytest.mark.parametrize("new", [8, 4, 3])
+def test_local_steps_restored_mid_round_deliver_the_rounds_mean_progress(tmp_path, new):
+  """Saved two steps into a round of four on 8 devices, restored onto ``new``: with zero
+  gradients after the restore (plain SGD inside: no motion of its own), the round's end
+  moves the shared parameters by the saved local parameters' mean distance, no more."""
+  tx = topka2a_jax.local_steps(optax.sgd(0.1), 4, algorithm="dense")
+  mesh = sub_mesh(8)
+  state = resumable.train(resumable.fresh(mesh, tx), mesh, range(2), tx)
+  assert int(state["opt_state"].step) == 2
+  at_save = {k: np.asarray(v, np.float64) for k, v in state["params"].items()}
+  travelled = {k: np.asarray(o, np.float64).mean(0)
+               for k, o in state["opt_state"].offset.items()}
+  assert max(np.abs(t).max() for t in travelled.values()) > 1e-3  # else the test is void
+  topka2a_jax.save(tmp_path / "ckpt", state, mesh)
+  mesh = sub_mesh(new)
+  restored = topka2a_jax.restore(tmp_path / "ckpt", resumable.fresh(mesh, tx), mesh)
+  step = topka2a_jax.train_step(zero_loss, tx, mesh)
+  params, opt_state = restored["params"], restored["opt_state"]
+  for i in range(2):
+    params, opt_state, _ = step(params, opt_state, resumable.batch(i))
+  assert int(opt_state.step) == 0 and int(opt_state.exchange.count) == 1
+  for k, moved_to in params.items():
+    np.testing.assert_allclose(np.asarray(moved_to, np.float64), at_save[k] + travelled[k],
+                               rtol=0, atol=8 * np.finfo(np.float32).eps)
