@@ -240,17 +240,67 @@ def test_where_no_bucket_is_compressed_the_plan_is_all_denses_own(capsys):
 
 
 def test_the_readmes_planner_table_is_what_the_planner_prints(capsys):
+  # Each column names the model and the --optimizer (and flags) it was planned
+  # with, so a change of the forms an optimizer gets cannot leave the table behind.
   readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+  [header] = re.findall(r"^\| link \(`--network`\) \|(.*)\|$", readme, re.MULTILINE)
+  columns = []
+  for cell in header.split("|"):
+    model = {"ResNet-50": "resnet50", "GPT-2 small": "gpt2"}[cell.split(",")[0].strip()]
+    flags = re.findall(r"`([^`]+)`", cell)
+    optimizer, extra = flags[0], " ".join(flags[1:]).split()
+    columns.append((model, ["--optimizer", optimizer, *extra]))
+  assert [c[1][1] for c in columns] == ["momentum", "adam", "adam", "sgd"]
   cell = r"([0-9.]+)x[^|]*\|"
-  rows = re.findall(rf"^\| .*\(`(\w+)`\) \| {cell} {cell}$", readme, re.MULTILINE)
+  rows = re.findall(rf"^\| .*\(`(\w+)`\) \| {cell} {cell} {cell} {cell}$", readme,
+                    re.MULTILINE)
   assert len(rows) == 5
   for network, *cells in rows:
-    for model, cell in zip(("resnet50", "gpt2"), cells):
-      assert plan.main(["--model", model, "--devices", "8", "--density", "0.01",
-                        "--network", network]) == 0
-      printed = re.search(r"all dense: [0-9.]+ ms \(speedup ([0-9.]+)x\)",
-                          capsys.readouterr().out)[1]
-      assert printed == cell, (network, model)
+    for (model, flags), cell in zip(columns, cells):
+      assert plan.main(["--model", model, "--devices", "8", "--network", network,
+                        *flags]) == 0
+      out = capsys.readouterr().out
+      if "--local-steps" in flags:
+        printed = re.search(r"local steps' speedup [0-9.]+x and ([0-9.]+)x", out)[1]
+      else:
+        printed = re.search(r"all dense: [0-9.]+ ms \(speedup ([0-9.]+)x\)", out)[1]
+      assert printed == cell, (network, model, flags)
+
+
+def test_local_steps_are_planned_as_a_rounds_exchange_over_its_steps(capsys):
+  # Hand-computed from the printed figures: the round's exchange, in the 8-bit
+  # pseudo-gradient, after the last step; a step pays an H-th of it besides
+  # its compute (1.5x the backward pass given).
+  out = run(capsys, "--params", "25000000", "--devices", "8", "--network", "eth10",
+            "--optimizer", "adam", "--backward-ms", "40", "--local-steps", "8")
+  found = re.search(r"local steps, every 8 .* in quantized_8_8_fine once a round, "
+                    r"([0-9.]+) MB per device \(([0-9.]+) MB a step\), ([0-9.]+) ms", out)
+  round_mb, step_mb, round_ms = map(float, found.groups())
+  # 8 bits and a 4-byte scale per 256 entries, sent in each of two phases, 7/8 of it:
+  assert round_mb == pytest.approx(2 * 25e6 * (1 + 4 / 256) * 7 / 8 / 1e6, rel=1e-3)
+  assert step_mb == pytest.approx(round_mb / 8, abs=1e-3)
+  step = re.search(r"= ([0-9.]+) ms, ([0-9.]+)x compute alone", out)
+  assert float(step[1]) == pytest.approx(60 + round_ms / 8, abs=2e-3)
+  assert float(step[2]) == pytest.approx((60 + round_ms / 8) / 60, abs=6e-3)
+  per_step = float(re.search(r"predicted step end: ([0-9.]+) ms", out)[1])
+  shown = re.search(r"the per-step plan above takes ([0-9.]+) ms", out)[1]
+  assert float(shown) == pytest.approx(20 + per_step, abs=2e-3)  # with the forward
+
+
+@pytest.mark.parametrize("flags, wanted", [
+    (["--local-steps", "0"], "--local-steps is the steps of a round, at least 1; got 0"),
+    (["--local-steps", "4", "--algorithm", "topka2a_sparse"], "--density is required"),
+])
+def test_a_bad_local_steps_plan_exits_with_the_fix(capsys, flags, wanted):
+  with pytest.raises(SystemExit):
+    plan.main(["--params", "1000000", "--devices", "8", "--optimizer", "adam", *flags])
+  assert wanted in capsys.readouterr().err
+
+
+def test_local_steps_without_a_compute_time_say_what_to_give(capsys):
+  out = run(capsys, "--params", "1000000", "--devices", "8", "--optimizer", "adam",
+            "--local-steps", "4")
+  assert "ms of exchange a step; give --model or --backward-ms" in out
 
 
 def link_fit(path, coding_rate):

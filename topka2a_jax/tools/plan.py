@@ -10,6 +10,7 @@ topka2a_jax.tools.plan`` runs the same)::
       --devices-per-node 8 --network eth10 --inner-network nvlink
   topka2a-plan --model gpt2 --devices 4 --network eth1 --algorithm quantized_8_8
   topka2a-plan --model gpt2 --devices 4 --optimizer adam --link-fit fit.json
+  topka2a-plan --model gpt2 --devices 8 --network eth10 --optimizer adam --local-steps 8
 
 Prints the fusion plan (one row per bucket), the predicted step against
 all-dense and all-TopkA exchanges, and the break-even densities of TopKA2A
@@ -23,6 +24,10 @@ sparse bucket takes the cheaper of the flat and the two-level route.
 file that ``benchmarks/network.py --json`` wrote there: α, bandwidth, the
 selection's costs and each few-bit code's, so that a few-bit form is planned
 only where its coding costs less than the wire it saves.
+``--local-steps H`` adds the plan of ``local_steps(inner, every=H)``: one
+exchange of the pseudo-gradient a round of H steps, after the round's last
+backward pass (nothing to overlap), its time spread over the round's steps,
+against the step's compute alone (forward and backward).
 ``--model`` takes the layer shapes of a
 known model (:data:`topka2a_jax.tools.model_shapes.MODELS`, in the order its
 layers run; the backward pass produces their gradients in reverse).
@@ -56,6 +61,7 @@ from topka2a_jax.cost import (
   Cluster,
   Network,
   breakeven_density,
+  exchange_cost,
   get_network,
   low_rank_step,
 )
@@ -73,6 +79,9 @@ OPTIMIZERS = {"adam": "adaptive", "momentum": "momentum", "sgd": "plain",
               "nesterov": "momentum"}
 """``--optimizer``'s names and the kinds of :data:`topka2a_jax.cost.AUTO_FORMS`: Adam's
 family and the other per-entry adaptive steps plan as ``adam``."""
+
+LOCAL_FORM = "quantized_8_8_fine"
+"""The pseudo-gradient's form of ``local_steps`` by default (its ``algorithm``)."""
 
 DENSE, ALLGATHER, TOPKA2A, TOPKA2A_SPARSE = (
     ALGORITHMS[name] for name in ("dense", "allgather", "topka2a", "topka2a_sparse"))
@@ -119,6 +128,10 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--rank", type=int,
                       help="also price PowerSGD at this rank (algorithm='powersgd'); "
                            "needs --model, whose layer shapes it compresses")
+  parser.add_argument("--local-steps", type=int, metavar="H",
+                      help="also plan local_steps(inner, every=H): the pseudo-gradient "
+                           "exchanged once a round of H steps (in --algorithm, or "
+                           f"{LOCAL_FORM} by default), against compute alone")
   parser.add_argument("--threshold", default="auto", type=_threshold,
                       help="bucket size in elements, or auto (default)")
   parser.add_argument("--backward-ms", type=float,
@@ -196,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.params < 1:
       _parser().error("--params must be at least 1")
     names, sizes = ["gradient"], [args.params]
+  if args.local_steps is not None and args.local_steps < 1:
+    _parser().error(f"--local-steps is the steps of a round, at least 1; got "
+                    f"{args.local_steps}")
   if args.rank is not None and (args.rank < 1 or not args.model or cluster):
     _parser().error("--rank prices PowerSGD on a model's layer shapes over one data "
                     "axis: give a rank of at least 1 and --model, without "
@@ -216,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{', '.join(AUTO_FORMS[kind])} ({AUTO_FORMS_WHY[kind]})")
   if args.rank is not None:
     _print_low_rank(shapes, args.devices, args.rank, network, plan)
+  if args.local_steps is not None:
+    _print_local_steps(args, sizes, names, network, cluster, plan, rates)
   if args.devices > 1 and cluster is None and selecting:  # the top-k's breakevens
     total = sum(sizes)
     for sparse in (TOPKA2A, TOPKA2A_SPARSE):
@@ -304,6 +322,59 @@ def _print_low_rank(shapes: Shapes, devices: int, rank: int, network: Network | 
   print("  'auto' never picks it: a low-rank product changes what training learns, "
         "which no cost model prices; compare both on your model "
         "(docs/guides/choosing.md)")
+
+
+def _print_local_steps(args: argparse.Namespace, sizes: list[int], names: list[str],
+                       network: Network | str, cluster: Cluster | None, plan,
+                       rates: dict) -> None:
+  """``local_steps(inner, every=H)``'s plan: a round's exchange over its steps."""
+  every = args.local_steps
+  algorithm = LOCAL_FORM if args.algorithm == AUTO else args.algorithm
+  try:
+    round_plan = topka2a_jax.plan_fusion(
+        sizes, args.devices, args.density, names=names, network=network,
+        algorithm=algorithm, threshold=args.threshold, cluster=cluster,
+        forms=AUTO_FORMS["plain"], backward_seconds=0.0,
+        backward_source="after the round's last step", **rates)
+  except ValueError as error:
+    _parser().error(f"--local-steps: {error}")
+  exchange = round_plan.step_seconds
+  sent = "" if cluster else (
+      f", {_round_bytes(round_plan) / 1e6:.3f} MB per device "
+      f"({_round_bytes(round_plan) / every / 1e6:.3f} MB a step)")
+  print(f"\nlocal steps, every {every} (local_steps(inner, every={every})): the "
+        f"pseudo-gradient in {algorithm} once a round{sent}, {exchange * 1e3:.3f} ms "
+        f"on {round_plan.network.name} after the round's last step")
+  compute = _compute_seconds(args)
+  if compute is None:
+    print(f"  {exchange / every * 1e3:.3f} ms of exchange a step; give --model or "
+          "--backward-ms to set it against the step's compute")
+    return
+  step = compute + exchange / every
+  forward = compute - (_backward(args).get("backward_seconds") or 0.0)
+  per_step, dense = forward + plan.step_seconds, forward + plan.dense_seconds
+  print(f"  a step: {compute * 1e3:.3f} ms of compute alone (forward and backward) + "
+        f"{exchange / every * 1e3:.3f} ms of exchange = {step * 1e3:.3f} ms, "
+        f"{step / compute:.2f}x compute alone")
+  print(f"  with the forward pass, the per-step plan above takes {per_step * 1e3:.3f} ms "
+        f"and all dense {dense * 1e3:.3f} ms: local steps' speedup {per_step / step:.2f}x "
+        f"and {dense / step:.2f}x")
+
+
+def _round_bytes(plan) -> float:
+  """Bytes each device sends in one exchange of ``plan``'s buckets (one data axis)."""
+  return sum(exchange_cost(p.bucket.algorithm, p.bucket.size, plan.num_devices,
+                           plan.density).bytes for p in plan.buckets)
+
+
+def _compute_seconds(args: argparse.Namespace) -> float | None:
+  """A step's forward and backward passes: 1.5x the backward's, or from --model's FLOPs."""
+  if args.backward_ms is not None:
+    return 1.5 * args.backward_ms / 1e3
+  if not args.model:
+    return None
+  flops, _ = FORWARD_FLOPS[args.model]
+  return DEVICES[args.device].seconds(3 * flops * args.batch_per_device)
 
 
 def _backward(args: argparse.Namespace) -> dict:
