@@ -287,9 +287,9 @@ def worker(args: argparse.Namespace) -> None:
         v.shape, NamedSharding(mesh, P()), lambda index, v=v: np.asarray(v)[index]),
         init(jax.random.key(args.seed)))
     state, step = tx.init(params), topka2a_jax.train_step(loss, tx, mesh)
-    sent = topka2a_jax.comm_report(step.lower(params, state, batches[0])).total_bytes
-    # local_steps' program holds its round's exchange once, run one step in `every`.
-    sent /= run_options(name).get("every", 1)
+    # local_steps' program holds its round's exchange in a branch, taken one step in `every`.
+    sent = topka2a_jax.comm_report(step.lower(params, state, batches[0])).step_bytes(
+        run_options(name).get("every", 1))
     params, state, _ = step(params, state, batches[0])  # compiles
     jax.block_until_ready(params)
     params = jax.tree.map(lambda v: jax.make_array_from_callback(

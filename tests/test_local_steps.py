@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import topka2a_jax
+from topka2a_jax._src.planner.cost import exchange_cost
 
 DEVICES = 8
 B1, B2, EPS, LR = 0.9, 0.999, 0.5, 0.1
@@ -196,17 +197,26 @@ def test_a_non_finite_gradient_skips_the_step_and_the_round_waits(mesh):
 
 
 def test_bytes_per_step_are_the_exchanges_over_the_round(mesh):
-  """The compiled step holds the round's exchange once; it runs one step in ``every``."""
+  """The compiled step holds the round's exchange once, in the branch a round's end takes."""
   params = {"w": jnp.zeros((256, 64))}
   x = np.ones((DEVICES * 4, 256), np.float32)
   loss = lambda p, x: jnp.mean((x @ p["w"]) ** 2)
-  sent = {}
+  reports = {}
   for name, tx in (("dense", optax.chain(topka2a_jax.topka2a(algorithm="dense", mesh=mesh),
                                          optax.adam(1e-3))),
                    ("local", topka2a_jax.local_steps(optax.adam(1e-3), 8, mesh=mesh))):
     step = topka2a_jax.train_step(loss, tx, mesh)
-    sent[name] = topka2a_jax.comm_report(step.lower(params, tx.init(params), x)).total_bytes
-  assert sent["local"] / 8 <= 0.05 * sent["dense"]
+    reports[name] = topka2a_jax.comm_report(step.lower(params, tx.init(params), x))
+  local = reports["local"]
+  in_branch = sum(row.bytes for row in local.collectives if row.in_branch)
+  wanted = exchange_cost("quantized_8_8_fine", 256 * 64, DEVICES, 1.0).bytes
+  flag = 2 * (DEVICES - 1) / DEVICES * 4  # one int32 all-reduce: is the round finite?
+  assert in_branch == wanted + flag  # the 8-bit exchange of the whole model, once a round
+  every_step = local.total_bytes - in_branch  # the loss's mean, a flag or two
+  assert every_step < 64
+  assert local.step_bytes(8) == pytest.approx((wanted + flag) / 8 + every_step)
+  assert local.step_bytes(8) <= 0.05 * reports["dense"].step_bytes()
+  assert not any(row.in_branch for row in reports["dense"].collectives)
 
 
 @pytest.mark.parametrize("call, error, match", [

@@ -64,6 +64,54 @@ def test_hand_written_hlo():
   assert report.bytes_of("reduce-scatter") == 3 / 4 * 80
 
 
+BRANCHED_HLO = """HloModule m, num_partitions=4
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %c = f32[] add(f32[] %a, f32[] %b)
+}
+
+%exchange (p: f32[100]) -> f32[100] {
+  %p = f32[100]{0} parameter(0)
+  ROOT %x = f32[100]{0} all-to-all(f32[100]{0} %p), replica_groups={{0,1,2,3}}
+}
+
+%ends (t: (f32[100])) -> f32[100] {
+  %t = (f32[100]{0}) parameter(0)
+  %g = f32[100]{0} get-tuple-element(%t), index=0
+  ROOT %y = f32[100]{0} call(f32[100]{0} %g), to_apply=%exchange
+}
+
+%goes_on (u: (f32[100])) -> f32[100] {
+  %u = (f32[100]{0}) parameter(0)
+  ROOT %z = f32[100]{0} get-tuple-element(%u), index=0
+}
+
+ENTRY %main (q: f32[100], k: s32[]) -> f32[100] {
+  %q = f32[100]{0} parameter(0)
+  %k = s32[] parameter(1)
+  %loss = f32[] all-reduce(f32[] %q), replica_groups={{0,1,2,3}}, to_apply=%sum
+  %tq = (f32[100]{0}) tuple(%q)
+  ROOT %r = f32[100]{0} conditional(s32[] %k, %tq, %tq), branch_computations={%ends, %goes_on}
+}
+"""
+
+
+def test_collectives_in_a_branch_are_told_apart_and_spread_over_a_round():
+  # Hand-counted: the all-reduce of one float runs every step, 2 * 3/4 * 4 bytes;
+  # the all-to-all of 100 floats, called from a branch, 3/4 * 400 bytes when taken.
+  report = topka2a_jax.comm_report(BRANCHED_HLO)
+  rows = {(row.kind, row.in_branch): row.bytes for row in report.collectives}
+  assert rows == {("all-reduce", False): 6.0, ("all-to-all", True): 300.0}
+  assert report.total_bytes == 306.0
+  assert report.step_bytes() == 306.0
+  assert report.step_bytes(4) == 6.0 + 300.0 / 4
+  assert "all-to-all *" in str(report) and "runs only when it is taken" in str(report)
+  with pytest.raises(ValueError, match="every must be at least 1"):
+    report.step_bytes(0)
+
+
 @pytest.mark.parametrize("algorithm", ["allgather", "topka2a", "topka2a_sparse"])
 @pytest.mark.parametrize("length", [4096, 600_000])  # uint16, then uint32 indices
 def test_narrow_wire_formats_send_fewer_bytes(mesh, algorithm, length):

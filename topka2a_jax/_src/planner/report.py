@@ -16,6 +16,10 @@ against what the compiler really does. For a group of ``P`` devices:
 Asynchronous pairs count once, at their ``-start``. Given the mesh, every
 collective is also attributed to the mesh axes its replica groups span, so
 that a step's traffic over ``"data"`` and over ``"model"`` can be told apart.
+A collective inside a branch of a ``lax.cond`` runs only when that branch is
+taken, and its row says so (:attr:`CollectiveTotal.in_branch`): a
+:func:`topka2a_jax.local_steps` step holds its round's exchange there, and
+:meth:`CommReport.step_bytes` spreads it over the round's steps.
 
 Example:
   >>> mesh = jax.make_mesh((8,), ("data",))
@@ -37,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from topka2a_jax._src.arguments import checked_count
+
 KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter",
          "collective-permute")
 
@@ -56,6 +62,11 @@ _GROUPS_MESH = re.compile(
     r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([0-9,]+)\]"
     r"(?:T\(([0-9,]+)\))?\))? \{([^}]*)\}")
 _PARTITIONS = re.compile(r"num_partitions=(\d+)")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
+_CALLED = re.compile(
+    r"\b(?:to_apply|calls|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+_CONDITIONAL = re.compile(r"\sconditional\(")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,12 +78,15 @@ class CollectiveTotal:
     count: how many the program runs.
     bytes: bytes each device sends, over all of them.
     axes: the mesh axes their groups span (given the mesh), e.g. ``("data",)``.
+    in_branch: they sit in a branch of a conditional (``lax.cond``), run only
+      when it is taken: a ``local_steps`` step's round exchange.
   """
 
   kind: str
   count: int
   bytes: float
   axes: tuple[str, ...] = ()
+  in_branch: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,13 +120,34 @@ class CommReport:
     """How many collectives of ``kind`` spanning ``axis`` the program runs."""
     return sum(row.count for row in self._rows(kind, axis))
 
+  def step_bytes(self, every: int = 1) -> float:
+    """Bytes each device sends a step where the branches run once in ``every`` steps.
+
+    For a :func:`topka2a_jax.local_steps` step, ``every`` is its round's
+    length: the round's exchange (in a branch) is spread over the round,
+    what runs every step (the loss's mean, say) is not.
+
+    Example:
+      >>> report = CommReport((CollectiveTotal("all-reduce", 1, 8.0),
+      ...                      CollectiveTotal("all-to-all", 1, 400.0, in_branch=True)))
+      >>> report.step_bytes(4)  # 8 every step, 400 once in 4
+      108.0
+    """
+    every = checked_count("every", every, 1)
+    return sum(row.bytes / every if row.in_branch else row.bytes
+               for row in self.collectives)
+
   def __str__(self) -> str:
     lines = [f"{'collective':20s} {'axes':>14s} {'count':>6s} {'bytes/device':>14s}"]
     for row in self.collectives:
-      lines.append(f"{row.kind:20s} {','.join(row.axes) or '-':>14s} {row.count:6d} "
+      kind = f"{row.kind} *" if row.in_branch else row.kind
+      lines.append(f"{kind:20s} {','.join(row.axes) or '-':>14s} {row.count:6d} "
                    f"{row.bytes:14,.0f}")
     lines.append(f"{'total':20s} {'':>14s} {sum(r.count for r in self.collectives):6d} "
                  f"{self.total_bytes:14,.0f}")
+    if any(row.in_branch for row in self.collectives):
+      lines.append("* in a branch of a conditional: runs only when it is taken "
+                   "(local_steps: once a round; step_bytes(every) spreads it)")
     return "\n".join(lines)
 
 
@@ -234,8 +269,13 @@ def comm_report(program: Any, num_devices: int | None = None,
   if num_devices is None:
     partitions = _PARTITIONS.search(text)
     num_devices = int(partitions.group(1)) if partitions else 1
-  counts: dict[tuple[str, tuple[str, ...]], list[float]] = {}
+  branched = _branch_computations(text)
+  counts: dict[tuple[str, tuple[str, ...], bool], list[float]] = {}
+  computation = None
   for line in text.splitlines():
+    opened = _COMPUTATION.match(line)
+    if opened:
+      computation = opened.group("name")
     match = _INSTRUCTION.search(line)
     if not match:
       continue
@@ -244,11 +284,41 @@ def comm_report(program: Any, num_devices: int | None = None,
     size = len(groups[0]) if groups else num_devices
     sent = _sent_bytes(kind, bool(match.group("start")), match.group("shape"), size)
     axes = () if mesh is None else _axes_spanned(groups, mesh, num_devices)
-    row = counts.setdefault((kind, axes), [0, 0.0])
+    row = counts.setdefault((kind, axes, computation in branched), [0, 0.0])
     row[0] += 1
     row[1] += sent
   return CommReport(tuple(
-      CollectiveTotal(kind, int(count), sent, axes)
+      CollectiveTotal(kind, int(count), sent, axes, in_branch)
       for kind in KINDS
-      for (row_kind, axes), (count, sent) in sorted(counts.items())
+      for (row_kind, axes, in_branch), (count, sent) in sorted(counts.items())
       if row_kind == kind))
+
+
+def _branch_computations(text: str) -> set[str]:
+  """Names of the computations that run only inside a conditional's branch.
+
+  The branches a ``conditional`` names, and every computation they call
+  (fusions, reductions, loops), transitively.
+  """
+  calls: dict[str, set[str]] = {}
+  roots: set[str] = set()
+  computation = None
+  for line in text.splitlines():
+    opened = _COMPUTATION.match(line)
+    if opened:
+      computation = opened.group("name")
+      continue
+    called = set(_CALLED.findall(line))
+    listed = _BRANCHES.search(line)
+    if listed:
+      called |= {name.strip().lstrip("%") for name in listed.group(1).split(",")}
+    if _CONDITIONAL.search(line):
+      roots |= called - set(re.findall(r"\b(?:to_apply|calls)=%?([\w.\-]+)", line))
+    calls.setdefault(computation, set()).update(called)
+  branched, pending = set(), list(roots)
+  while pending:
+    name = pending.pop()
+    if name not in branched:
+      branched.add(name)
+      pending.extend(calls.get(name, ()))
+  return branched
