@@ -803,3 +803,20 @@ def test_local_steps_restored_mid_round_deliver_the_rounds_mean_progress(tmp_pat
   for k, moved_to in params.items():
     np.testing.assert_allclose(np.asarray(moved_to, np.float64), at_save[k] + travelled[k],
                                rtol=0, atol=8 * np.finfo(np.float32).eps)
+
+
+def test_a_local_steps_checkpoint_restored_into_another_round_length_is_refused(tmp_path):
+  """Saved mid-round by ``every=4``; the user rebuilds with ``every=8``: refused, naming both."""
+  mesh = sub_mesh(8)
+  saved_by = topka2a_jax.local_steps(optax.sgd(0.1), 4, algorithm="dense")
+  state = resumable.train(resumable.fresh(mesh, saved_by), mesh, range(2), saved_by)
+  with topka2a_jax.CheckpointManager(tmp_path / "root", mesh) as manager:
+    manager.save(2, state)
+    manager.wait_until_finished()
+    other = topka2a_jax.local_steps(optax.sgd(0.1), 8, algorithm="dense")
+    with pytest.raises(ValueError, match=r"saved by local_steps\(\.\.\., every=4\) and is "
+                       r"restored into the state of local_steps\(\.\.\., every=8\).*2 steps "
+                       r"in.*Build the optimizer with every=4"):
+      manager.restore(resumable.fresh(mesh, other))
+    restored = manager.restore(resumable.fresh(mesh, saved_by))  # the right one still loads
+  assert int(restored["opt_state"].step) == 2 and int(restored["opt_state"].every) == 4

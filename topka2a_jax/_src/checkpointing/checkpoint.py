@@ -54,7 +54,7 @@ from topka2a_jax._src.checkpointing.integrity import (
   write_manifest,
 )
 from topka2a_jax._src.checkpointing.resize import RULES, Devices
-from topka2a_jax._src.states import RESIDUAL, map_per_device
+from topka2a_jax._src.states import RESIDUAL, LocalStepsState, map_per_device
 
 LAYOUT_FILE = "topka2a_layout.json"
 """Written beside Orbax's files: devices, axis, pytree structure, shapes, and
@@ -332,6 +332,7 @@ def restore_laid_out(saved: dict[str, Any], read: Any, like: Any, mesh: Mesh,
       if target is None else got
       for leaf, target, got in zip(jax.tree.leaves(like), targets, read_back)])
   _check_fingerprints(loaded, saved, where)
+  _check_round_lengths(loaded, like, where)
   if old == new:
     return loaded
   shardings = [leaf.sharding for leaf in jax.tree.leaves(like)]
@@ -341,6 +342,30 @@ def restore_laid_out(saved: dict[str, Any], read: Any, like: Any, mesh: Mesh,
                                            wanted["leaves"], shardings)
   ]
   return treedef.unflatten(resized)
+
+
+def _check_round_lengths(loaded: Any, like: Any, where: Any) -> None:
+  """Raises where a :func:`topka2a_jax.local_steps` state was saved for another ``every``.
+
+  Only where ``like`` holds the round's length as a value (a state from
+  ``tx.init``); a ``jax.ShapeDtypeStruct`` holds none.
+  """
+  def rounds(tree: Any) -> list[LocalStepsState]:
+    is_local = lambda node: isinstance(node, LocalStepsState)
+    return [node for node in jax.tree.leaves(tree, is_leaf=is_local) if is_local(node)]
+
+  for got, want in zip(rounds(loaded), rounds(like)):
+    if not isinstance(want.every, jax.Array) or isinstance(want.every, jax.core.Tracer):
+      continue
+    saved_every = int(np.asarray(got.every.addressable_data(0)))
+    wanted_every = int(np.asarray(want.every.addressable_data(0)))
+    if saved_every != wanted_every:
+      raise ValueError(
+          f"the checkpoint in {where} was saved by local_steps(..., every={saved_every}) "
+          f"and is restored into the state of local_steps(..., every={wanted_every}): "
+          f"its round ({int(np.asarray(got.step.addressable_data(0)))} steps in) and its "
+          "offsets belong to rounds of the saved length. Build the optimizer with "
+          f"every={saved_every} to resume this run; nothing was loaded.")
 
 
 def _resized(leaf: jax.Array, described: dict[str, Any], old: Devices, new: Devices,

@@ -155,7 +155,8 @@ def local_steps(inner: optax.GradientTransformation, every: int = DEFAULT_EVERY,
         per_device_state(checked, inner.init, params, mesh, "local_steps"),
         per_device_state(checked, _zero_offset, params, mesh, "local_steps"),
         outer.init(params),
-        jnp.zeros((), jnp.int32))
+        jnp.zeros((), jnp.int32),
+        jnp.asarray(every, jnp.int32))
     if not is_bound(checked.axis_name):
       warn_if_a_zero_step_is_not_finite(inner, params, "local_steps")
     return state
@@ -228,4 +229,5 @@ def _update(options: Options, inner: optax.GradientTransformationExtraArgs,
     result = lax.cond(step >= every, round_ends, round_goes_on, new_offset)
   moved, exchange, new_outer, new_offset, step = result
   return moved, LocalStepsState(exchange, per_device_blocks(new_inner, axis),
-                                per_device_blocks(new_offset, axis), new_outer, step)
+                                per_device_blocks(new_offset, axis), new_outer, step,
+                                state.every)
