@@ -73,21 +73,21 @@ class NumpyLocalSteps:
     return moved
 
 
-def _steps(tx, mesh, grads_per_step, params):
+def _steps(tx, mesh, grads_per_step, params, axis="data"):
   """``tx.update(grads, state, params)`` on every device, the updates applied, per step."""
-  state = topka2a_jax.init(tx, params, mesh)
-  specs = topka2a_jax.state_specs(state)
+  state = topka2a_jax.init(tx, params, mesh, axis_name=axis)
+  specs = topka2a_jax.state_specs(state, axis_name=axis)
 
   def step(grads, state, params):
     updates, state = tx.update(jax.tree.map(lambda g: g[0], grads), state, params)
     return updates, state, optax.apply_updates(params, updates)
 
-  run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("data"), specs, P()),
+  run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(axis), specs, P()),
                               out_specs=(P(), specs, P())))
   params = jax.device_put(params, NamedSharding(mesh, P()))
   history = []
   for grads in grads_per_step:
-    updates, state, params = run(jax.device_put(grads, NamedSharding(mesh, P("data"))),
+    updates, state, params = run(jax.device_put(grads, NamedSharding(mesh, P(axis))),
                                  state, params)
     history.append((jax.tree.map(np.asarray, updates), state))
   return history
@@ -110,6 +110,42 @@ def test_rounds_match_the_numpy_model(mesh, every):
       _close(updates[k], want[k], f"step {i} {k}")
       _close(np.asarray(state.offset[k]), model.offset[k], f"step {i} offset {k}")
       _close(np.asarray(state.inner[0].mu[k]), model.mu[k], f"step {i} mu {k}")
+
+
+@pytest.mark.parametrize("algorithm", ["dense", "quantized_8_8_fine"])
+def test_two_levels_train_each_node_as_one_and_run_rounds_between_nodes(algorithm):
+  """On a 2 x 4 mesh of (node, local): the model fed every device its node's mean gradient.
+
+  Dense, outer momentum: every update and offset as the model's. 8 bits, outer
+  SGD at 1: the shared parameters move by the rounds' mean distance, to the
+  code's rounding (error feedback holds the rest).
+  """
+  mesh = jax.make_mesh((2, 4), ("node", "local"))
+  outer = (optax.sgd(OUTER_LR, momentum=OUTER_MOMENTUM) if algorithm == "dense"
+           else optax.sgd(1.0))
+  tx = topka2a_jax.local_steps(optax.adam(LR, b1=B1, b2=B2, eps=EPS), 2, outer,
+                               algorithm=algorithm, axis_name=("node", "local"))
+  steps = [random_grads(seed) for seed in range(5)]
+  node_means = [{k: np.repeat(g.reshape(2, 4, *g.shape[1:]).mean(1), 4, axis=0)
+                 for k, g in grads.items()} for grads in steps]
+  model = NumpyLocalSteps(SHAPES, 2, "dense", None)
+  params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
+  moved = {k: np.zeros(s) for k, s in SHAPES.items()}
+  history = _steps(tx, mesh, steps, params, ("node", "local"))
+  for i, (grads, (updates, state)) in enumerate(zip(node_means, history)):
+    want = model.update(grads)
+    for k in SHAPES:
+      offset = np.asarray(state.offset[k])
+      np.testing.assert_array_equal(offset, np.repeat(offset[::4], 4, axis=0))  # one per node
+      _close(offset, model.offset[k], f"step {i} offset {k}")
+      moved[k] += updates[k]
+      if algorithm == "dense":
+        _close(updates[k], want[k], f"step {i} {k}")
+  assert int(state.exchange.count) == 2
+  if algorithm != "dense":
+    for k in SHAPES:
+      scale = np.abs(model.travelled[k]).max()
+      assert np.abs(moved[k] - model.travelled[k]).max() <= 0.02 * scale, k
 
 
 @pytest.mark.parametrize("algorithm, density, every", [

@@ -266,15 +266,19 @@ def vary_like(value: jax.Array, like: jax.Array, drop: tuple[Hashable, ...] = ()
 def as_varying(x: jax.Array, axis_name: Hashable) -> jax.Array:
   """``x`` typed as differing along the data axis (or both of a pair): per-device state.
 
+  A value that already differs along one axis of a pair (a mean inside each
+  node) is cast along the other only.
+
   Example:
     >>> mesh = jax.make_mesh((8,), ("data",))
     >>> bool(jax.shard_map(lambda: is_varying(as_varying(jnp.zeros(()), "data"), "data"),
     ...                    mesh=mesh, in_specs=(), out_specs=P())())
     True
   """
-  if not tracks_varying_axes(axis_name) or is_varying(x, axis_name):
+  if not tracks_varying_axes(axis_name):
     return x
-  return lax.pcast(x, DataAxis.parse(axis_name).names, to="varying")
+  missing = tuple(n for n in DataAxis.parse(axis_name).names if n not in varying_axes(x))
+  return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def per_device_blocks(tree: Any, axis_name: Hashable) -> Any:

@@ -16,6 +16,12 @@ round of ``every`` steps:
    rounding), which updates the shared parameters, from which every device
    starts the next round.
 
+Over a pair of data axes, ``axis_name=("node", "local")`` (hosts of several
+devices on a slower link between them), the devices of a node train as one:
+every step their gradients are averaged inside the node (a dense mean over
+``"local"``), and the rounds run between nodes; the pseudo-gradient takes
+the two-level exchange, each device sending its slice across nodes.
+
 The parameters the caller holds (and evaluates) are the shared ones: they
 move only at the end of a round. Each device's local parameters are those
 plus its ``offset`` in the state (:func:`topka2a_jax.local_params`), where
@@ -54,7 +60,13 @@ import optax
 from jax import lax
 
 from topka2a_jax._src.arguments import checked_count, checked_optimizer
-from topka2a_jax._src.axis import as_varying, bound_axis_size, is_bound, per_device_blocks
+from topka2a_jax._src.axis import (
+  DataAxis,
+  as_varying,
+  bound_axis_size,
+  is_bound,
+  per_device_blocks,
+)
 from topka2a_jax._src.options import Options, refuse_options, takes_options
 from topka2a_jax._src.planner.forms import CODED_FORM
 from topka2a_jax._src.states import LocalStepsState
@@ -195,6 +207,9 @@ def _update(options: Options, inner: optax.GradientTransformationExtraArgs,
   own_inner = jax.tree.map(lambda x: x[0], state.inner)
   offset = jax.tree.map(lambda x: x[0], state.offset)
   local = jax.tree.map(lambda p, o: (p + o).astype(p.dtype), params, offset)
+  data_axis = DataAxis.parse(axis)
+  if data_axis.is_pair:  # one node trains as one: its devices' mean gradient every step
+    grads = jax.tree.map(lambda g: as_varying(lax.pmean(g, data_axis.inner), axis), grads)
   steps, new_inner = inner.update(grads, own_inner, local, **extra_args)
   new_offset = jax.tree.map(lambda o, s: as_varying(o + s.astype(o.dtype), axis), offset, steps)
   new_inner = jax.tree.map(lambda x: as_varying(x, axis), new_inner)
