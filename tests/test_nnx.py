@@ -179,6 +179,9 @@ EXCHANGE_STATES = {
     # ... or every device's Adam step, rotated before its 4-bit code:
     "rotated_4_8 of adam": lambda mesh: topka2a_jax.compress_updates(
         optax.adam(1e-2), algorithm="rotated_4_8", mesh=mesh, min_size=0),
+    # ... or local steps: every device's Adam state and offset, one round of two:
+    "local steps of adam": lambda mesh: topka2a_jax.local_steps(
+        optax.adam(1e-2), 2, mesh=mesh, min_size=0),
 }
 
 
