@@ -4,10 +4,12 @@ Run in one process (``XLA_FLAGS`` giving it 4 devices) or under the launcher
 (``topka2a-launch -n 2 --devices-per-process 2``); process 0
 writes each step's mean gradient (hand-written shard_map step) or loss
 (``topka2a_jax.train_step``; ``two_level`` on a ``("node", "local")`` mesh of
-two nodes, each process one node when there are two) and parameters, so that
-tests can check the two agree:
+two nodes, each process one node when there are two; ``local_steps`` and
+``local_two_level`` train with ``local_steps(optax.adam(...), 2)``, ALGORITHM the
+pseudo-gradient's form) and parameters, so that tests can check the two agree:
 
-  python tests/multiprocess_train.py ALGORITHM OUT.npz [shard_map|train_step|two_level]
+  python tests/multiprocess_train.py ALGORITHM OUT.npz \
+      [shard_map|train_step|two_level|local_steps|local_two_level]
 """
 
 import sys
@@ -46,10 +48,14 @@ def loss_of(params, batch):
   return jnp.mean((jnp.tanh(x @ params["w"] + params["b"]) - y) ** 2)
 
 
-def with_train_step(mesh, algorithm, params, batches, axis_name="data"):
+def with_train_step(mesh, algorithm, params, batches, axis_name="data", local=False):
   """The same run through topka2a_jax.train_step: every step's loss and params."""
-  tx = optax.chain(topka2a_jax.topka2a(0.1, algorithm=algorithm, min_size=0,
-                                       mesh=mesh, axis_name=axis_name), optax.sgd(0.1))
+  if local:  # rounds of two Adam steps, then the pseudo-gradient in `algorithm`
+    tx = topka2a_jax.local_steps(optax.adam(0.05), 2, algorithm=algorithm, min_size=0,
+                                 mesh=mesh, axis_name=axis_name)
+  else:
+    tx = optax.chain(topka2a_jax.topka2a(0.1, algorithm=algorithm, min_size=0,
+                                         mesh=mesh, axis_name=axis_name), optax.sgd(0.1))
   params = jax.tree.map(lambda v: global_array(v, mesh, P()), params)
   step = topka2a_jax.train_step(loss_of, tx, mesh, axis_name=axis_name)
   state, record = tx.init(params), {}
@@ -68,16 +74,17 @@ def main(algorithm, out, route="shard_map"):
   rng = np.random.default_rng(91)
   params = {"w": rng.normal(size=(24, 16)).astype(np.float32) / 5,
             "b": np.zeros(16, np.float32)}
-  if route in ("train_step", "two_level"):
+  if route in ("train_step", "two_level", "local_steps", "local_two_level"):
     batches = []
     for _ in range(5):
       x = rng.normal(size=(32, 24)).astype(np.float32)
       batches.append((x, np.sin(x[:, :16])))
-    if route == "two_level":  # two nodes: with two processes, each one a node
+    local = route.startswith("local")
+    if route.endswith("two_level"):  # two nodes: with two processes, each one a node
       mesh = Mesh(np.array(devices).reshape(2, -1), ("node", "local"))
-      record = with_train_step(mesh, algorithm, params, batches, ("node", "local"))
+      record = with_train_step(mesh, algorithm, params, batches, ("node", "local"), local)
     else:
-      record = with_train_step(mesh, algorithm, params, batches)
+      record = with_train_step(mesh, algorithm, params, batches, local=local)
     print(f"{jax.process_count()} processes, {jax.device_count()} devices")
     if jax.process_index() == 0:
       np.savez(out, **record)

@@ -31,7 +31,9 @@ def run(command, **env):
     ("topka2a", "shard_map", 25, 2), ("dense", "shard_map", 25, 2),
     ("topka2a", "train_step", 15, 2), ("powersgd", "train_step", 15, 2),
     ("topka2a", "two_level", 15, 4), ("topka2a_sparse", "two_level", 15, 4),
-    ("onebit", "train_step", 15, 2), ("rotated_4_8", "train_step", 15, 2)])
+    ("onebit", "train_step", 15, 2), ("rotated_4_8", "train_step", 15, 2),
+    ("quantized_8_8_fine", "local_steps", 15, 2),
+    ("quantized_8_8_fine", "local_two_level", 15, 4)])
 def test_two_processes_match_one_with_all_their_devices(tmp_path, algorithm, route,
                                                         files, per_process):
   """Two processes (for two_level, each a node of the mesh) train as one."""
