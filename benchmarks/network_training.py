@@ -17,10 +17,11 @@ process): its dense exchange then takes several times its compute on this
 link, as the paper's models' exchanges did on theirs. (The examples' digits
 CNN, 73k parameters, is bound by its compute.)
 
-Reports seconds per step (median), the training time to reach each of
-``--targets`` (validation losses; evaluations excluded), the final and the
-highest validation loss. ``--seed`` changes the initialisation and the
-batches, ``--batch`` the windows per process and step.
+Reports seconds per step (median; a ``local N`` run's median round over N),
+the training time to reach each of ``--targets`` (validation losses;
+evaluations excluded), the final and the highest validation loss.
+``--seed`` changes the initialisation and the batches, ``--batch`` the
+windows per process and step.
 
 ``--local`` trains the same way in one process on as many emulated CPU
 devices, with no link: the losses come out as on the link (to float
@@ -307,9 +308,25 @@ def worker(args: argparse.Namespace) -> None:
         evals.append((i, float(validation(params, valid_windows))))
     rows.append({"run": name, "seconds": seconds, "evals": evals, "bytes": sent})
     if jax.process_index() == 0:
-      print(f"{name:20s} {np.median(seconds):.3f} s/step, valid loss "
+      print(f"{name:20s} {seconds_a_step(name, seconds):.3f} s/step, valid loss "
             f"{evals[-1][1]:.4f}", flush=True)
       Path(args.worker).write_text(json.dumps(rows))  # each run kept as it ends
+
+
+def seconds_a_step(name: str, seconds: list[float]) -> float:
+  """The run's typical step: its median, or for local steps its median round over its steps.
+
+  A ``local N`` run's steps are N - 1 without an exchange and one with it:
+  their median would leave the exchange out.
+  """
+  import numpy as np
+
+  every = run_options(name).get("every", 1)
+  rounds = len(seconds) // every
+  if every == 1 or not rounds:
+    return float(np.median(seconds))
+  whole = np.asarray(seconds[:rounds * every]).reshape(rounds, every).sum(1)
+  return float(np.median(whole)) / every
 
 
 def report(rows: list[dict], targets: list[float]) -> list[dict]:
@@ -326,7 +343,7 @@ def report(rows: list[dict], targets: list[float]) -> list[dict]:
   targets = [*targets, round(dense["evals"][-1][1] * 1.02, 4)]
   for row in rows:
     seconds = np.asarray(row["seconds"])
-    row.update(step_s=float(np.median(seconds)), final=row["evals"][-1][1],
+    row.update(step_s=seconds_a_step(row["run"], seconds), final=row["evals"][-1][1],
                highest=max(value for _, value in row["evals"]), targets={})
     for target in targets:
       reached = next((i for i, value in row["evals"] if value <= target), None)
@@ -405,8 +422,6 @@ def main() -> int:
       rows += [row for row in table["rows"] if row["run"] not in seen]
       seen |= {row["run"] for row in table["rows"]}
     if args.link_seconds:
-      import numpy as np
-
       link = json.loads(Path(args.link_seconds).read_text())
       timed = {row["run"]: row for row in link["rows"]}
       missing = [row["run"] for row in rows if row["run"] not in timed]
@@ -416,7 +431,7 @@ def main() -> int:
         print(f"left out, not timed on the link: {', '.join(missing)}")
       rows = [row for row in rows if row["run"] in timed]
       for row in rows:
-        step = float(np.median(timed[row["run"]]["seconds"]))
+        step = seconds_a_step(row["run"], timed[row["run"]]["seconds"])
         row.update(seconds=[step] * len(row["seconds"]),
                    bytes=timed[row["run"]]["bytes"])
       print(f"steps and losses from {', '.join(args.from_json)}; each step timed at "

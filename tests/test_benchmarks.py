@@ -59,6 +59,14 @@ def test_training_runs_take_any_dense_warm_up_and_name_the_choices():
     network_training.run_options("defaults, some dense steps")
 
 
+def test_a_local_steps_runs_step_is_its_median_round_over_its_steps():
+  # Three steps of 1 s and one of 9 s a round: 3 s a step, where the median says 1.
+  network_training = load("network_training")
+  rounds = [1.0, 1.0, 1.0, 9.0] * 5 + [1.0, 1.0]  # a partial round left out
+  assert network_training.seconds_a_step("local 4", rounds) == 3.0
+  assert network_training.seconds_a_step("dense", rounds) == 1.0
+
+
 def test_nodes_benchmark_fits_links_and_selection_that_reproduce_its_rows():
   """Rows timed by a known cluster's model: the fit recovers it, off by 0%."""
   from topka2a_jax._src.planner import cost
