@@ -12,6 +12,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -292,3 +293,29 @@ def test_under_named_chain_the_headline_line_trains_as_dense(mesh):
   named, _ = train(optax.named_chain(("exchange", topka2a_jax.topka2a(0.01, mesh=mesh)),
                                      ("adam", optax.adam(1e-2))), mesh)
   assert named < 1.25 * dense
+
+
+@pytest.mark.parametrize("optimizer, algorithm", [
+    (optax.adam(1e-3), "quantized_8_8_fine"), (optax.sgd(0.1, momentum=0.9), "quantized_4_8")],
+    ids=["adam", "momentum"])
+def test_density_may_be_left_out_where_no_top_k_is_chosen(mesh, optimizer, algorithm):
+  """``topka2a(mesh=mesh)`` before Adam or momentum SGD: no error, and the bytes of the
+  code it plans (the explicit algorithm's, which ignores density)."""
+  def sent(**options):
+    tx = optax.chain(topka2a_jax.topka2a(network="eth1", mesh=mesh, **options), optimizer)
+    return train(tx, mesh, steps=0)[1]
+
+  assert sent() == sent(algorithm=algorithm)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # and no warning either
+    loss, _ = train(optax.chain(topka2a_jax.topka2a(mesh=mesh), optimizer), mesh, steps=3)
+  assert np.isfinite(loss)
+
+
+def test_density_left_out_before_plain_sgd_is_asked_for_naming_the_fix(mesh):
+  tx = optax.chain(topka2a_jax.topka2a(mesh=mesh), optax.sgd(0.1))
+  with pytest.raises(ValueError, match=r"before plain SGD sends the top-k of each bucket, "
+                     r"and needs its fraction: give density, e\.g\. topka2a\(0\.01"):
+    tx.init(readme_problem()[0])
+  with pytest.raises(ValueError, match="density is required with algorithm='topka2a'"):
+    topka2a_jax.topka2a(algorithm="topka2a")  # an explicit top-k, as before

@@ -189,7 +189,7 @@ def test_restart_on_another_device_count_keeps_q_and_what_is_owed(
 
 def test_errors_name_the_option_and_the_fix(mesh):
   with pytest.raises(ValueError, match="density is required with algorithm='auto'"):
-    topka2a_jax.topka2a()
+    topka2a_jax.compress_updates(optax.adam(1e-3), algorithm="auto")
   with pytest.raises(ValueError, match="density is required with algorithm='topka2a'"):
     topka2a_jax.compress_updates(optax.adam(1e-3), algorithm="topka2a")
   with pytest.raises(ValueError, match="rank=4 sets the rank of algorithm='powersgd'"):

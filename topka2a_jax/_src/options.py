@@ -151,10 +151,16 @@ def _check_together(options: dict[str, Any]) -> None:
         "algorithm='powersgd'.")
 
 
-def _density(density: Any, algorithm: str) -> float:
-  """``density`` checked; 1.0 where it is left out for an algorithm that ignores it."""
+def _density(density: Any, algorithm: str, forms_follow: bool = False) -> float:
+  """``density`` checked; 1.0 where it is left out for an algorithm that ignores it.
+
+  ``"auto"`` may leave it out too where its forms follow the optimizer after
+  it (``forms_follow``): only before plain SGD is a top-k chosen, which then
+  asks for it.
+  """
   if density is None:
-    if not algorithms.ignores_density(algorithm):
+    if not (algorithms.ignores_density(algorithm)
+            or (forms_follow and algorithm == algorithms.AUTO)):
       raise ValueError(
           f"density is required with algorithm={algorithm!r}: the fraction of "
           "entries each device sends, e.g. topka2a(0.01). Only "
@@ -396,6 +402,11 @@ class Options:
       "whether ``\"auto\"`` takes only exchanges whose mean holds every device's "
       "whole selection (:func:`topka2a_jax.compress_updates` sets it).",
       _flagged("whole_selection"), user=False)
+  density_given: bool = _option(
+      True,
+      "whether the caller gave ``density``: ``\"auto\"`` takes it as 1.0 where it "
+      "is left out, and refuses a top-k then (``transforms/following.py``).",
+      lambda value, given: value, user=False)
   auto_forms: tuple[str, ...] | None = _option(
       None,
       "the exchanges ``\"auto\"`` may plan a bucket with, or None for every top-k "
@@ -404,11 +415,14 @@ class Options:
       lambda value, given: value, user=False)
 
   @classmethod
-  def create(cls, density: Any, **options: Any) -> Options:
+  def create(cls, density: Any, *, forms_follow: bool = False, **options: Any) -> Options:
     """Validates the transform's arguments; raises naming the first bad one.
 
     Only the options users pass (:func:`user_options`); the library's own
     settings are set on the record made here (``dataclasses.replace``).
+    ``forms_follow``: ``"auto"``'s forms will follow the optimizer after the
+    exchange (:func:`topka2a_jax.topka2a`), so ``density`` may be left out
+    until a top-k is chosen.
 
     Raises:
       ValueError, TypeError: an argument out of range or of the wrong type.
@@ -426,7 +440,8 @@ class Options:
       normalised[field.name] = field.metadata["check"](
           options.get(argument, field.default), normalised)
     _check_together(normalised)
-    return cls(_density(density, normalised["algorithm"]), **normalised)
+    normalised["density_given"] = density is not None
+    return cls(_density(density, normalised["algorithm"], forms_follow), **normalised)
 
   def cluster(self) -> Cluster | None:
     """The nodes and links of a pair of data axes, inside ``shard_map``; else None.

@@ -274,8 +274,14 @@ def for_follower(options: Options, followed: tuple[tuple[Any, ...], bool] | None
           "sends every entry in 8 bits (algorithm='quantized_8_8_fine', within 1.5% "
           "of dense), or dense where that is cheaper.", UserWarning, stacklevel=4)
     return options
-  if options.value_dtype is not None or options.density >= 1.0:
+  if options.value_dtype is not None or (options.density_given and options.density >= 1.0):
     kind, missing = PLAIN, ""  # a narrow top-k was asked for, or one that sends every entry
+  if kind == PLAIN and not options.density_given:
+    raise ValueError(
+        "topka2a(algorithm='auto') before plain SGD sends the top-k of each bucket, "
+        "and needs its fraction: give density, e.g. topka2a(0.01, ...). (Before "
+        "Adam's family or momentum SGD every entry is sent, and density may be "
+        "left out.)")
   if kind == UNKNOWN and "unknown" not in said:
     said.add("unknown")
     warnings.warn(

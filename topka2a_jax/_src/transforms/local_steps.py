@@ -157,7 +157,8 @@ def local_steps(inner: optax.GradientTransformation, every: int = DEFAULT_EVERY,
   outer = optax.with_extra_args_support(
       checked_optimizer("outer", default_outer() if outer is None else outer))
   options.setdefault("algorithm", DEFAULT_ALGORITHM)
-  checked = for_follower(Options.create(density, **options), ((outer.update,), True), set())
+  checked = for_follower(Options.create(density, forms_follow=True, **options),
+                         ((outer.update,), True), set())
 
   def init_fn(params: optax.Params) -> LocalStepsState:
     exchange = init_state(checked, params)

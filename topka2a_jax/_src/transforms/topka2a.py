@@ -75,9 +75,10 @@ def topka2a(density: float | None = None,
   Args:
     density: fraction of every bucket's entries each device sends where a
       top-k is chosen, in (0, 1]. 1.0 sends everything and equals
-      ``lax.pmean``. Leave it out only for ``algorithm="powersgd"``,
-      ``"dense"`` and the exchanges that send codes (``"quantized_A_B"``,
-      ``"onebit"``...), which ignore it.
+      ``lax.pmean``. Leave it out with ``algorithm="auto"`` before Adam's
+      family or momentum SGD (no top-k is chosen there; before plain SGD it
+      is asked for), and for ``"powersgd"``, ``"dense"`` and the exchanges
+      that send codes (``"quantized_A_B"``, ``"onebit"``...), which ignore it.
     **options: every option of the exchange, below.
 
   Returns:
@@ -96,7 +97,7 @@ def topka2a(density: float | None = None,
     >>> opt_state[0].residuals["w"].shape
     (512, 32)
   """
-  checked = Options.create(density, **options)
+  checked = Options.create(density, forms_follow=True, **options)
   said: set[str] = set()  # what the transform has said of the optimizer after it
 
   def init_fn(params: optax.Params) -> TopKA2AState:
