@@ -333,3 +333,12 @@ def test_every_kind_of_per_device_state_has_its_specs_and_its_restore_rule():
 
   kinds = {kind for fields in PER_DEVICE.values() for kind in fields.values()}
   assert set(SPECS) == set(RULES) == kinds
+
+
+def test_the_version_is_the_installed_distributions_and_dir_shows_the_face():
+  from importlib.metadata import version
+
+  assert topka2a_jax.__version__ == version("topka2a-jax")
+  shown = dir(topka2a_jax)
+  assert "__version__" in shown and set(topka2a_jax.__all__) <= set(shown)
+  assert not {"NEEDS_FLAX", "TYPE_CHECKING", "_MOVED", "_src"} & set(shown)

@@ -119,12 +119,26 @@ del _lazy  # help() lists the face's names, not the loader
 
 
 def __dir__() -> list[str]:
-  """The face's names but the two that need Flax: ``help(topka2a_jax)`` works without it."""
-  return [name for name in _every_name() if name not in NEEDS_FLAX]
+  """The face's names but the two that need Flax: ``help(topka2a_jax)`` works without it.
+
+  Its public names, namespaces and the module's dunders (``__version__``
+  among them); not the loader's own names.
+  """
+  def shown(name: str) -> bool:
+    private = name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+    return not private and name not in (*NEEDS_FLAX, "NEEDS_FLAX", "TYPE_CHECKING")
+
+  return sorted(filter(shown, {*_every_name(), "__version__"}))
 
 
 def __getattr__(name: str):
   """Imports a public name on first use; ``nnx_train_step`` and ``NnxTrainStep`` need Flax."""
+  if name == "__version__":  # the installed distribution's, as pip shows it
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+      return version("topka2a-jax")
+    except PackageNotFoundError:
+      return "unknown (not installed: pip install -e .)"
   if name in _MOVED:
     raise AttributeError(f"topka2a_jax.{name} has moved: use {_MOVED[name]}")
   try:
