@@ -58,12 +58,15 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from topka2a_jax._src.arguments import checked_count, checked_optimizer
 from topka2a_jax._src.axis import (
   DataAxis,
   as_varying,
   bound_axis_size,
+  holds_tracer,
   is_bound,
   per_device_blocks,
 )
@@ -163,13 +166,14 @@ def local_steps(inner: optax.GradientTransformation, every: int = DEFAULT_EVERY,
   def init_fn(params: optax.Params) -> LocalStepsState:
     exchange = init_state(checked, params)
     mesh = layout_mesh(checked, jax.tree.leaves(params))
+    step, length = _round_counters(every, mesh, jax.tree.leaves(params))
     state = LocalStepsState(
         exchange,
         per_device_state(checked, inner.init, params, mesh, "local_steps"),
         per_device_state(checked, _zero_offset, params, mesh, "local_steps"),
         outer.init(params),
-        jnp.zeros((), jnp.int32),
-        jnp.asarray(every, jnp.int32))
+        step,
+        length)
     if not is_bound(checked.axis_name):
       warn_if_a_zero_step_is_not_finite(inner, params, "local_steps")
     return state
@@ -180,6 +184,20 @@ def local_steps(inner: optax.GradientTransformation, every: int = DEFAULT_EVERY,
     return _update(checked, inner, outer, every, updates, state, params, extra_args)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _round_counters(every: int, mesh: Any, leaves: list[Any]) -> tuple[jax.Array, jax.Array]:
+  """The round's step (0) and length as int32 scalars, replicated over ``mesh`` if given.
+
+  Made in place on the mesh, as the exchange's counts are: a scalar on one
+  device would have to be placed on every process's devices.
+  """
+  def counters() -> tuple[jax.Array, jax.Array]:
+    return jnp.zeros((), jnp.int32), jnp.asarray(every, jnp.int32)
+
+  if mesh is None or holds_tracer(leaves):
+    return counters()
+  return jax.jit(counters, out_shardings=NamedSharding(mesh, P()))()
 
 
 def _zero_offset(params: optax.Params) -> optax.Params:
