@@ -319,3 +319,20 @@ def test_density_left_out_before_plain_sgd_is_asked_for_naming_the_fix(mesh):
     tx.init(readme_problem()[0])
   with pytest.raises(ValueError, match="density is required with algorithm='topka2a'"):
     topka2a_jax.topka2a(algorithm="topka2a")  # an explicit top-k, as before
+
+
+def test_the_warnings_point_at_the_users_line(mesh):
+  """Not into the library or optax: a ``-W error`` traceback or an IDE link lands here."""
+  unknown = optax.GradientTransformation(lambda p: (), lambda u, s, p=None: (u, s))
+  tx = optax.chain(topka2a_jax.topka2a(0.01, mesh=mesh), unknown)
+  params, batch = readme_problem()
+  step = topka2a_jax.train_step(loss_fn, tx, mesh)
+  clipped = optax.chain(optax.clip_by_global_norm(1.0), topka2a_jax.topka2a(0.01, mesh=mesh),
+                        optax.sgd(0.1))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    step(params, tx.init(params), batch)
+    topka2a_jax.train_step(loss_fn, clipped, mesh)
+  said = {str(w.message).split(":")[0][:40]: w.filename for w in caught}
+  assert len(said) == 2, said
+  assert all(filename == __file__ for filename in said.values()), said

@@ -365,7 +365,7 @@ class DataParallelStep:
     check_extra_args(extra)
     if not any(seen is tx for seen in self._warned):
       self._warned.append(tx)
-      warn_if_clipped_before_exchange(tx, stacklevel=4)
+      warn_if_clipped_before_exchange(tx)
     specs = resolve_param_specs(params, self._mesh, self._axis, given_specs)
     specs = tuple(P() if s is None else s for s in specs)  # unknown: whole
     inputs = (params, carry, opt_state, keys, batch, extra)
@@ -417,7 +417,7 @@ class TrainStep(DataParallelStep):
     checked_optimizer("tx", tx)
     super().__init__(mesh, axis=axis, has_aux=has_aux,
                      micro_batches=micro_batches, donate=donate)
-    warn_if_clipped_before_exchange(tx, stacklevel=3)
+    warn_if_clipped_before_exchange(tx)
     self._warned.append(tx)
     self._loss_fn, self._tx, self._param_specs = loss_fn, tx, param_specs
 

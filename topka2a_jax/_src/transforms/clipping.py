@@ -32,6 +32,8 @@ from typing import Any
 
 import optax
 
+from topka2a_jax._src.caller import user_stacklevel
+
 CLIP = "clip_by_global_norm"
 EXCHANGE = "topka2a"
 
@@ -121,7 +123,7 @@ def chained(fn: Any) -> Iterator[tuple[Any, ...]]:
                  if isinstance(value, (tuple, list)))
 
 
-def warn_if_clipped_before_exchange(tx: Any, stacklevel: int = 2) -> None:
+def warn_if_clipped_before_exchange(tx: Any) -> None:
   """Warns when ``optax.clip_by_global_norm`` runs before ``topka2a`` in ``tx``.
 
   Inside :func:`topka2a_jax.compress_updates` the inner optimizer runs per
@@ -129,11 +131,10 @@ def warn_if_clipped_before_exchange(tx: Any, stacklevel: int = 2) -> None:
 
   Args:
     tx: the optimizer of a training step.
-    stacklevel: as for ``warnings.warn``, counted from the caller: the frame
-      the warning names (2: the caller's caller).
 
   Warns:
-    UserWarning: naming the order to write instead.
+    UserWarning: naming the order to write instead, at the user's line
+      (the first frame outside the library, optax and JAX).
   """
   for update_fns in chained(getattr(tx, "update", tx)):
     names = [set(transform_names(fn)) for fn in update_fns]
@@ -145,5 +146,5 @@ def warn_if_clipped_before_exchange(tx: Any, stacklevel: int = 2) -> None:
           "after the clip, so the norm bounds neither what is exchanged nor the "
           "step. Clip after the exchange, on the mean, as dense training does: "
           "optax.chain(topka2a_jax.topka2a(...), optax.clip_by_global_norm(...), "
-          "optimizer).", UserWarning, stacklevel=stacklevel + 1)
+          "optimizer).", UserWarning, stacklevel=user_stacklevel())
       return

@@ -45,6 +45,7 @@ from typing import Any
 
 import optax
 
+from topka2a_jax._src.caller import user_stacklevel
 from topka2a_jax._src.collectives import algorithms
 from topka2a_jax._src.options import Options
 from topka2a_jax._src.planner.forms import (
@@ -272,7 +273,7 @@ def for_follower(options: Options, followed: tuple[tuple[Any, ...], bool] | None
           "the link benchmark: the top-k at 1% ends +44% above dense's final loss, "
           "the signs +23% to +63%). Leave algorithm= out: topka2a(...) before Adam "
           "sends every entry in 8 bits (algorithm='quantized_8_8_fine', within 1.5% "
-          "of dense), or dense where that is cheaper.", UserWarning, stacklevel=4)
+          "of dense), or dense where that is cheaper.", UserWarning, stacklevel=user_stacklevel())
     return options
   if options.value_dtype is not None or (options.density_given and options.density >= 1.0):
     kind, missing = PLAIN, ""  # a narrow top-k was asked for, or one that sends every entry
@@ -289,7 +290,7 @@ def for_follower(options: Options, followed: tuple[tuple[Any, ...], bool] | None
         f"SGD and Adam: every entry in 8 bits ({CODED_FORM!r}), or dense where that is "
         "cheaper. Say what follows with topka2a(..., follows=optax.adam(...)) (or "
         "follows='adam', 'momentum', 'sgd'; 'sgd' lets it send a top-k), or choose "
-        "the form with algorithm=.", UserWarning, stacklevel=4)
+        "the form with algorithm=.", UserWarning, stacklevel=user_stacklevel())
   elif not at_init and kind not in said:
     said.add(kind)
     _LOG.warning("topka2a(algorithm='auto') plans each bucket among %s: %s. (Set "
