@@ -4,12 +4,13 @@ Run in one process (``XLA_FLAGS`` giving it 4 devices) or under the launcher
 (``topka2a-launch -n 2 --devices-per-process 2``); process 0
 writes each step's mean gradient (hand-written shard_map step) or loss
 (``topka2a_jax.train_step``; ``two_level`` on a ``("node", "local")`` mesh of
-two nodes, each process one node when there are two; ``local_steps`` and
+two nodes, each process one node when there are two; ``train_step_adam`` with
+Adam after the exchange; ``local_steps`` and
 ``local_two_level`` train with ``local_steps(optax.adam(...), 2)``, ALGORITHM the
 pseudo-gradient's form) and parameters, so that tests can check the two agree:
 
   python tests/multiprocess_train.py ALGORITHM OUT.npz \
-      [shard_map|train_step|two_level|local_steps|local_two_level]
+      [shard_map|train_step|train_step_adam|two_level|local_steps|local_two_level]
 """
 
 import sys
@@ -48,14 +49,16 @@ def loss_of(params, batch):
   return jnp.mean((jnp.tanh(x @ params["w"] + params["b"]) - y) ** 2)
 
 
-def with_train_step(mesh, algorithm, params, batches, axis_name="data", local=False):
+def with_train_step(mesh, algorithm, params, batches, axis_name="data", local=False,
+                    adam=False):
   """The same run through topka2a_jax.train_step: every step's loss and params."""
   if local:  # rounds of two Adam steps, then the pseudo-gradient in `algorithm`
     tx = topka2a_jax.local_steps(optax.adam(0.05), 2, algorithm=algorithm, min_size=0,
                                  mesh=mesh, axis_name=axis_name)
-  else:
+  else:  # adam: its count is made on one device, the step places it on every process
     tx = optax.chain(topka2a_jax.topka2a(0.1, algorithm=algorithm, min_size=0,
-                                         mesh=mesh, axis_name=axis_name), optax.sgd(0.1))
+                                         mesh=mesh, axis_name=axis_name),
+                     optax.adam(0.01) if adam else optax.sgd(0.1))
   params = jax.tree.map(lambda v: global_array(v, mesh, P()), params)
   step = topka2a_jax.train_step(loss_of, tx, mesh, axis_name=axis_name)
   state, record = tx.init(params), {}
@@ -74,7 +77,8 @@ def main(algorithm, out, route="shard_map"):
   rng = np.random.default_rng(91)
   params = {"w": rng.normal(size=(24, 16)).astype(np.float32) / 5,
             "b": np.zeros(16, np.float32)}
-  if route in ("train_step", "two_level", "local_steps", "local_two_level"):
+  if route in ("train_step", "train_step_adam", "two_level", "local_steps",
+               "local_two_level"):
     batches = []
     for _ in range(5):
       x = rng.normal(size=(32, 24)).astype(np.float32)
@@ -84,7 +88,8 @@ def main(algorithm, out, route="shard_map"):
       mesh = Mesh(np.array(devices).reshape(2, -1), ("node", "local"))
       record = with_train_step(mesh, algorithm, params, batches, ("node", "local"), local)
     else:
-      record = with_train_step(mesh, algorithm, params, batches, local=local)
+      record = with_train_step(mesh, algorithm, params, batches, local=local,
+                               adam=route == "train_step_adam")
     print(f"{jax.process_count()} processes, {jax.device_count()} devices")
     if jax.process_index() == 0:
       np.savez(out, **record)

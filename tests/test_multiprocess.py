@@ -32,7 +32,8 @@ def run(command, **env):
     ("topka2a", "train_step", 15, 2), ("powersgd", "train_step", 15, 2),
     ("topka2a", "two_level", 15, 4), ("topka2a_sparse", "two_level", 15, 4),
     ("onebit", "train_step", 15, 2), ("rotated_4_8", "train_step", 15, 2),
-    ("quantized_8_8_fine", "local_steps", 15, 1),  # one device a process
+    ("quantized_8_8_fine", "train_step_adam", 15, 1),  # one device a process
+    ("quantized_8_8_fine", "local_steps", 15, 1),
     ("quantized_8_8_fine", "local_two_level", 15, 4)])
 def test_two_processes_match_one_with_all_their_devices(tmp_path, algorithm, route,
                                                         files, per_process):

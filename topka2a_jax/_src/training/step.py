@@ -301,7 +301,11 @@ class DataParallelStep:
     def once(leaf: Any) -> Any:  # inside a caller's jit (nnx.jit), XLA sees the aliases
       if not isinstance(leaf, jax.Array) or holds_tracer([leaf]) or leaf.is_deleted():
         return leaf
-      shard = leaf.addressable_shards[0] if leaf.addressable_shards else None
+      try:
+        shards = leaf.addressable_shards
+      except ValueError:  # one device's array placed across processes: none to compare
+        return leaf
+      shard = shards[0] if shards else None
       buffer = None if shard is None else (shard.device, shard.data.unsafe_buffer_pointer())
       if buffer is None or buffer not in seen:
         seen.add(buffer)
