@@ -321,7 +321,10 @@ def seconds_a_step(name: str, seconds: list[float]) -> float:
   """
   import numpy as np
 
-  every = run_options(name).get("every", 1)
+  try:
+    every = run_options(name).get("every", 1)
+  except ValueError:  # a saved row of a run no longer in RUNS: one exchange a step
+    every = 1
   rounds = len(seconds) // every
   if every == 1 or not rounds:
     return float(np.median(seconds))

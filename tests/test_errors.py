@@ -88,7 +88,7 @@ def test_the_signature_defaults_are_the_options_defaults():
   assert inspect.signature(topka2a_jax.compress_updates).parameters[
       "algorithm"].default is None
   own = {f.name for f in dataclasses.fields(Options) if not f.metadata.get("user", True)}
-  assert own == {"whole_selection", "auto_forms"}  # the library's own settings
+  assert own == {"whole_selection", "density_given", "auto_forms"}  # the library's own
   assert set(fields) - own <= set(
       inspect.signature(topka2a_jax.topka2a).parameters)
 
