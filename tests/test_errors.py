@@ -395,7 +395,9 @@ def test_step_without_an_exchange_or_with_multisteps(mesh):
   tx = optax.MultiSteps(optax.chain(topka2a_jax.topka2a(0.1, mesh=mesh),
                                     optax.sgd(0.1)), every_k_schedule=4)
   step = topka2a_jax.train_step(loss_of, tx, mesh)
-  with pytest.raises(ValueError, match=r"optax.MultiSteps.*micro_batches=N"):
+  with pytest.raises(ValueError, match=r"optax.MultiSteps around \(or before\) the topka2a "
+                     r"exchange.*accumulate_gradients\(<the optimizer>, every=N\).*"
+                     r"micro_batches=N"):
     step(PARAMS, tx.init(PARAMS), jnp.ones((16, 64)))
 
 

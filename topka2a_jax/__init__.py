@@ -49,6 +49,7 @@ if TYPE_CHECKING:  # the face; at run time each name is imported on first use (_
   from topka2a_jax._src.planner.report import CommReport, comm_report
   from topka2a_jax._src.planner.tuning import tune_fusion
   from topka2a_jax._src.states import (
+    AccumulatedGradientsState,
     CompressedUpdatesState,
     LocalStepsState,
     ShardedOptimizerState,
@@ -59,6 +60,7 @@ if TYPE_CHECKING:  # the face; at run time each name is imported on first use (_
   from topka2a_jax._src.training.nnx_step import nnx_train_step as nnx_train_step
   from topka2a_jax._src.training.placement import init, state_specs
   from topka2a_jax._src.training.step import TrainStep, train_step
+  from topka2a_jax._src.transforms.accumulation import accumulate_gradients
   from topka2a_jax._src.transforms.frozen_variance import (
     frozen_variance_adam,
     scale_by_frozen_rms,
@@ -70,6 +72,7 @@ if TYPE_CHECKING:  # the face; at run time each name is imported on first use (_
   from topka2a_jax._src.transforms.update_compression import compress_updates
 
 __all__ = [
+  "AccumulatedGradientsState",
   "CheckpointManager",
   "CommReport",
   "CompressedUpdatesState",
@@ -79,6 +82,7 @@ __all__ = [
   "SkipNonFiniteState",
   "TopKA2AState",
   "TrainStep",
+  "accumulate_gradients",
   "comm_report",
   "compress_updates",
   "frozen_variance_adam",

@@ -102,19 +102,42 @@ class LocalStepsState(NamedTuple):
   every: jax.Array
 
 
+class AccumulatedGradientsState(NamedTuple):
+  """State of :func:`topka2a_jax.accumulate_gradients`.
+
+  Attributes:
+    inner: the wrapped optimizer's state (its exchange included), as it is
+      after the last accumulated step.
+    grads: every device's sum of the gradients of this accumulation's calls
+      so far, in at least float32, laid out as :class:`LocalStepsState`'s
+      ``inner``: every leaf ``(P, *shape)`` split along dimension 0 by the
+      data axis.
+    step: the calls added so far (int32, replicated).
+    every: the calls per accumulated step the state was made for (int32,
+      replicated): a restore into a state made for another refuses it.
+  """
+
+  inner: optax.OptState
+  grads: optax.Updates
+  step: jax.Array
+  every: jax.Array
+
+
 RESIDUAL, SHARD, REPLICA = "residual", "shard", "replica"
 """The kinds of per-device state: a residual (what one device has not sent),
 one device's shard of :func:`topka2a_jax.sharded_optimizer`'s optimizer
 state, or one device's copy of :func:`topka2a_jax.compress_updates`' or
-:func:`topka2a_jax.local_steps`' optimizer state, or of the latter's local
-parameters (on another device count, every device starts from the mean of
-the copies: the round's mean progress is kept)."""
+:func:`topka2a_jax.local_steps`' optimizer state, of the latter's local
+parameters, or of :func:`topka2a_jax.accumulate_gradients`' sums (on
+another device count, every device starts from the mean of the copies: the
+round's mean progress, the mean gradient so far, is kept)."""
 
 PER_DEVICE: dict[type, dict[str, str]] = {
     TopKA2AState: {"residuals": RESIDUAL},
     ShardedOptimizerState: {"inner": SHARD},
     CompressedUpdatesState: {"inner": REPLICA},
     LocalStepsState: {"inner": REPLICA, "offset": REPLICA},
+    AccumulatedGradientsState: {"grads": REPLICA},
 }
 """For each state, its per-device fields and their kind. Every other field
 is replicated, or is itself one of these states (``exchange``)."""

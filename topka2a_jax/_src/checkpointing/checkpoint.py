@@ -54,7 +54,12 @@ from topka2a_jax._src.checkpointing.integrity import (
   write_manifest,
 )
 from topka2a_jax._src.checkpointing.resize import RULES, Devices
-from topka2a_jax._src.states import RESIDUAL, LocalStepsState, map_per_device
+from topka2a_jax._src.states import (
+  RESIDUAL,
+  AccumulatedGradientsState,
+  LocalStepsState,
+  map_per_device,
+)
 
 LAYOUT_FILE = "topka2a_layout.json"
 """Written beside Orbax's files: devices, axis, pytree structure, shapes, and
@@ -344,27 +349,39 @@ def restore_laid_out(saved: dict[str, Any], read: Any, like: Any, mesh: Mesh,
   return treedef.unflatten(resized)
 
 
-def _check_round_lengths(loaded: Any, like: Any, where: Any) -> None:
-  """Raises where a :func:`topka2a_jax.local_steps` state was saved for another ``every``.
+ROUNDS = {
+    LocalStepsState: (
+        "local_steps",
+        "its round ({step} steps in) and its offsets belong to rounds of the saved length"),
+    AccumulatedGradientsState: (
+        "accumulate_gradients",
+        "its sums ({step} calls in) belong to accumulations of the saved length"),
+}
+"""The states made for a length of ``every``: the transform's name, and what of
+the saved state belongs to that length."""
 
-  Only where ``like`` holds the round's length as a value (a state from
+
+def _check_round_lengths(loaded: Any, like: Any, where: Any) -> None:
+  """Raises where a state of :data:`ROUNDS` was saved for another ``every``.
+
+  Only where ``like`` holds the length as a value (a state from
   ``tx.init``); a ``jax.ShapeDtypeStruct`` holds none.
   """
-  def rounds(tree: Any) -> list[LocalStepsState]:
-    is_local = lambda node: isinstance(node, LocalStepsState)
-    return [node for node in jax.tree.leaves(tree, is_leaf=is_local) if is_local(node)]
+  def rounds(tree: Any) -> list[Any]:
+    is_round = lambda node: type(node) in ROUNDS
+    return [node for node in jax.tree.leaves(tree, is_leaf=is_round) if is_round(node)]
 
+  value = lambda scalar: int(np.asarray(scalar.addressable_data(0)))
   for got, want in zip(rounds(loaded), rounds(like)):
     if not isinstance(want.every, jax.Array) or isinstance(want.every, jax.core.Tracer):
       continue
-    saved_every = int(np.asarray(got.every.addressable_data(0)))
-    wanted_every = int(np.asarray(want.every.addressable_data(0)))
+    saved_every, wanted_every = value(got.every), value(want.every)
     if saved_every != wanted_every:
+      name, owned = ROUNDS[type(want)]
       raise ValueError(
-          f"the checkpoint in {where} was saved by local_steps(..., every={saved_every}) "
-          f"and is restored into the state of local_steps(..., every={wanted_every}): "
-          f"its round ({int(np.asarray(got.step.addressable_data(0)))} steps in) and its "
-          "offsets belong to rounds of the saved length. Build the optimizer with "
+          f"the checkpoint in {where} was saved by {name}(..., every={saved_every}) "
+          f"and is restored into the state of {name}(..., every={wanted_every}): "
+          f"{owned.format(step=value(got.step))}. Build the optimizer with "
           f"every={saved_every} to resume this run; nothing was loaded.")
 
 

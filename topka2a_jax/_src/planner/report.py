@@ -18,8 +18,9 @@ collective is also attributed to the mesh axes its replica groups span, so
 that a step's traffic over ``"data"`` and over ``"model"`` can be told apart.
 A collective inside a branch of a ``lax.cond`` runs only when that branch is
 taken, and its row says so (:attr:`CollectiveTotal.in_branch`): a
-:func:`topka2a_jax.local_steps` step holds its round's exchange there, and
-:meth:`CommReport.step_bytes` spreads it over the round's steps.
+:func:`topka2a_jax.local_steps` step holds its round's exchange there, an
+:func:`topka2a_jax.accumulate_gradients` step its accumulated step's, and
+:meth:`CommReport.step_bytes` spreads it over the calls that share it.
 
 Example:
   >>> mesh = jax.make_mesh((8,), ("data",))
@@ -79,7 +80,8 @@ class CollectiveTotal:
     bytes: bytes each device sends, over all of them.
     axes: the mesh axes their groups span (given the mesh), e.g. ``("data",)``.
     in_branch: they sit in a branch of a conditional (``lax.cond``), run only
-      when it is taken: a ``local_steps`` step's round exchange.
+      when it is taken: a ``local_steps`` step's round exchange, an
+      ``accumulate_gradients`` step's accumulated exchange.
   """
 
   kind: str
@@ -124,8 +126,9 @@ class CommReport:
     """Bytes each device sends a step where the branches run once in ``every`` steps.
 
     For a :func:`topka2a_jax.local_steps` step, ``every`` is its round's
-    length: the round's exchange (in a branch) is spread over the round,
-    what runs every step (the loss's mean, say) is not.
+    length (for :func:`topka2a_jax.accumulate_gradients`, its ``every``): the
+    exchange (in a branch) is spread over those steps, what runs every step
+    (the loss's mean, say) is not.
 
     Example:
       >>> report = CommReport((CollectiveTotal("all-reduce", 1, 8.0),
@@ -147,7 +150,8 @@ class CommReport:
                  f"{self.total_bytes:14,.0f}")
     if any(row.in_branch for row in self.collectives):
       lines.append("* in a branch of a conditional: runs only when it is taken "
-                   "(local_steps: once a round; step_bytes(every) spreads it)")
+                   "(local_steps: once a round; accumulate_gradients: once every "
+                   "`every` calls; step_bytes(every) spreads it)")
     return "\n".join(lines)
 
 

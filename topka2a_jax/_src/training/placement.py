@@ -33,7 +33,14 @@ from topka2a_jax._src.arguments import checked_optimizer
 from topka2a_jax._src.axis import DataAxis
 from topka2a_jax._src.collectives.algorithms import DENSE
 from topka2a_jax._src.layout import inner_specs, laid_out_for, replica_specs
-from topka2a_jax._src.states import REPLICA, RESIDUAL, SHARD, TopKA2AState, map_per_device
+from topka2a_jax._src.states import (
+  REPLICA,
+  RESIDUAL,
+  SHARD,
+  TopKA2AState,
+  holds_exchange,
+  map_per_device,
+)
 from topka2a_jax._src.transforms.clipping import warn_if_clipped_before_exchange
 
 
@@ -78,8 +85,8 @@ def check_chain(opt_state: Any, *, require_exchange: bool = False) -> None:
     require_exchange: also refuse a state with no :class:`topka2a_jax.TopKA2AState`.
 
   Raises:
-    ValueError: per-parameter state before the exchange, gradient
-      accumulation by ``optax.MultiSteps``, more than one exchange, or (with
+    ValueError: per-parameter state before the exchange, ``optax.MultiSteps``
+      around or before it, more than one exchange, or (with
       ``require_exchange``) none.
 
   Example:
@@ -97,14 +104,7 @@ def check_chain(opt_state: Any, *, require_exchange: bool = False) -> None:
   with_paths = jax.tree_util.tree_flatten_with_path(opt_state,
                                                     is_leaf=_is_topka2a_state)[0]
   exchanges = [i for i, (_, leaf) in enumerate(with_paths) if _is_topka2a_state(leaf)]
-  accumulates = lambda node: isinstance(node, optax.MultiStepsState)
-  if any(map(accumulates, jax.tree.leaves(opt_state, is_leaf=accumulates))):
-    raise ValueError(
-        "the optimizer is wrapped in optax.MultiSteps, which accumulates each "
-        "device's own gradients in its state, so that state would differ from "
-        "device to device. Accumulate micro-batches with "
-        "topka2a_jax.train_step(..., micro_batches=N) instead: one exchange "
-        "per step of N micro-batches.")
+  _refuse_multisteps_around_the_exchange(opt_state)
   if len(exchanges) > 1:
     raise ValueError(f"the optimizer holds {len(exchanges)} topka2a exchanges; "
                      "chain exactly one, first.")
@@ -126,6 +126,29 @@ def check_chain(opt_state: Any, *, require_exchange: bool = False) -> None:
           "the topka2a exchange in the chain: that transform would run on each "
           "device's own gradient, and its state would drift apart between "
           f"devices. {fix}")
+
+
+def _refuse_multisteps_around_the_exchange(opt_state: Any) -> None:
+  """Refuses ``optax.MultiSteps`` that holds the exchange or comes before it.
+
+  There it would add up each device's own gradients, in a state laid out as
+  the same on every device. After the exchange it adds up the mean, the
+  same everywhere: allowed, though it exchanges every call.
+  """
+  accumulates = lambda node: isinstance(node, optax.MultiStepsState)
+  nodes = jax.tree.leaves(opt_state,
+                          is_leaf=lambda node: accumulates(node) or _is_topka2a_state(node))
+  exchanges = [i for i, node in enumerate(nodes) if _is_topka2a_state(node)]
+  for i, node in enumerate(nodes):
+    if accumulates(node) and (not exchanges or i < exchanges[0]
+                              or holds_exchange(node)):
+      raise ValueError(
+          "the optimizer is wrapped in optax.MultiSteps around (or before) the "
+          "topka2a exchange, where it would add up each device's own gradients in "
+          "a state laid out as the same on every device. Accumulate one small "
+          "batch a call with topka2a_jax.accumulate_gradients(<the optimizer>, "
+          "every=N): one exchange per N calls, of one step's bytes; or within one "
+          "call with topka2a_jax.train_step(..., micro_batches=N).")
 
 
 def _residual_specs(residuals: Any, axis: DataAxis, param_specs: Any) -> Any:

@@ -1,0 +1,182 @@
+"""Gradient accumulation over calls: one small batch a call, one exchange every ``every`` calls.
+
+``train_step(..., micro_batches=N)`` accumulates within one call, so the
+whole accumulated batch must be in memory at once. A data loader that
+yields one small batch at a time needs the accumulation to live in the
+optimizer's state, as ``optax.MultiSteps`` keeps it. ``MultiSteps`` cannot
+wrap an exchange: it would add up each device's own gradients in a state
+laid out as if it were the same on every device. :func:`accumulate_gradients`
+keeps that sum per device instead:
+
+1. every call adds the device's gradient to its own running sum (float32 at
+   least) and returns zero updates, leaving the wrapped optimizer's state
+   (exchange, residuals, Adam's moments, its step count) untouched;
+2. on the ``every``-th call the mean of the sums goes through the wrapped
+   optimizer once: one exchange, of the bytes one call of the whole batch
+   sends, and one step of the optimizer after it.
+
+So ``every`` calls with a quarter of the batch each give the parameters of
+one call with the whole batch, to float32 rounding.
+
+Example:
+  >>> mesh = jax.make_mesh((8,), ("data",))
+  >>> tx = accumulate_gradients(
+  ...     optax.chain(topka2a_jax.topka2a(mesh=mesh), optax.adam(1e-2)), every=4)
+  >>> params = {"w": jnp.zeros((64, 4))}
+  >>> step = topka2a_jax.train_step(lambda p, x: jnp.mean((x @ p["w"] - 1) ** 2), tx, mesh)
+  >>> state = tx.init(params)
+  >>> for _ in range(4):  # one quarter of the batch each call
+  ...   params, state, loss = step(params, state, jnp.ones((8, 64)))
+  >>> int(state.step), bool(params["w"][0, 0] > 0)  # one exchange, one Adam step
+  (0, True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from topka2a_jax._src.arguments import checked_count, checked_optimizer
+from topka2a_jax._src.axis import (
+  as_varying,
+  bound_axis_size,
+  holds_tracer,
+  is_bound,
+  per_device_blocks,
+)
+from topka2a_jax._src.options import DEFAULT_AXIS, Options
+from topka2a_jax._src.states import AccumulatedGradientsState, holds_exchange
+from topka2a_jax._src.transforms.exchange_state import layout_mesh
+from topka2a_jax._src.transforms.leaves import check_per_device, leaves_of
+from topka2a_jax._src.transforms.per_device import per_device_state
+
+
+def accumulate_gradients(tx: optax.GradientTransformation, every: int, *,
+                         axis_name: Hashable = DEFAULT_AXIS.name
+                         ) -> optax.GradientTransformationExtraArgs:
+  """Adds up ``every`` calls' gradients on each device, then runs ``tx`` once on their mean.
+
+  Use it around the whole optimizer, exchange included, where you would
+  have used ``optax.MultiSteps``: ``accumulate_gradients(optax.chain(
+  topka2a(...), optax.adam(lr)), every=4)``. A call before the ``every``-th
+  returns zero updates and changes nothing but the sum; the ``every``-th
+  runs ``tx`` on the mean of the ``every`` gradients, which exchanges it
+  once. A non-finite gradient in any of the calls makes the mean
+  non-finite, so ``skip_nonfinite`` skips that one accumulated step.
+
+  Args:
+    tx: the optimizer, holding one of the library's exchanges
+      (:func:`topka2a_jax.topka2a`, :func:`topka2a_jax.compress_updates`,
+      :func:`topka2a_jax.sharded_optimizer` or :func:`topka2a_jax.local_steps`).
+    every: calls accumulated per step of ``tx``, at least 1.
+    axis_name: the data axis (or pair of axes) of ``tx``'s exchange. Outside
+      ``shard_map``, ``init`` lays each device's sum out on the mesh the
+      exchange's state is on.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with state
+    :class:`topka2a_jax.AccumulatedGradientsState`.
+
+  Raises:
+    TypeError, ValueError: ``tx`` not an optax transform, ``every`` not an
+      int of at least 1; at ``init``, a ``tx`` that holds no exchange (each
+      device would step alone), or an exchange on no mesh with ``axis_name``.
+
+  Example:
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> tx = accumulate_gradients(
+    ...     optax.chain(topka2a_jax.topka2a(0.01, mesh=mesh), optax.sgd(0.1)), every=8)
+  """
+  tx = optax.with_extra_args_support(checked_optimizer("tx", tx))
+  every = checked_count("every", every, 1)
+  options = Options.create(None, algorithm="dense", axis_name=axis_name)
+
+  def init_fn(params: optax.Params) -> AccumulatedGradientsState:
+    inner = tx.init(params)
+    if not holds_exchange(inner):
+      raise ValueError(
+          "accumulate_gradients wraps an optimizer that holds no topka2a exchange, "
+          "so each device would step on its own gradients alone. Wrap the whole "
+          "optimizer, exchange first: accumulate_gradients(optax.chain("
+          "topka2a_jax.topka2a(...), optax.adam(...)), every=N).")
+    leaves = jax.tree.leaves(params)
+    on = None
+    if not is_bound(options.axis_name):
+      on = layout_mesh(options, jax.tree.leaves(inner) + leaves)
+      if on is None:
+        raise ValueError(
+            f"accumulate_gradients found no mesh with the data axis {axis_name!r} "
+            "to lay each device's sum out on. Give it the exchange's axis, "
+            "accumulate_gradients(tx, every, axis_name=<the exchange's>), and the "
+            "exchange its mesh, topka2a(..., mesh=mesh).")
+    sums = per_device_state(options, _zero_sums, params, on, "accumulate_gradients")
+    step, length = _counters(every, on, leaves)
+    return AccumulatedGradientsState(inner, sums, step, length)
+
+  def update_fn(updates: optax.Updates, state: AccumulatedGradientsState,
+                params: optax.Params | None = None,
+                **extra_args: Any) -> tuple[optax.Updates, AccumulatedGradientsState]:
+    return _update(tx, every, options.axis_name, updates, state, params, extra_args)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _zero_sums(params: optax.Params) -> optax.Params:
+  """Nothing added yet, in at least float32."""
+  return jax.tree.map(
+      lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
+
+
+def _counters(every: int, mesh: Any, leaves: list[Any]) -> tuple[jax.Array, jax.Array]:
+  """The calls added so far (0) and ``every`` as int32 scalars, made in place on ``mesh``.
+
+  A scalar made on one device would have to be placed on every process's devices.
+  """
+  def counters() -> tuple[jax.Array, jax.Array]:
+    return jnp.zeros((), jnp.int32), jnp.asarray(every, jnp.int32)
+
+  if mesh is None or holds_tracer(leaves):
+    return counters()
+  return jax.jit(counters, out_shardings=NamedSharding(mesh, P()))()
+
+
+def _update(tx: optax.GradientTransformationExtraArgs, every: int, axis: Hashable,
+            grads: optax.Updates, state: AccumulatedGradientsState,
+            params: optax.Params | None, extra_args: dict[str, Any]
+            ) -> tuple[optax.Updates, AccumulatedGradientsState]:
+  """One device's call: add its gradient; on the ``every``-th, ``tx`` on the mean."""
+  bound_axis_size(axis)  # refuses outside shard_map, naming the fix
+  if not isinstance(state, AccumulatedGradientsState):
+    raise TypeError("expected the AccumulatedGradientsState made by "
+                    f"accumulate_gradients' init, got {type(state).__name__}")
+  tree = leaves_of(grads)
+  check_per_device(tree.values, tree.paths, axis)
+  sums = jax.tree.map(lambda s, g: as_varying(s[0] + g.astype(s.dtype), axis),
+                      state.grads, grads)
+  step = state.step + 1
+
+  def accumulated(sums: Any) -> tuple[Any, ...]:
+    mean = jax.tree.map(lambda s, g: (s / every).astype(g.dtype), sums, grads)
+    updates, inner = tx.update(mean, state.inner, params, **extra_args)
+    restart = jax.tree.map(lambda s: as_varying(jnp.zeros_like(s), axis), sums)
+    return updates, inner, restart, jnp.zeros_like(step)
+
+  def adding(sums: Any) -> tuple[Any, ...]:
+    return zeros, state.inner, sums, step
+
+  # What the wrapped optimizer returns, zero: the calls that only add return it.
+  zeros = jax.tree.map(lambda u: jnp.zeros(u.shape, u.dtype),
+                       jax.eval_shape(lambda: accumulated(sums)[0]))
+  if every == 1:
+    updates, inner, sums, step = accumulated(sums)
+  else:
+    updates, inner, sums, step = lax.cond(step >= every, accumulated, adding, sums)
+  return updates, AccumulatedGradientsState(inner, per_device_blocks(sums, axis), step,
+                                            state.every)
