@@ -8,6 +8,8 @@ written out by hand.
 """
 
 import functools
+import logging
+import re
 import warnings
 
 import jax
@@ -17,6 +19,7 @@ import optax
 import pytest
 
 import topka2a_jax
+from topka2a_jax._src.planner.cost import exchange_cost
 from topka2a_jax._src.transforms import following
 
 
@@ -336,3 +339,35 @@ def test_the_warnings_point_at_the_users_line(mesh):
   said = {str(w.message).split(":")[0][:40]: w.filename for w in caught}
   assert len(said) == 2, said
   assert all(filename == __file__ for filename in said.values()), said
+
+
+@pytest.mark.parametrize("follower, said", [
+    (optax.adam(1e-2), r"4,096 entries in quantized_8_8_fine \(1 bucket\), 8 dense \(1 bucket\)"),
+    (optax.sgd(0.1), (r"the top 1% of 4,096 entries by (allgather|topka2a|topka2a_sparse) "
+                      r"\(1 bucket\), 8 dense \(1 bucket\)")),
+], ids=["adam", "sgd"])
+def test_what_each_bucket_sends_is_said_once_where_a_user_sees_it(mesh, caplog, monkeypatch,
+                                                                   follower, said):
+  """One WARNING line (printed with no logging set up) at the first call says the
+  candidates, one the forms the buckets got: a (64, 64) weight coded or its top 1%, the
+  8-entry bias (below min_size) dense. Neither again at later calls or lowerings; the
+  compiled step's all-to-all and all-gather send what the named form sends."""
+  from topka2a_jax._src.transforms import exchange_plan
+  monkeypatch.setattr(exchange_plan, "_SAID", set())  # other tests' plans said already
+  params = {"w": jnp.zeros((64, 64)), "b": jnp.zeros(8)}
+  tx = optax.chain(topka2a_jax.topka2a(0.01, mesh=mesh), follower)
+  step = topka2a_jax.train_step(lambda p, x: jnp.mean((x @ p["w"] + p["b"][0] - 1) ** 2),
+                                tx, mesh, donate=False)
+  state, x = tx.init(params), np.ones((16, 64), np.float32)
+  with caplog.at_level(logging.WARNING, logger="topka2a_jax"):
+    for _ in range(2):
+      params, state, _ = step(params, state, x)
+    report = topka2a_jax.comm_report(step.lower(params, state, x))
+  lines = [record.getMessage() for record in caplog.records if record.name == "topka2a_jax"]
+  assert len(lines) == 2, lines
+  assert lines[0].startswith("topka2a(algorithm='auto') plans each bucket among")
+  form = re.search("each exchange sends .*?" + said, lines[1])
+  assert form, lines[1]
+  name = form.group(1) if form.groups() else "quantized_8_8_fine"
+  sent = sum(row.bytes for row in report.collectives if row.kind != "all-reduce")
+  assert sent == pytest.approx(exchange_cost(name, 4096, 8, 0.01).bytes)

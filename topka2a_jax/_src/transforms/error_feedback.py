@@ -59,6 +59,7 @@ from topka2a_jax._src.collectives.selection import get_selection
 from topka2a_jax._src.planner.buckets import Bucket
 from topka2a_jax._src.planner.cost import TWO_LEVEL
 from topka2a_jax._src.sizes import ceil_div
+from topka2a_jax._src.transforms.exchange_plan import describe, say_once
 from topka2a_jax._src.transforms.nonfinite import (
   applied_or_skipped,
   counted,
@@ -512,8 +513,10 @@ def step(plan: ExchangePlan, grads: list, residuals: list, factors: list | None,
   num_devices = bound_axis_size(plan.options.axis.name)
   bad = step_is_bad(bad, grads, plan.options.axis.name, plan.options.skip_nonfinite)
   # PowerSGD's other leaves are bucketed alone: the low-rank ones go apart.
-  rest = range(len(grads)) if factors is None else _low_and_rest(factors)[1]
+  low, rest = ([], range(len(grads))) if factors is None else _low_and_rest(factors)
   buckets = plan.buckets([grads[i] for i in rest], num_devices)
+  say_once(describe([bucket for _, bucket in buckets], plan.options.density,
+                    [grads[i].size for i in low], plan.rank))
   if bad is not None and factors is None:
     means, new, new_count = _applied_or_held(plan, buckets, end, bad, grads, residuals,
                                              count)

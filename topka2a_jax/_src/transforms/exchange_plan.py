@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -32,6 +33,10 @@ from topka2a_jax._src.options import Options
 from topka2a_jax._src.planner.buckets import Bucket
 from topka2a_jax._src.planner.cost import Cluster, Network
 from topka2a_jax._src.planner.fusion import step_model
+
+_LOG = logging.getLogger("topka2a_jax")
+_SAID: set[str] = set()
+"""The plans said already in this process: each distinct one is said once."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,3 +196,55 @@ class ExchangePlan:
     wire = [*dtypes, *([value_dtype] if value_dtype is not None else [])]
     limit = min(float(jnp.finfo(dtype).max) for dtype in wire)
     return None if limit >= float(jnp.finfo(jnp.float32).max) else limit
+
+
+def describe(buckets: Sequence[Bucket], density: float, low_rank: Sequence[int] = (),
+             rank: int | None = None) -> str:
+  """What one exchange sends, form by form: entries and buckets.
+
+  Args:
+    buckets: the step's buckets.
+    density: the fraction a top-k sends.
+    low_rank: the sizes of the leaves sent as PowerSGD's products.
+    rank: their rank.
+
+  Example:
+    >>> describe([Bucket((0,), "quantized_8_8_fine", 5120), Bucket((1, 2), "dense", 260)], 0.01)
+    '5,120 entries in quantized_8_8_fine (1 bucket), 260 dense (1 bucket)'
+    >>> describe([Bucket((0,), "topka2a", 5120), Bucket((1,), "topka2a", 512)], 0.01)
+    'the top 1% of 5,632 entries by topka2a (2 buckets)'
+  """
+  entries: dict[str, int] = {}
+  counts: dict[str, int] = {}
+  for bucket in buckets:
+    entries[bucket.algorithm] = entries.get(bucket.algorithm, 0) + bucket.size
+    counts[bucket.algorithm] = counts.get(bucket.algorithm, 0) + 1
+
+  def form(name: str) -> str:
+    many = f"({counts[name]} bucket{'s' if counts[name] > 1 else ''})"
+    if name == algorithms.DENSE.name:
+      return f"{entries[name]:,} dense {many}"
+    algorithm = algorithms.ALGORITHMS[name]
+    if algorithm.sparse and not algorithm.quantizes:
+      return f"the top {100 * density:g}% of {entries[name]:,} entries by {name} {many}"
+    return f"{entries[name]:,} entries in {name} {many}"
+
+  parts = [form(name) for name in sorted(entries, key=lambda name: -entries[name])]
+  if low_rank:
+    parts.insert(0, f"{sum(low_rank):,} entries as rank-{rank} products (powersgd, "
+                    f"{len(low_rank)} leaf{'s' if len(low_rank) > 1 else ''})")
+  return ", ".join(parts) or "nothing"
+
+
+def say_once(description: str) -> None:
+  """Says what the exchange sends, once per distinct plan in this process.
+
+  A WARNING-level line on the ``topka2a_jax`` logger, which Python prints
+  to stderr with no logging set up; said when the step is traced (its
+  first call, or ``step.lower``), not at every step.
+  """
+  if description in _SAID:
+    return
+  _SAID.add(description)
+  _LOG.warning("topka2a_jax: each exchange sends %s. (Said once per plan on the "
+               "'topka2a_jax' logger.)", description)
