@@ -233,6 +233,25 @@ def _is_concrete(tree: Any) -> bool:
   return not holds_tracer(tree)
 
 
+def _from_host_across_processes(inputs: Any, targets: Any) -> Any:
+  """``inputs`` with every array on one device that goes to a mesh across processes
+  as its host copy.
+
+  An optimizer's ``init`` makes its scalars (Adam's count) on one device of
+  each process; placed across processes as they are, they make arrays whose
+  shards no process can read. From the host, every process gives its own
+  copy, the same everywhere, and JAX places each process's part.
+  """
+  def from_host(target: NamedSharding, tree: Any) -> Any:
+    if target.is_fully_addressable:
+      return tree
+    return jax.tree.map(
+        lambda leaf: np.asarray(leaf) if isinstance(leaf, jax.Array) and isinstance(
+            leaf.sharding, jax.sharding.SingleDeviceSharding) else leaf, tree)
+
+  return jax.tree.map(from_host, targets, inputs)  # each target covers a subtree
+
+
 def shardings(mesh: Mesh, axis: DataAxis, params: Any,
               specs: tuple[P, ...], opt_state: Any) -> tuple[Any, Any]:
   """Where the parameters and the optimizer state live on ``mesh``.
@@ -301,10 +320,7 @@ class DataParallelStep:
     def once(leaf: Any) -> Any:  # inside a caller's jit (nnx.jit), XLA sees the aliases
       if not isinstance(leaf, jax.Array) or holds_tracer([leaf]) or leaf.is_deleted():
         return leaf
-      try:
-        shards = leaf.addressable_shards
-      except ValueError:  # one device's array placed across processes: none to compare
-        return leaf
+      shards = leaf.addressable_shards
       shard = shards[0] if shards else None
       buffer = None if shard is None else (shard.device, shard.data.unsafe_buffer_pointer())
       if buffer is None or buffer not in seen:
@@ -377,9 +393,9 @@ class DataParallelStep:
       replicated = NamedSharding(self._mesh, P())
       param_shardings, state_shardings = shardings(
           self._mesh, self._axis, params, specs, opt_state)
-      inputs = jax.device_put(inputs, (
-          param_shardings, replicated, state_shardings, replicated,
-          NamedSharding(self._mesh, P(self._axis.name)), replicated))
+      targets = (param_shardings, replicated, state_shardings, replicated,
+                 NamedSharding(self._mesh, P(self._axis.name)), replicated)
+      inputs = jax.device_put(_from_host_across_processes(inputs, targets), targets)
     backward = (self._backward_seconds(model, params, carry, keys, batch)
                 if self._overlaps else 0.0)
     return inputs, {"model": model, "tx": tx, "specs": specs, "backward": backward}
