@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -143,3 +144,27 @@ def test_sparse_second_phase_is_under_five_percent_of_dense(mesh):
   sparse = topka2a_jax.comm_report(
       lowered_exchange(mesh, "topka2a_sparse", length, 0.01))
   assert sparse.total_bytes < 0.05 * dense.total_bytes
+
+
+def test_each_row_names_the_form_of_the_exchange_it_carries(mesh):
+  """A hand-written HLO line's op_name scope, and a whole step: the README's chain on a
+  (64, 64) weight and an 8-entry bias sends the weight's 8-bit code (its all-to-all and
+  all-gather, the cost model's bytes), the bias dense (an all-reduce, as the loss's mean,
+  which carries no form)."""
+  line = ('  %a = u8[4,16]{1,0} all-to-all(u8[4,16]{1,0} %q), replica_groups={{0,1,2,3}}, '
+          'metadata={op_name="jit(_run)/shard_map/cond/topka2a_form.rotated_4_8/all_to_all"}')
+  (row,) = topka2a_jax.comm_report("HloModule step, num_partitions=4\n" + line).collectives
+  assert row.form == "rotated_4_8"
+  params = {"w": jnp.zeros((64, 64)), "b": jnp.zeros(8)}
+  tx = optax.chain(topka2a_jax.topka2a(mesh=mesh), optax.adam(1e-2))
+  step = topka2a_jax.train_step(lambda p, x: jnp.mean((x @ p["w"] + p["b"][0] - 1) ** 2),
+                                tx, mesh)
+  report = topka2a_jax.comm_report(step.lower(params, tx.init(params),
+                                              np.ones((16, 64), np.float32)))
+  forms = {(row.kind, row.form) for row in report.collectives}
+  assert {("all-to-all", "quantized_8_8_fine"), ("all-gather", "quantized_8_8_fine")} <= forms
+  # The bias's all-reduce and the loss's: XLA may fuse them, and the row takes one name.
+  assert {form for kind, form in forms if kind == "all-reduce"} <= {"dense", ""}
+  coded = sum(row.bytes for row in report.collectives if row.form == "quantized_8_8_fine")
+  assert coded == exchange_cost("quantized_8_8_fine", 4096, 8, 1.0).bytes
+  assert "  form" in str(report).splitlines()[0]

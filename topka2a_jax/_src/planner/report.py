@@ -40,6 +40,7 @@ import math
 import re
 from typing import Any
 
+import jax
 import numpy as np
 
 from topka2a_jax._src.arguments import checked_count
@@ -52,6 +53,23 @@ _BYTES = {
     "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
     "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
 }
+FORM_SCOPE = "topka2a_form"
+"""The name scope each exchange's collectives run under, followed by their
+form (``topka2a_form.quantized_8_8_fine``): XLA keeps it in every
+instruction's ``op_name``, where :func:`comm_report` reads it back."""
+_FORM = re.compile(r'op_name="[^"]*\b' + FORM_SCOPE + r'\.(?P<form>[\w]+)')
+
+
+def form_scope(form: str) -> Any:
+  """The name scope of an exchange of ``form``'s collectives (:data:`FORM_SCOPE`).
+
+  Example:
+    >>> with form_scope("dense"):
+    ...   pass
+  """
+  return jax.named_scope(f"{FORM_SCOPE}.{form}")
+
+
 _INSTRUCTION = re.compile(
     r"=\s*(?P<shape>.+?)\s+(?P<op>" + "|".join(KINDS) + r")(?P<start>-start)?\("
 )
@@ -82,6 +100,11 @@ class CollectiveTotal:
     in_branch: they sit in a branch of a conditional (``lax.cond``), run only
       when it is taken: a ``local_steps`` step's round exchange, an
       ``accumulate_gradients`` step's accumulated exchange.
+    form: the form of the library's exchange they carry (``"dense"``,
+      ``"quantized_8_8_fine"``, ``"topka2a"``, ``"powersgd"``, ...), or ``""``
+      for the step's other collectives (the loss's mean, flags). XLA may
+      fuse a dense bucket's all-reduce with another: the row takes the
+      first one's.
   """
 
   kind: str
@@ -89,6 +112,7 @@ class CollectiveTotal:
   bytes: float
   axes: tuple[str, ...] = ()
   in_branch: bool = False
+  form: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,17 +165,20 @@ class CommReport:
                for row in self.collectives)
 
   def __str__(self) -> str:
-    lines = [f"{'collective':20s} {'axes':>14s} {'count':>6s} {'bytes/device':>14s}"]
+    forms = any(row.form for row in self.collectives)  # a column where an exchange ran
+    lines = [f"{'collective':20s} {'axes':>14s} {'count':>6s} {'bytes/device':>14s}"
+             + ("  form" if forms else "")]
     for row in self.collectives:
       kind = f"{row.kind} *" if row.in_branch else row.kind
       lines.append(f"{kind:20s} {','.join(row.axes) or '-':>14s} {row.count:6d} "
-                   f"{row.bytes:14,.0f}")
+                   f"{row.bytes:14,.0f}" + (f"  {row.form or '-'}" if forms else ""))
     lines.append(f"{'total':20s} {'':>14s} {sum(r.count for r in self.collectives):6d} "
                  f"{self.total_bytes:14,.0f}")
     if any(row.in_branch for row in self.collectives):
       lines.append("* in a branch of a conditional: runs only when it is taken "
-                   "(local_steps: once a round; accumulate_gradients: once every "
-                   "`every` calls; step_bytes(every) spreads it)")
+                   "(PowerSGD: every step not skipped; local_steps: once a round; "
+                   "accumulate_gradients: once every `every` calls, which "
+                   "step_bytes(every) spreads)")
     return "\n".join(lines)
 
 
@@ -274,7 +301,7 @@ def comm_report(program: Any, num_devices: int | None = None,
     partitions = _PARTITIONS.search(text)
     num_devices = int(partitions.group(1)) if partitions else 1
   branched = _branch_computations(text)
-  counts: dict[tuple[str, tuple[str, ...], bool], list[float]] = {}
+  counts: dict[tuple[str, tuple[str, ...], bool, str], list[float]] = {}
   computation = None
   for line in text.splitlines():
     opened = _COMPUTATION.match(line)
@@ -288,13 +315,15 @@ def comm_report(program: Any, num_devices: int | None = None,
     size = len(groups[0]) if groups else num_devices
     sent = _sent_bytes(kind, bool(match.group("start")), match.group("shape"), size)
     axes = () if mesh is None else _axes_spanned(groups, mesh, num_devices)
-    row = counts.setdefault((kind, axes, computation in branched), [0, 0.0])
+    form = _FORM.search(line)
+    row = counts.setdefault((kind, axes, computation in branched,
+                             form.group("form") if form else ""), [0, 0.0])
     row[0] += 1
     row[1] += sent
   return CommReport(tuple(
-      CollectiveTotal(kind, int(count), sent, axes, in_branch)
+      CollectiveTotal(kind, int(count), sent, axes, in_branch, form)
       for kind in KINDS
-      for (row_kind, axes, in_branch), (count, sent) in sorted(counts.items())
+      for (row_kind, axes, in_branch, form), (count, sent) in sorted(counts.items())
       if row_kind == kind))
 
 

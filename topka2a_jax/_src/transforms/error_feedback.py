@@ -58,6 +58,7 @@ from topka2a_jax._src.collectives.algorithms import ALGORITHMS, DENSE
 from topka2a_jax._src.collectives.selection import get_selection
 from topka2a_jax._src.planner.buckets import Bucket
 from topka2a_jax._src.planner.cost import TWO_LEVEL
+from topka2a_jax._src.planner.report import form_scope
 from topka2a_jax._src.sizes import ceil_div
 from topka2a_jax._src.transforms.exchange_plan import describe, say_once
 from topka2a_jax._src.transforms.nonfinite import (
@@ -162,26 +163,27 @@ def exchange_buckets(plan: ExchangePlan, buckets: Sequence[tuple[list[int], Buck
         algorithm.sparse) else None
     collective_kwargs = {"value_dtype": plan.options.value_dtype,
                          "selection": plan.options.selection, "send": send}
-    if bucket.route == TWO_LEVEL:  # clipped where the node's sum is formed
-      result = exchanges.two_level(
-          jnp.concatenate(rows, axis=1).ravel(), axis.name, plan.options.density,
-          outer=exchanges.COLLECTIVES[algorithm.name], limit=limit, **collective_kwargs)
-      mean_pieces = [piece.ravel()[:size] for piece, size in zip(
-          split_by_widths(result.mean.reshape(per_node, -1), widths), sizes)]
-      unsent = split_by_widths(result.unsent, widths)
-    else:
-      sent, held = clipped_to_wire([r.ravel()[:size] for r, size in zip(rows, sizes)],
-                                   limit)
-      result = exchanges.COLLECTIVES[algorithm.name](
-          pack_bucket(sent, dtype), axis.name, plan.options.density, **collective_kwargs)
-      mean_pieces = split_by_widths(result.mean, sizes)
-      # What the clip held back joins what was not sent, before a pair of
-      # data axes sums it onto the devices keeping each slice.
-      unsent = split_by_widths(result.unsent, sizes)
-      if held is not None:
-        unsent = [left + back for left, back in zip(unsent, held)]
-      unsent = unsent_slices(unsent, widths, per_node, axis.inner,
-                             algorithm.sparse and any(keeps), send)
+    with form_scope(algorithm.name):  # comm_report reads the form back
+      if bucket.route == TWO_LEVEL:  # clipped where the node's sum is formed
+        result = exchanges.two_level(
+            jnp.concatenate(rows, axis=1).ravel(), axis.name, plan.options.density,
+            outer=exchanges.COLLECTIVES[algorithm.name], limit=limit, **collective_kwargs)
+        mean_pieces = [piece.ravel()[:size] for piece, size in zip(
+            split_by_widths(result.mean.reshape(per_node, -1), widths), sizes)]
+        unsent = split_by_widths(result.unsent, widths)
+      else:
+        sent, held = clipped_to_wire([r.ravel()[:size] for r, size in zip(rows, sizes)],
+                                     limit)
+        result = exchanges.COLLECTIVES[algorithm.name](
+            pack_bucket(sent, dtype), axis.name, plan.options.density, **collective_kwargs)
+        mean_pieces = split_by_widths(result.mean, sizes)
+        # What the clip held back joins what was not sent, before a pair of
+        # data axes sums it onto the devices keeping each slice.
+        unsent = split_by_widths(result.unsent, sizes)
+        if held is not None:
+          unsent = [left + back for left, back in zip(unsent, held)]
+        unsent = unsent_slices(unsent, widths, per_node, axis.inner,
+                               algorithm.sparse and any(keeps), send)
     for i, keep, mean, left in zip(members, keeps, mean_pieces, unsent):
       means[i] = mean.reshape(grads[i].shape).astype(grads[i].dtype)
       if keep:
@@ -231,14 +233,16 @@ def owner_buckets(plan: ExchangePlan, buckets: Sequence[tuple[list[int], Bucket]
       continue
     (i,) = members  # one leaf a bucket: its owned shard is a slice of it
     (sent,), held = clipped_to_wire([accs[i]], _sent_limit(plan, [grads[i].dtype], send))
-    if algorithm.codes is not None:
-      owned, unsent = exchanges.codes_to_owners(
-          sent, axis_name, algorithm.codes.bits, chunk=algorithm.codes.chunk, send=send,
-          rotated=algorithm.codes.rotated)
-    else:
-      phase = exchanges.to_owners(sent, axis_name, plan.options.density, plan.options.value_dtype,
-                                  get_selection(plan.options.selection), send)
-      owned, unsent = phase.owned, phase.unsent.reshape(-1)[: sent.size]
+    with form_scope(algorithm.name):
+      if algorithm.codes is not None:
+        owned, unsent = exchanges.codes_to_owners(
+            sent, axis_name, algorithm.codes.bits, chunk=algorithm.codes.chunk, send=send,
+            rotated=algorithm.codes.rotated)
+      else:
+        phase = exchanges.to_owners(sent, axis_name, plan.options.density,
+                                    plan.options.value_dtype,
+                                    get_selection(plan.options.selection), send)
+        owned, unsent = phase.owned, phase.unsent.reshape(-1)[: sent.size]
     shards[i] = owned / num_devices
     if keeps[i]:
       left = unsent if held is None else unsent + held[0]
@@ -248,7 +252,8 @@ def owner_buckets(plan: ExchangePlan, buckets: Sequence[tuple[list[int], Bucket]
     live = [accs[i] if send is None else jnp.where(send, accs[i], 0) for i in members]
     widths = [ceil_div(acc.size, num_devices) for acc in live]
     rows = jnp.concatenate([padded_rows(acc, num_devices) for acc in live], axis=1)
-    summed = jax.lax.psum_scatter(rows, axis_name, scatter_dimension=0, tiled=True)[0]
+    with form_scope(DENSE.name):
+      summed = jax.lax.psum_scatter(rows, axis_name, scatter_dimension=0, tiled=True)[0]
     for i, part in zip(members, split_by_widths(summed, widths)):
       shards[i] = part / num_devices
       if keeps[i]:  # all sent, unless nothing was
@@ -333,13 +338,14 @@ def _exchange_low_rank(plan: ExchangePlan, buckets: Sequence[tuple[list[int], Bu
     if not isinstance(residuals[i], optax.MaskedNode):
       acc = acc + residuals[i]
     accumulators.append(acc)
-  if sparse:
-    low_means, left, made = low_rank.powersgd(
-        accumulators, [factors[i] for i in low], plan.options.axis.name)
-  else:
-    low_means = jax.lax.pmean(accumulators, plan.options.axis.name)
-    left = [jnp.zeros_like(acc) for acc in accumulators]
-    made = [factors[i] for i in low]
+  with form_scope("powersgd" if sparse else DENSE.name):
+    if sparse:
+      low_means, left, made = low_rank.powersgd(
+          accumulators, [factors[i] for i in low], plan.options.axis.name)
+    else:
+      low_means = jax.lax.pmean(accumulators, plan.options.axis.name)
+      left = [jnp.zeros_like(acc) for acc in accumulators]
+      made = [factors[i] for i in low]
   for i, mean, rest_left, factor in zip(low, low_means, left, made):
     means[i] = mean.astype(grads[i].dtype)
     if not isinstance(residuals[i], optax.MaskedNode):
