@@ -387,3 +387,29 @@ def test_a_step_of_huge_entries_leaves_a_rotated_code_finite_and_stepping(
     assert np.isfinite(updates["w"]).all()
   assert [int(state[0].count) for _, state in history] == [1, 2, 3, 4]
   assert int(history[-1][1][0].nonfinite_steps) == 0
+
+
+@pytest.mark.parametrize("make", [
+    lambda: topka2a_jax.compress_updates(optax.sgd(1.0, momentum=0.9), algorithm="dense",
+                                         min_size=0),
+    lambda: topka2a_jax.sharded_optimizer(optax.sgd(1.0, momentum=0.9), 1.0,
+                                          algorithm="dense", min_size=0),
+], ids=["compress_updates", "sharded_optimizer"])
+def test_a_skip_after_the_count_of_skips_saturates_still_holds_the_inner_state(
+    mesh, exchange_steps, make):
+  """A run that has skipped 2**31 - 1 steps (the count holds there, never wraps) skips
+  one more, a NaN on one device, between two steps of ones: the momentum must stay as
+  the first step left it, so the third step is -(0.9 + 1) everywhere."""
+  tx = make()
+  params = {"w": jax.ShapeDtypeStruct((16,), jnp.float32)}
+  state = topka2a_jax.init(tx, params, mesh)
+  saturated = jax.device_put(jnp.int32(2**31 - 1), NamedSharding(mesh, P()))
+  state = state._replace(exchange=state.exchange._replace(nonfinite_steps=saturated))
+  ones = np.ones((8, 16), np.float32)
+  bad = ones.copy()
+  bad[5, 2] = np.nan
+  history = exchange_steps(tx, mesh, [{"w": ones}, {"w": bad}, {"w": ones}], state=state)
+  (skipped_updates, _), (updates, after) = history[1:]
+  assert int(after.exchange.nonfinite_steps) == 2**31 - 1
+  np.testing.assert_array_equal(skipped_updates["w"], 0)
+  np.testing.assert_allclose(updates["w"], -1.9, rtol=1e-6)

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -485,37 +485,66 @@ def held_where(broke: jax.Array, old: Any, new: Any) -> Any:
   return jax.tree.map(lambda o, m: jnp.where(broke, o, m), old, new)
 
 
-def step(plan: ExchangePlan, grads: list, residuals: list, factors: list | None,
-         count: jax.Array, nonfinite_steps: jax.Array, bad: jax.Array | None,
-         end: str = MEANS) -> tuple[list, list, list | None, jax.Array, jax.Array]:
+class Carried(NamedTuple):
+  """What the exchange carries on one device from a step to the next.
+
+  Attributes:
+    residuals: every leaf's residual (``optax.MaskedNode()`` where none is
+      kept).
+    factors: for ``algorithm="powersgd"``, every leaf's ``Q``
+      (``optax.MaskedNode()`` where it goes dense); None otherwise.
+    count: applied steps so far.
+    nonfinite_steps: skipped steps so far (held at the int32 maximum).
+  """
+
+  residuals: list
+  factors: list | None
+  count: jax.Array
+  nonfinite_steps: jax.Array
+
+
+class Stepped(NamedTuple):
+  """One step of the exchange on one device.
+
+  Attributes:
+    means: every leaf's whole mean, or this device's flat shard of it
+      (:data:`OWNERS`); zeros where the step was skipped.
+    carried: the :class:`Carried` state after the step.
+    skipped: a boolean scalar, the same on every device: the step was
+      skipped (a non-finite gradient, or means that overflowed) and
+      ``carried`` is as it was but for ``nonfinite_steps``. False wherever
+      nothing can skip it.
+  """
+
+  means: list
+  carried: Carried
+  skipped: jax.Array
+
+
+def step(plan: ExchangePlan, grads: list, carried: Carried, bad: jax.Array | None,
+         end: str = MEANS) -> Stepped:
   """One applied or skipped step of the transform on this device.
 
   The buckets are planned here, once for the step and every branch of it.
-  Every exchange goes through it: :func:`topka2a_jax.topka2a` and
-  :func:`topka2a_jax.compress_updates` end at the means (:data:`MEANS`),
-  :func:`topka2a_jax.sharded_optimizer` at the owners' shards
-  (:data:`OWNERS`), so the clip to the wire, the non-finite and overflow
-  skips, warm-up and the residuals are the same for all three.
+  Every exchange goes through it: :func:`topka2a_jax.topka2a`,
+  :func:`topka2a_jax.compress_updates` and :func:`topka2a_jax.local_steps`
+  end at the means (:data:`MEANS`), :func:`topka2a_jax.sharded_optimizer`
+  at the owners' shards (:data:`OWNERS`), so the clip to the wire, the
+  non-finite and overflow skips, warm-up and the residuals are the same for
+  all of them.
 
   Args:
     plan: the trace's plan (:class:`ExchangePlan`).
     grads: this device's gradient leaves.
-    residuals: their residuals (``optax.MaskedNode()`` where none is kept).
-    factors: for ``algorithm="powersgd"``, every leaf's ``Q``
-      (``optax.MaskedNode()`` where it goes dense); None otherwise.
-    count: applied steps so far.
-    nonfinite_steps: skipped steps so far.
+    carried: what the last step left (:class:`Carried`).
     bad: whether some device's gradient is non-finite, decided already by
       :func:`topka2a_jax.skip_nonfinite`; None to decide here (when
       ``plan.options.skip_nonfinite``). With a decision, a step whose means come
       out non-finite (an overflow, :func:`may_overflow`) is skipped too.
     end: :data:`MEANS`, or :data:`OWNERS` for each leaf's owned shard of
       its mean (a plan with ``fusion=1``, no PowerSGD).
-
-  Returns:
-    ``(means, residuals, factors, count, nonfinite_steps)`` after the step:
-    the means whole, or this device's flat shard of each.
   """
+  residuals, factors, count, nonfinite_steps = carried
   num_devices = bound_axis_size(plan.options.axis.name)
   bad = step_is_bad(bad, grads, plan.options.axis.name, plan.options.skip_nonfinite)
   # PowerSGD's other leaves are bucketed alone: the low-rank ones go apart.
@@ -528,20 +557,24 @@ def step(plan: ExchangePlan, grads: list, residuals: list, factors: list | None,
                                              count)
     new_factors = None
   else:  # PowerSGD's factors move on zeros too: its skipped step is a branch
-    carried = factors if factors is not None else [optax.MaskedNode()] * len(grads)
+    factor_leaves = factors if factors is not None else [optax.MaskedNode()] * len(grads)
     means, new, new_factors, new_count = applied_or_skipped(
         bad, functools.partial(_applied, plan, buckets, end),
-        functools.partial(_skipped, plan, buckets), grads, residuals, carried, count)
+        functools.partial(_skipped, plan, buckets), grads, residuals, factor_leaves, count)
     if factors is None:
       new_factors = None
   if bad is None:
-    return means, new, new_factors, new_count, nonfinite_steps
+    return Stepped(means, Carried(new, new_factors, new_count, nonfinite_steps),
+                   jnp.bool_(False))
   if not may_overflow(plan, grads):
-    return means, new, new_factors, new_count, counted(nonfinite_steps, bad)
+    return Stepped(means, Carried(new, new_factors, new_count,
+                                  counted(nonfinite_steps, bad)), bad)
   # The means may overflow from finite inputs. Whole, they are identical on
   # every data device; shards differ, and the flag is taken over the axis.
   broke = overflowed(means, over=plan.options.axis.names if end == OWNERS else ())
   means = [jnp.where(broke, jnp.zeros_like(m), m) for m in means]
-  return (means, held_where(broke, residuals, new), new_factors if factors is None
-          else held_where(broke, factors, new_factors), held_where(broke, count, new_count),
-          counted(nonfinite_steps, bad | broke))
+  return Stepped(means, Carried(
+      held_where(broke, residuals, new),
+      new_factors if factors is None else held_where(broke, factors, new_factors),
+      held_where(broke, count, new_count), counted(nonfinite_steps, bad | broke)),
+      bad | broke)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -223,8 +223,24 @@ def _global_factors(options: Options, factors: Sequence[tuple], count: int,
   return treedef.unflatten(tree)
 
 
+class Exchanged(NamedTuple):
+  """One exchange of a pytree: its mean, the state after it, and whether it was skipped.
+
+  Attributes:
+    means: the mean of the updates over the data axis (zeros if skipped).
+    state: the exchange's state after the step.
+    skipped: a boolean scalar, the same on every device: the step was skipped
+      (:attr:`error_feedback.Stepped.skipped`); what the caller keeps per step
+      (an optimizer's state) should be kept as it was.
+  """
+
+  means: optax.Updates
+  state: TopKA2AState
+  skipped: jax.Array
+
+
 def update_state(options: Options, updates: optax.Updates, state: TopKA2AState,
-                 extra_args: dict[str, Any]) -> tuple[optax.Updates, TopKA2AState]:
+                 extra_args: dict[str, Any]) -> Exchanged:
   """The transform's update: the mean of ``updates`` over the axis, and the state.
 
   Raises:
@@ -241,18 +257,18 @@ def update_state(options: Options, updates: optax.Updates, state: TopKA2AState,
                                      extra_args.get(BACKWARD_SECONDS))
   check_per_device(grads, paths, options.axis_name)
   if not any(g.size for g in grads):
-    return updates, state
+    return Exchanged(updates, state, jnp.bool_(False))
   bad = extra_args.get(NONFINITE)  # decided already by skip_nonfinite(...)
+  carried = error_feedback.Carried(residuals, factors, state.count, state.nonfinite_steps)
   others = layout.automatic_axes(jax.sharding.get_abstract_mesh(), options.axis)
   if not others:
-    means, new, factors, count, skipped = error_feedback.step(
-        plan, grads, residuals, factors, state.count, state.nonfinite_steps, bad)
+    stepped = error_feedback.step(plan, grads, carried, bad)
   else:
-    means, new, factors, count, skipped = _step_on_shards(
-        plan, others, grads, residuals, factors, state, bad, given)
-  return tree.full.unflatten(means), TopKA2AState(
-      treedef.unflatten(new), count, skipped,
-      None if factors is None else treedef.unflatten(factors))
+    stepped = _step_on_shards(plan, others, grads, carried, bad, given)
+  new = stepped.carried
+  return Exchanged(tree.full.unflatten(stepped.means), TopKA2AState(
+      treedef.unflatten(new.residuals), new.count, new.nonfinite_steps,
+      None if new.factors is None else treedef.unflatten(new.factors)), stepped.skipped)
 
 
 def planned(options: Options, treedef: Any, state: TopKA2AState,
@@ -327,8 +343,8 @@ def _checked_factors(plan: ExchangePlan, treedef: Any, state: TopKA2AState,
 
 
 def _step_on_shards(plan: ExchangePlan, others: dict[Hashable, int], grads: list,
-                    residuals: list, factors: list | None, state: TopKA2AState,
-                    bad: jax.Array | None, given: Sequence[P | None]):
+                    carried: error_feedback.Carried, bad: jax.Array | None,
+                    given: Sequence[P | None]) -> error_feedback.Stepped:
   """``error_feedback.step`` in a nested shard_map over the other mesh axes.
 
   Each device then selects from, and keeps residuals for, its own shard of
@@ -336,22 +352,23 @@ def _step_on_shards(plan: ExchangePlan, others: dict[Hashable, int], grads: list
   the exchange adds no collective over those axes.
   """
   specs = shard_specs(grads, given, others)
-  blocks = [optax.MaskedNode() if isinstance(r, optax.MaskedNode)
-            else layout.residual_block_spec(plan.options.axis, spec)
-            for r, spec in zip(residuals, specs)]
-  factor_blocks = None if factors is None else [
-      optax.MaskedNode() if isinstance(f, optax.MaskedNode) else layout.factor_spec(spec)
-      for f, spec in zip(factors, specs)]
+  blocks = error_feedback.Carried(
+      [optax.MaskedNode() if isinstance(r, optax.MaskedNode)
+       else layout.residual_block_spec(plan.options.axis, spec)
+       for r, spec in zip(carried.residuals, specs)],
+      None if carried.factors is None else [
+          optax.MaskedNode() if isinstance(f, optax.MaskedNode) else layout.factor_spec(spec)
+          for f, spec in zip(carried.factors, specs)],
+      P(), P())
 
-  def on_shards(grads, residuals, factors, count, skipped, bad):
-    return error_feedback.step(plan, grads, residuals, factors, count, skipped, bad)
+  def on_shards(grads, carried, bad):
+    return error_feedback.step(plan, grads, carried, bad)
 
   run = jax.shard_map(
       on_shards, mesh=jax.sharding.get_abstract_mesh(), axis_names=set(others),
-      in_specs=(specs, blocks, factor_blocks, P(), P(), P()),
-      out_specs=(specs, blocks, factor_blocks, P(), P()))
-  return run(list(grads), list(residuals), factors, state.count,
-             state.nonfinite_steps, bad)
+      in_specs=(specs, blocks, P()),
+      out_specs=error_feedback.Stepped(specs, blocks, P()))
+  return run(list(grads), carried._replace(residuals=list(carried.residuals)), bad)
 
 
 def checked_residuals(options: Options, treedef: Any, state: TopKA2AState,

@@ -246,9 +246,8 @@ def _update(options: Options, inner: optax.GradientTransformationExtraArgs,
 
   def round_ends(new_offset: Any) -> tuple[Any, ...]:
     pseudo = jax.tree.map(jnp.negative, new_offset)  # shared minus local
-    means, exchange = update_state(options, pseudo, state.exchange, exchange_args)
+    means, exchange, dropped = update_state(options, pseudo, state.exchange, exchange_args)
     moved, new_outer = outer.update(means, state.outer, params)
-    dropped = exchange.nonfinite_steps != state.exchange.nonfinite_steps
     new_outer = held_where(dropped, state.outer, new_outer)
     moved = jax.tree.map(lambda m, p: jnp.where(dropped, 0, m).astype(p.dtype), moved, params)
     restart = jax.tree.map(lambda o: as_varying(jnp.zeros_like(o), axis), new_offset)

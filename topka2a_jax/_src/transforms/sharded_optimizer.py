@@ -317,8 +317,10 @@ def _step(plan: ExchangePlan, inner: optax.GradientTransformation, treedef: Any,
   zeros and its state stays as it was.
   """
   num_devices = bound_axis_size(plan.options.axis.name)
-  shards, new, _, new_count, new_nonfinite = error_feedback.step(
-      plan, grads, residuals, None, count, nonfinite, bad, end=error_feedback.OWNERS)
+  stepped = error_feedback.step(
+      plan, grads, error_feedback.Carried(residuals, None, count, nonfinite), bad,
+      end=error_feedback.OWNERS)
+  shards, carried = stepped.means, stepped.carried
   mean = treedef.unflatten([_present(s.astype(g.dtype), g.ndim)
                             for s, g in zip(shards, grads)])
   own_params = None if param_leaves is None else treedef.unflatten(
@@ -326,12 +328,11 @@ def _step(plan: ExchangePlan, inner: optax.GradientTransformation, treedef: Any,
   own_state = jax.tree.map(lambda x: x[0], inner_state)
   out, new_state = inner.update(mean, own_state, own_params)
   out = treedef.flatten_up_to(out)
-  if bad is not None:  # the step's exchange decided; it skipped where it counted one
-    skipped = new_nonfinite != nonfinite
-    out = [jnp.where(skipped, jnp.zeros_like(u), u) for u in out]
-    new_state = error_feedback.held_where(skipped, own_state, new_state)
+  if bad is not None:  # the step's exchange decided whether it skipped
+    out = [jnp.where(stepped.skipped, jnp.zeros_like(u), u) for u in out]
+    new_state = error_feedback.held_where(stepped.skipped, own_state, new_state)
   whole = _gather(out, [g.shape for g in grads], plan.options.axis.name, num_devices)
-  return (whole, new, new_count, new_nonfinite,
+  return (whole, carried.residuals, carried.count, carried.nonfinite_steps,
           per_device_blocks(new_state, plan.options.axis.name))
 
 

@@ -108,7 +108,8 @@ def topka2a(density: float | None = None,
                 params: optax.Params | None = None,
                 **extra_args: Any) -> tuple[optax.Updates, TopKA2AState]:
     del params
-    return update_state(for_follower(checked, follower(update_fn), said), updates,
-                        state, extra_args)
+    exchanged = update_state(for_follower(checked, follower(update_fn), said), updates,
+                             state, extra_args)
+    return exchanged.means, exchanged.state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -199,8 +199,9 @@ def _update(options: Options, inner: optax.GradientTransformationExtraArgs,
     if decided is not None:
       bad = bad | decided
     extra_args = {**extra_args, NONFINITE: bad}  # the exchange takes the same decision
-  means, exchange = update_state(options, steps, state.exchange, extra_args)
+  exchanged = update_state(options, steps, state.exchange, extra_args)
   # Wherever the exchange skips (this decision, or means that overflow),
   # the inner optimizer's state stays as it was.
-  own = held_where(exchange.nonfinite_steps != state.exchange.nonfinite_steps, own, new_own)
-  return means, CompressedUpdatesState(exchange, per_device_blocks(own, options.axis_name))
+  own = held_where(exchanged.skipped, own, new_own)
+  return exchanged.means, CompressedUpdatesState(
+      exchanged.state, per_device_blocks(own, options.axis_name))
