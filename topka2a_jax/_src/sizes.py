@@ -128,11 +128,6 @@ class ShardLayout(NamedTuple):
     # ceil(ceil(d*n)/P) <= ceil(n/P) for d <= 1, so shards always hold enough.
     return cls(length, num_shards, shard_length, per_shard)
 
-  @property
-  def padded_length(self) -> int:
-    """Elements after padding: ``num_shards * shard_length``."""
-    return self.num_shards * self.shard_length
-
 
 CHUNK = 4096
 """Entries of a few-bit exchange that share one scale, at most: 4 bytes of

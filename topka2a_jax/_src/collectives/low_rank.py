@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Hashable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -58,19 +58,6 @@ users run most and this repo's link benchmark measures."""
 
 FACTOR_SEED = 0
 """The seed of every initial ``Q``: the same on every device and process."""
-
-
-class Carry(NamedTuple):
-  """What one low-rank leaf carries from step to step on one device.
-
-  Attributes:
-    residual: what this device's product did not carry (error feedback),
-      shaped like the leaf; ``optax.MaskedNode()`` without error feedback.
-    factor: ``Q``, ``(n, rank)`` float32, identical on every device.
-  """
-
-  residual: Any
-  factor: jax.Array
 
 
 def initial_factor(shape: Sequence[int], rank: int, position: int) -> jax.Array:

@@ -60,13 +60,13 @@ def per_device_state(options: Options, make: Callable[[optax.Params], Any],
   tree = leaves_of(params)
   leaves, treedef = tree.values, tree.structure
   if is_bound(options.axis_name):
-    return per_device_blocks(_without_exchange(make(params), transform), options.axis_name)
+    return per_device_blocks(without_exchange(make(params), transform), options.axis_name)
   others = layout.automatic_axes(mesh, options.axis)
   specs = [layout.restrict_spec(layout.param_spec_of(leaf, mesh), leaf.shape, others)
            for leaf in leaves]
   devices = options.axis.size(mesh)
   with layout.laid_out_for(mesh):  # an exchange inside is refused, not asked for a mesh
-    one = _without_exchange(make(params), transform)
+    one = without_exchange(make(params), transform)
   shardings = jax.tree.map(
       lambda spec: NamedSharding(mesh, spec),
       layout.replica_specs(one, options.axis, treedef, specs),
@@ -106,11 +106,20 @@ def warn_if_a_zero_step_is_not_finite(inner: optax.GradientTransformationExtraAr
       "parameters or the optimizer's state in float32.", stacklevel=user_stacklevel())
 
 
-def _without_exchange(state: Any, transform: str) -> Any:
+def without_exchange(state: Any, transform: str,
+                     why: str = "it exchanges what the inner optimizer makes itself") -> Any:
+  """``state``, the inner optimizer's, unless it holds an exchange of its own.
+
+  Every transform that runs an optimizer on each device (its own gradient,
+  or its shards of the mean) refuses one that exchanges by itself.
+
+  Raises:
+    ValueError: naming ``transform``, ``why`` it exchanges already, and the fix.
+  """
   if holds_exchange(state):
     raise ValueError(
-        f"{transform} exchanges what the inner optimizer makes itself, but the inner "
-        "optimizer holds a topka2a exchange (topka2a, sharded_optimizer, "
-        "compress_updates or local_steps) too. Pass the plain optimizer: "
+        f"{transform}'s inner optimizer holds a topka2a exchange (topka2a, "
+        "sharded_optimizer, compress_updates, local_steps or accumulate_gradients) "
+        f"of its own, where {why}. Pass the plain optimizer: "
         f"{transform}(optax.adam(...), ...).")
   return state

@@ -64,7 +64,7 @@ from topka2a_jax._src.buffers import padded_rows, split_by_widths
 from topka2a_jax._src.collectives.algorithms import ALGORITHMS, AUTO, DENSE, TOPKA2A
 from topka2a_jax._src.options import Options, refuse_options, takes_options
 from topka2a_jax._src.sizes import ceil_div
-from topka2a_jax._src.states import ShardedOptimizerState, TopKA2AState, holds_exchange
+from topka2a_jax._src.states import ShardedOptimizerState, TopKA2AState
 from topka2a_jax._src.transforms import error_feedback
 from topka2a_jax._src.transforms.clipping import transform_names
 from topka2a_jax._src.transforms.exchange_plan import ExchangePlan
@@ -84,6 +84,7 @@ from topka2a_jax._src.transforms.leaves import (
 from topka2a_jax._src.transforms.nonfinite import (
   step_is_bad,
 )
+from topka2a_jax._src.transforms.per_device import without_exchange
 
 OWNER_SHARD_ALGORITHMS = (AUTO, TOPKA2A.name, DENSE.name, *(
     name for name, entry in ALGORITHMS.items() if entry.quantizes))
@@ -239,15 +240,9 @@ def _own_shard(leaf: jax.Array, num_devices: int, axis_name: Hashable) -> jax.Ar
 
 def _without_exchange(state: Any) -> Any:
   """``state``, unless it holds an exchange of its own."""
-  if holds_exchange(state):
-    raise ValueError(
-        "sharded_optimizer's inner optimizer holds a topka2a exchange "
-        "(topka2a, compress_updates or sharded_optimizer): the shards it "
-        "gets are averaged already. Pass the plain optimizer, "
-        "sharded_optimizer(optax.adam(...), density); to exchange the "
-        "optimizer's updates instead, use compress_updates(optax.adam(...), "
-        "density) alone.")
-  return state
+  return without_exchange(state, "sharded_optimizer", "the shards it gets are averaged "
+                          "already (to exchange the optimizer's updates instead, use "
+                          "compress_updates(optax.adam(...), density) alone)")
 
 
 def _local_inner_init(options: Options, inner: optax.GradientTransformation,
