@@ -144,8 +144,9 @@ class Algorithm:
     name: what ``topka2a(algorithm=...)`` takes.
     title: its printable name.
     summary: what it does, in one line.
-    sparse: whether it sends a top-k selection (the rest waits in a
-      residual); a dense exchange sends everything.
+    sparse: whether it compresses with error feedback: a top-k selection,
+      or every entry as a few-bit code (:attr:`quantizes`), the rest (or the
+      rounding) waiting in a residual; a dense exchange sends everything.
     unsent_at: where the entries not sent wait.
     compresses_values: whether ``value_dtype`` applies to what it sends
       (an all-reduce adds in transit, so it sends the buffer's dtype).
@@ -179,10 +180,12 @@ class Algorithm:
 
   @property
   def quantizes(self) -> bool:
-    """Whether it sends codes, not a selection; ``"auto"`` never picks one.
+    """Whether it sends every entry as a few-bit code, not a selection.
 
-    It trades what is sent, not only time, against the top-k exchanges, so
-    it is named explicitly.
+    ``"auto"`` takes one only where the optimizer after the exchange asks
+    for it (Adam's family, momentum: :mod:`topka2a_jax._src.planner.forms`);
+    among the top-k exchanges it never picks one, since a code trades what
+    is sent, not only time.
     """
     return self.codes is not None
 
