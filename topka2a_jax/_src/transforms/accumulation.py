@@ -69,7 +69,8 @@ def accumulate_gradients(tx: optax.GradientTransformation, every: int, *,
   returns zero updates and changes nothing but the sum; the ``every``-th
   runs ``tx`` on the mean of the ``every`` gradients, which exchanges it
   once. A non-finite gradient in any of the calls makes the mean
-  non-finite, so ``skip_nonfinite`` skips that one accumulated step.
+  non-finite, so the exchange skips that one accumulated step
+  (``skip_nonfinite``, on by default), and the sums start again.
 
   Args:
     tx: the optimizer, holding one of the library's exchanges
@@ -169,11 +170,11 @@ def _update(tx: optax.GradientTransformationExtraArgs, every: int, axis: Hashabl
     return updates, inner, restart, jnp.zeros_like(step)
 
   def adding(sums: Any) -> tuple[Any, ...]:
+    # What the wrapped optimizer returns, zero.
+    zeros = jax.tree.map(lambda u: jnp.zeros(u.shape, u.dtype),
+                         jax.eval_shape(lambda: accumulated(sums)[0]))
     return zeros, state.inner, sums, step
 
-  # What the wrapped optimizer returns, zero: the calls that only add return it.
-  zeros = jax.tree.map(lambda u: jnp.zeros(u.shape, u.dtype),
-                       jax.eval_shape(lambda: accumulated(sums)[0]))
   if every == 1:
     updates, inner, sums, step = accumulated(sums)
   else:
