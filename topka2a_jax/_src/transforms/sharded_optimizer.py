@@ -301,8 +301,9 @@ def _gather(shards: Sequence[jax.Array], shapes: Sequence[tuple[int, ...]],
 
 
 def _step(plan: ExchangePlan, inner: optax.GradientTransformation, treedef: Any,
-          grads: list, residuals: list, param_leaves: list | None, count: jax.Array,
-          nonfinite: jax.Array, inner_state: Any, bad: jax.Array | None):
+          grads: list, carried: error_feedback.Carried, param_leaves: list | None,
+          inner_state: Any, bad: jax.Array | None
+          ) -> tuple[list, error_feedback.Carried, Any]:
   """One device's step on its pieces of the parameters (manual over every axis).
 
   The exchange is the transforms' one step (:func:`error_feedback.step`),
@@ -312,10 +313,8 @@ def _step(plan: ExchangePlan, inner: optax.GradientTransformation, treedef: Any,
   zeros and its state stays as it was.
   """
   num_devices = bound_axis_size(plan.options.axis.name)
-  stepped = error_feedback.step(
-      plan, grads, error_feedback.Carried(residuals, None, count, nonfinite), bad,
-      end=error_feedback.OWNERS)
-  shards, carried = stepped.means, stepped.carried
+  stepped = error_feedback.step(plan, grads, carried, bad, end=error_feedback.OWNERS)
+  shards = stepped.means
   mean = treedef.unflatten([_present(s.astype(g.dtype), g.ndim)
                             for s, g in zip(shards, grads)])
   own_params = None if param_leaves is None else treedef.unflatten(
@@ -327,8 +326,7 @@ def _step(plan: ExchangePlan, inner: optax.GradientTransformation, treedef: Any,
     out = [jnp.where(stepped.skipped, jnp.zeros_like(u), u) for u in out]
     new_state = error_feedback.held_where(stepped.skipped, own_state, new_state)
   whole = _gather(out, [g.shape for g in grads], plan.options.axis.name, num_devices)
-  return (whole, carried.residuals, carried.count, carried.nonfinite_steps,
-          per_device_blocks(new_state, plan.options.axis.name))
+  return whole, stepped.carried, per_device_blocks(new_state, plan.options.axis.name)
 
 
 def _update(options: Options, inner: optax.GradientTransformation, updates: Any,
@@ -347,16 +345,18 @@ def _update(options: Options, inner: optax.GradientTransformation, updates: Any,
   param_leaves = None if params is None else leaves_of(params).values
   bad = step_is_bad(extra_args.get(NONFINITE), grads, options.axis_name, options.skip_nonfinite)
   step = functools.partial(_step, plan, inner, treedef)
-  args = (grads, residuals, param_leaves, state.exchange.count,
-          state.exchange.nonfinite_steps, state.inner, bad)
+  carried = error_feedback.Carried(residuals, None, state.exchange.count,
+                                   state.exchange.nonfinite_steps)
   others = layout.automatic_axes(jax.sharding.get_abstract_mesh(), options.axis)
   if others:  # each device on its piece of every parameter, as topka2a does
     specs = shard_specs(grads, given_specs(treedef, given), others)
     inner_in = layout.inner_specs(state.inner, treedef, specs, None)
+    carried_in = error_feedback.Carried(specs, None, P(), P())
     step = jax.shard_map(
         step, mesh=jax.sharding.get_abstract_mesh(), axis_names=set(others),
-        in_specs=(specs, specs, specs, P(), P(), inner_in, P()),
-        out_specs=(specs, specs, P(), P(), inner_in))
-  whole, new, count, nonfinite, inner_state = step(*args)
+        in_specs=(specs, carried_in, specs, inner_in, P()),
+        out_specs=(specs, carried_in, inner_in))
+  whole, new, inner_state = step(grads, carried, param_leaves, state.inner, bad)
   return full.unflatten(whole), ShardedOptimizerState(
-      TopKA2AState(treedef.unflatten(new), count, nonfinite), inner_state)
+      TopKA2AState(treedef.unflatten(new.residuals), new.count, new.nonfinite_steps),
+      inner_state)
