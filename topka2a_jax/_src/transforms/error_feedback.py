@@ -21,9 +21,8 @@ Example:
   >>> plan = ExchangePlan.create(Options.create(0.5, min_size=0), ["w"], [(4,)])
   >>> def one_step(grad, residual):
   ...   zero = jnp.zeros((), jnp.int32)
-  ...   means, residuals, _, count, skipped = step(
-  ...       plan, [grad[0]], [residual[0]], None, zero, zero, bad=None)
-  ...   return means[0], residuals[0][None], count
+  ...   stepped = step(plan, [grad[0]], Carried([residual[0]], None, zero, zero), bad=None)
+  ...   return stepped.means[0], stepped.carried.residuals[0][None], stepped.carried.count
   >>> grads, zeros = jax.device_put(
   ...     (jnp.arange(32.0).reshape(8, 4), jnp.zeros((8, 4))),
   ...     NamedSharding(mesh, P("data")))
