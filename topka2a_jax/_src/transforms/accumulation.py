@@ -40,14 +40,11 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from topka2a_jax._src.arguments import checked_count, checked_optimizer
 from topka2a_jax._src.axis import (
   as_varying,
   bound_axis_size,
-  holds_tracer,
   is_bound,
   per_device_blocks,
 )
@@ -55,7 +52,11 @@ from topka2a_jax._src.options import DEFAULT_AXIS, Options
 from topka2a_jax._src.states import AccumulatedGradientsState, holds_exchange
 from topka2a_jax._src.transforms.exchange_state import layout_mesh
 from topka2a_jax._src.transforms.leaves import check_per_device, leaves_of
-from topka2a_jax._src.transforms.per_device import per_device_state
+from topka2a_jax._src.transforms.per_device import (
+  counters,
+  per_device_state,
+  zeros_in_float32,
+)
 
 
 def accumulate_gradients(tx: optax.GradientTransformation, every: int, *,
@@ -117,8 +118,8 @@ def accumulate_gradients(tx: optax.GradientTransformation, every: int, *,
             "to lay each device's sum out on. Give it the exchange's axis, "
             "accumulate_gradients(tx, every, axis_name=<the exchange's>), and the "
             "exchange its mesh, topka2a(..., mesh=mesh).")
-    sums = per_device_state(options, _zero_sums, params, on, "accumulate_gradients")
-    step, length = _counters(every, on, leaves)
+    sums = per_device_state(options, zeros_in_float32, params, on, "accumulate_gradients")
+    step, length = counters(every, on, leaves)
     return AccumulatedGradientsState(inner, sums, step, length)
 
   def update_fn(updates: optax.Updates, state: AccumulatedGradientsState,
@@ -127,25 +128,6 @@ def accumulate_gradients(tx: optax.GradientTransformation, every: int, *,
     return _update(tx, every, options.axis_name, updates, state, params, extra_args)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _zero_sums(params: optax.Params) -> optax.Params:
-  """Nothing added yet, in at least float32."""
-  return jax.tree.map(
-      lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
-
-
-def _counters(every: int, mesh: Any, leaves: list[Any]) -> tuple[jax.Array, jax.Array]:
-  """The calls added so far (0) and ``every`` as int32 scalars, made in place on ``mesh``.
-
-  A scalar made on one device would have to be placed on every process's devices.
-  """
-  def counters() -> tuple[jax.Array, jax.Array]:
-    return jnp.zeros((), jnp.int32), jnp.asarray(every, jnp.int32)
-
-  if mesh is None or holds_tracer(leaves):
-    return counters()
-  return jax.jit(counters, out_shardings=NamedSharding(mesh, P()))()
 
 
 def _update(tx: optax.GradientTransformationExtraArgs, every: int, axis: Hashable,

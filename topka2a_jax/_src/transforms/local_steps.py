@@ -58,15 +58,12 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from topka2a_jax._src.arguments import checked_count, checked_optimizer
 from topka2a_jax._src.axis import (
   DataAxis,
   as_varying,
   bound_axis_size,
-  holds_tracer,
   is_bound,
   per_device_blocks,
 )
@@ -85,8 +82,10 @@ from topka2a_jax._src.transforms.following import for_follower
 from topka2a_jax._src.transforms.leaves import check_per_device, given_specs, leaves_of
 from topka2a_jax._src.transforms.nonfinite import nonfinite_on_any_device
 from topka2a_jax._src.transforms.per_device import (
+  counters,
   per_device_state,
   warn_if_a_zero_step_is_not_finite,
+  zeros_in_float32,
 )
 
 DEFAULT_EVERY = 4
@@ -166,11 +165,11 @@ def local_steps(inner: optax.GradientTransformation, every: int = DEFAULT_EVERY,
   def init_fn(params: optax.Params) -> LocalStepsState:
     exchange = init_state(checked, params)
     mesh = layout_mesh(checked, jax.tree.leaves(params))
-    step, length = _round_counters(every, mesh, jax.tree.leaves(params))
+    step, length = counters(every, mesh, jax.tree.leaves(params))
     state = LocalStepsState(
         exchange,
         per_device_state(checked, inner.init, params, mesh, "local_steps"),
-        per_device_state(checked, _zero_offset, params, mesh, "local_steps"),
+        per_device_state(checked, zeros_in_float32, params, mesh, "local_steps"),
         outer.init(params),
         step,
         length)
@@ -184,26 +183,6 @@ def local_steps(inner: optax.GradientTransformation, every: int = DEFAULT_EVERY,
     return _update(checked, inner, outer, every, updates, state, params, extra_args)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _round_counters(every: int, mesh: Any, leaves: list[Any]) -> tuple[jax.Array, jax.Array]:
-  """The round's step (0) and length as int32 scalars, replicated over ``mesh`` if given.
-
-  Made in place on the mesh, as the exchange's counts are: a scalar on one
-  device would have to be placed on every process's devices.
-  """
-  def counters() -> tuple[jax.Array, jax.Array]:
-    return jnp.zeros((), jnp.int32), jnp.asarray(every, jnp.int32)
-
-  if mesh is None or holds_tracer(leaves):
-    return counters()
-  return jax.jit(counters, out_shardings=NamedSharding(mesh, P()))()
-
-
-def _zero_offset(params: optax.Params) -> optax.Params:
-  """No distance from the shared parameters yet, in at least float32."""
-  return jax.tree.map(
-      lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
 
 
 def _update(options: Options, inner: optax.GradientTransformationExtraArgs,

@@ -81,6 +81,26 @@ def per_device_state(options: Options, make: Callable[[optax.Params], Any],
   return jax.jit(copies, out_shardings=shardings)(one)
 
 
+def zeros_in_float32(params: optax.Params) -> optax.Params:
+  """Zeros shaped like ``params``, in at least float32: a fresh offset or sum per device."""
+  return jax.tree.map(
+      lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
+
+
+def counters(every: int, mesh: Mesh | None, leaves: list[Any]) -> tuple[jax.Array, jax.Array]:
+  """A round's step (0) and length ``every`` as int32 scalars, replicated over ``mesh``.
+
+  Made in place on the mesh, as the exchange's counts are: a scalar on one
+  device would have to be placed on every process's devices.
+  """
+  def made() -> tuple[jax.Array, jax.Array]:
+    return jnp.zeros((), jnp.int32), jnp.asarray(every, jnp.int32)
+
+  if mesh is None or holds_tracer(leaves):
+    return made()
+  return jax.jit(made, out_shardings=NamedSharding(mesh, P()))()
+
+
 def warn_if_a_zero_step_is_not_finite(inner: optax.GradientTransformationExtraArgs,
                                       params: optax.Params, transform: str) -> None:
   """Warns where ``inner``'s state is float16 and its step on a zero gradient is not finite.
