@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import inspect
 import math
 import numbers
-import textwrap
-from collections.abc import Callable, Hashable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 import jax.numpy as jnp
 from jax.sharding import Mesh
@@ -37,8 +35,6 @@ from topka2a_jax._src.planner.cost import (
   get_network,
 )
 from topka2a_jax._src.sizes import check_density, compresses
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 DEFAULT_AXIS = DataAxis("data")
 """``topka2a(density)`` with no ``axis_name=``: the mesh axis named ``"data"``."""
@@ -124,7 +120,7 @@ def _check_low_rank(options: dict[str, Any], axis: DataAxis) -> None:
         "all-reduces its float32 factors as they are. Drop value_dtype=.")
 
 
-def _argument(field: dataclasses.Field) -> str:
+def argument_of(field: dataclasses.Field) -> str:
   """The keyword users pass for ``field``."""
   return field.metadata.get("argument") or field.name
 
@@ -254,8 +250,11 @@ class Options:
   Each field is one option of :func:`topka2a_jax.topka2a`,
   :func:`topka2a_jax.compress_updates` and :func:`topka2a_jax.sharded_optimizer`:
   its default, its check, and its line in their docstrings (the field's
-  ``doc``). :func:`takes_options` builds their signatures and Args from
-  them, so a new option is one field here plus the code that reads it.
+  ``doc``). ``transforms/signatures.py`` builds their signatures and Args
+  from them, and types their ``**options`` for type checkers
+  (:class:`~topka2a_jax._src.transforms.signatures.TopKA2AOptions`), so a
+  new option is one field here, its line in those types, and the code that
+  reads it.
   :meth:`create` runs the checks, in the order the fields are declared.
 
   Attributes:
@@ -427,7 +426,7 @@ class Options:
     Raises:
       ValueError, TypeError: an argument out of range or of the wrong type.
     """
-    fields = {_argument(field): field for field in user_options()}
+    fields = {argument_of(field): field for field in user_options()}
     for name in sorted(set(options) - set(fields)):
       close = difflib.get_close_matches(name, fields, n=1)
       raise TypeError(f"unknown option {name}="
@@ -501,91 +500,4 @@ def user_options(exclude: Sequence[str] = ()) -> list[dataclasses.Field]:
   """The options users pass, in the order the signatures show them."""
   return [field for field in dataclasses.fields(Options)
           if field.name != "density" and field.metadata["user"]
-          and _argument(field) not in exclude]
-
-
-def takes_options(*, exclude: Sequence[str] = (), defaults: dict[str, Any] | None = None,
-                  docs: dict[str, str] | None = None) -> Callable[[F], F]:
-  """Gives a transform factory ``f(..., **options)`` every option's parameter and Args line.
-
-  The factory keeps its own parameters and takes the options as
-  ``**options``, which it passes to :meth:`Options.create`. Its signature
-  (``inspect.signature``, ``help``, the API pages) lists every option of
-  :class:`Options` with its default, and the line ``**options: ...`` of its
-  docstring becomes one Args line per option, the field's ``doc``.
-
-  Args:
-    exclude: options the factory does not take (it refuses them with
-      :func:`refuse_options`).
-    defaults: the factory's own defaults, where they differ.
-    docs: the factory's own Args lines, where they differ.
-
-  Example:
-    >>> @takes_options(exclude=("rank",))
-    ... def exchange(density, **options):
-    ...   '''An exchange.
-    ...
-    ...   Args:
-    ...     density: the fraction sent.
-    ...     **options: the options.
-    ...   '''
-    ...   return Options.create(density, **options)
-    >>> list(inspect.signature(exchange).parameters)[:3]
-    ['density', 'axis_name', 'mesh']
-    >>> "    min_size: leaves with fewer elements" in exchange.__doc__
-    True
-  """
-  defaults, docs = defaults or {}, docs or {}
-
-  def decorate(factory: F) -> F:
-    shown = user_options(exclude)
-    signature = inspect.signature(factory)
-    own = [parameter for parameter in signature.parameters.values()
-           if parameter.kind != inspect.Parameter.VAR_KEYWORD]
-    for field in shown:
-      name = _argument(field)
-      default = field.default.name if isinstance(field.default, DataAxis) else field.default
-      own.append(inspect.Parameter(
-          name, inspect.Parameter.KEYWORD_ONLY, default=defaults.get(name, default),
-          annotation=field.metadata["annotation"] or field.type))
-    factory.__signature__ = signature.replace(parameters=own)
-    if factory.__doc__ is not None:  # None under python -OO: nothing to document
-      factory.__doc__ = _with_option_lines(factory.__doc__, shown, docs)
-    return factory
-
-  return decorate
-
-
-def refuse_options(transform: str, options: dict[str, Any], refused: dict[str, str]) -> None:
-  """Raises TypeError for an option ``transform`` does not take, saying why.
-
-  Example:
-    >>> refuse_options("sharded_optimizer", {"fusion": 1}, {"fusion": "every leaf is a bucket"})
-    Traceback (most recent call last):
-    TypeError: sharded_optimizer takes no fusion=: every leaf is a bucket
-  """
-  for name, why in refused.items():
-    if name in options:
-      raise TypeError(f"{transform} takes no {name}=: {why}")
-
-
-def _with_option_lines(doc: str, shown: Sequence[dataclasses.Field],
-                       docs: dict[str, str]) -> str:
-  """``doc`` with its line ``**options: ...`` replaced by one Args line per option."""
-  lines = doc.split("\n")
-  at = next((i for i, line in enumerate(lines) if line.lstrip().startswith("**options:")),
-            None)
-  if at is None:
-    raise ValueError("a factory that takes_options documents them with a line "
-                     "'**options: ...' in its Args")
-  indent = lines[at][:len(lines[at]) - len(lines[at].lstrip())]
-  end = at + 1  # its continuation lines go with it
-  while end < len(lines) and lines[end].startswith(indent + " "):
-    end += 1
-  made = []
-  for field in shown:
-    name = _argument(field)
-    made += textwrap.wrap(f"{name}: {docs.get(name, field.metadata['doc'])}", width=80,
-                          initial_indent=indent, subsequent_indent=indent + "  ",
-                          break_long_words=False, break_on_hyphens=False)
-  return "\n".join(lines[:at] + made + lines[end:])
+          and argument_of(field) not in exclude]

@@ -67,7 +67,7 @@ from topka2a_jax._src.axis import (
   is_bound,
   per_device_blocks,
 )
-from topka2a_jax._src.options import Options, refuse_options, takes_options
+from topka2a_jax._src.options import Options
 from topka2a_jax._src.planner.forms import CODED_FORM
 from topka2a_jax._src.states import LocalStepsState
 from topka2a_jax._src.transforms.error_feedback import held_where
@@ -87,6 +87,12 @@ from topka2a_jax._src.transforms.per_device import (
   warn_if_a_zero_step_is_not_finite,
   zeros_in_float32,
 )
+from topka2a_jax._src.transforms.signatures import (
+  CompressUpdatesOptions,
+  Unpack,
+  refuse_options,
+  takes_options,
+)
 
 DEFAULT_EVERY = 4
 """Inner steps per round by default (``benchmarks/network_training.py``'s
@@ -104,7 +110,7 @@ def default_outer() -> optax.GradientTransformation:
   return optax.sgd(1.0)
 
 
-@takes_options(exclude=("follows",), defaults={"algorithm": DEFAULT_ALGORITHM}, docs={
+@takes_options(CompressUpdatesOptions, defaults={"algorithm": DEFAULT_ALGORITHM}, docs={
     "algorithm": (
         f"the pseudo-gradient's exchange: by default ``{DEFAULT_ALGORITHM!r}`` (every "
         "entry in 8 bits); any name of :data:`topka2a_jax.collectives.ALGORITHMS` "
@@ -121,7 +127,8 @@ def default_outer() -> optax.GradientTransformation:
 def local_steps(inner: optax.GradientTransformation, every: int = DEFAULT_EVERY,
                 outer: optax.GradientTransformation | None = None,
                 density: float | None = None,
-                **options: Any) -> optax.GradientTransformationExtraArgs:
+                **options: Unpack[CompressUpdatesOptions]
+                ) -> optax.GradientTransformationExtraArgs:
   """Trains ``every`` steps on each device alone, then exchanges the pseudo-gradients.
 
   Use it as the whole optimizer of a data-parallel step, in place of

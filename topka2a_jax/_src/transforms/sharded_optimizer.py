@@ -62,7 +62,7 @@ from topka2a_jax._src.axis import (
 )
 from topka2a_jax._src.buffers import padded_rows, split_by_widths
 from topka2a_jax._src.collectives.algorithms import ALGORITHMS, AUTO, DENSE, TOPKA2A
-from topka2a_jax._src.options import Options, refuse_options, takes_options
+from topka2a_jax._src.options import Options
 from topka2a_jax._src.sizes import ceil_div
 from topka2a_jax._src.states import ShardedOptimizerState, TopKA2AState
 from topka2a_jax._src.transforms import error_feedback
@@ -85,6 +85,12 @@ from topka2a_jax._src.transforms.nonfinite import (
   step_is_bad,
 )
 from topka2a_jax._src.transforms.per_device import without_exchange
+from topka2a_jax._src.transforms.signatures import (
+  ShardedOptimizerOptions,
+  Unpack,
+  refuse_options,
+  takes_options,
+)
 
 OWNER_SHARD_ALGORITHMS = (AUTO, TOPKA2A.name, DENSE.name, *(
     name for name, entry in ALGORITHMS.items() if entry.quantizes))
@@ -129,7 +135,7 @@ def check_element_wise(inner: optax.GradientTransformation) -> None:
         "element-wise transform (sgd, momentum, adam, adamw, lion).")
 
 
-@takes_options(exclude=tuple(NOT_TAKEN), docs={
+@takes_options(ShardedOptimizerOptions, docs={
     "axis_name": "the data-parallel mesh axis (one: the state is sharded over it).",
     "algorithm": (
         "``\"auto\"`` (each leaf the cheapest under the cost model of the forms "
@@ -146,7 +152,8 @@ def check_element_wise(inner: optax.GradientTransformation) -> None:
         "``inner``'s state as it was."),
 })
 def sharded_optimizer(inner: optax.GradientTransformation, density: float | None = None,
-                      **options: Any) -> optax.GradientTransformationExtraArgs:
+                      **options: Unpack[ShardedOptimizerOptions]
+                      ) -> optax.GradientTransformationExtraArgs:
   """``optax.chain(topka2a(density), inner)`` with ``inner``'s state sharded.
 
   Each device runs ``inner`` on the shard of every parameter it owns in

@@ -45,15 +45,16 @@ from typing import Any
 
 import optax
 
-from topka2a_jax._src.options import Options, takes_options
+from topka2a_jax._src.options import Options
 from topka2a_jax._src.states import TopKA2AState
 from topka2a_jax._src.transforms.exchange_state import init_state, update_state
 from topka2a_jax._src.transforms.following import follower, for_follower
+from topka2a_jax._src.transforms.signatures import TopKA2AOptions, Unpack, takes_options
 
 
-@takes_options()
+@takes_options(TopKA2AOptions)
 def topka2a(density: float | None = None,
-            **options: Any) -> optax.GradientTransformationExtraArgs:
+            **options: Unpack[TopKA2AOptions]) -> optax.GradientTransformationExtraArgs:
   """Averages gradients across a mesh axis in the form the optimizer after it trains with.
 
   Use it first in an optax chain. With the default ``algorithm="auto"`` it

@@ -68,7 +68,7 @@ from topka2a_jax._src.axis import (
   per_device_blocks,
 )
 from topka2a_jax._src.collectives.algorithms import AUTO, ONEBIT_4
-from topka2a_jax._src.options import Options, refuse_options, takes_options
+from topka2a_jax._src.options import Options
 from topka2a_jax._src.states import CompressedUpdatesState
 from topka2a_jax._src.transforms.error_feedback import held_where
 from topka2a_jax._src.transforms.exchange_state import (
@@ -84,6 +84,12 @@ from topka2a_jax._src.transforms.per_device import (
   per_device_state,
   warn_if_a_zero_step_is_not_finite,
 )
+from topka2a_jax._src.transforms.signatures import (
+  CompressUpdatesOptions,
+  Unpack,
+  refuse_options,
+  takes_options,
+)
 
 DEFAULT_ALGORITHM = ONEBIT_4.name
 """What ``compress_updates(inner)`` sends without a density: every entry's
@@ -92,7 +98,7 @@ sign, the owners' means back in 4 bits. Chosen on
 signs with 8 bits back; the guide "Adam" has the measurements."""
 
 
-@takes_options(exclude=("follows",), defaults={"algorithm": None}, docs={
+@takes_options(CompressUpdatesOptions, defaults={"algorithm": None}, docs={
     "algorithm": (
         "by default ``\"onebit_4\"`` without a density (every entry's sign to its "
         "shard's owner, the owners' means back in 4 bits; 1-bit Adam's exchange) and "
@@ -106,7 +112,8 @@ signs with 8 bits back; the guide "Adam" has the measurements."""
         "``inner``'s state as it was on every device."),
 })
 def compress_updates(inner: optax.GradientTransformation, density: float | None = None,
-                     **options: Any) -> optax.GradientTransformationExtraArgs:
+                     **options: Unpack[CompressUpdatesOptions]
+                     ) -> optax.GradientTransformationExtraArgs:
   """``inner`` run on every device's own gradient, its updates averaged sparsely.
 
   Use it as the whole optimizer of a data-parallel step (it replaces
