@@ -213,6 +213,8 @@ def describe(buckets: Sequence[Bucket], density: float, low_rank: Sequence[int] 
     '5,120 entries in quantized_8_8_fine (1 bucket), 260 dense (1 bucket)'
     >>> describe([Bucket((0,), "topka2a", 5120), Bucket((1,), "topka2a", 512)], 0.01)
     'the top 1% of 5,632 entries by topka2a (2 buckets)'
+    >>> describe([], 0.01, low_rank=(4096, 1024), rank=4)
+    '5,120 entries as rank-4 products (powersgd, 2 leaves)'
   """
   entries: dict[str, int] = {}
   counts: dict[str, int] = {}
@@ -232,7 +234,7 @@ def describe(buckets: Sequence[Bucket], density: float, low_rank: Sequence[int] 
   parts = [form(name) for name in sorted(entries, key=lambda name: -entries[name])]
   if low_rank:
     parts.insert(0, f"{sum(low_rank):,} entries as rank-{rank} products (powersgd, "
-                    f"{len(low_rank)} leaf{'s' if len(low_rank) > 1 else ''})")
+                    f"{len(low_rank)} {'leaves' if len(low_rank) > 1 else 'leaf'})")
   return ", ".join(parts) or "nothing"
 
 
