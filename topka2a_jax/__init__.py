@@ -71,6 +71,44 @@ if TYPE_CHECKING:  # the face; at run time each name is imported on first use (_
   from topka2a_jax._src.transforms.topka2a import topka2a
   from topka2a_jax._src.transforms.update_compression import compress_updates
 
+_LAZY = {  # each name, its module (":attribute" where the name differs); the
+    # block above says the same to type checkers, and tests/test_package.py
+    # holds the two equal
+    "checkpoint": "topka2a_jax",
+    "collectives": "topka2a_jax",
+    "cost": "topka2a_jax",
+    "distributed": "topka2a_jax",
+    "restore": "topka2a_jax._src.checkpointing.checkpoint",
+    "save": "topka2a_jax._src.checkpointing.checkpoint",
+    "CheckpointManager": "topka2a_jax._src.checkpointing.checkpoint_manager",
+    "FusionPlan": "topka2a_jax._src.planner.fusion",
+    "plan_fusion": "topka2a_jax._src.planner.fusion",
+    "CommReport": "topka2a_jax._src.planner.report",
+    "comm_report": "topka2a_jax._src.planner.report",
+    "tune_fusion": "topka2a_jax._src.planner.tuning",
+    "AccumulatedGradientsState": "topka2a_jax._src.states",
+    "CompressedUpdatesState": "topka2a_jax._src.states",
+    "LocalStepsState": "topka2a_jax._src.states",
+    "ShardedOptimizerState": "topka2a_jax._src.states",
+    "TopKA2AState": "topka2a_jax._src.states",
+    "local_params": "topka2a_jax._src.states",
+    "NnxTrainStep": "topka2a_jax._src.training.nnx_step",
+    "nnx_train_step": "topka2a_jax._src.training.nnx_step",
+    "init": "topka2a_jax._src.training.placement",
+    "state_specs": "topka2a_jax._src.training.placement",
+    "TrainStep": "topka2a_jax._src.training.step",
+    "train_step": "topka2a_jax._src.training.step",
+    "accumulate_gradients": "topka2a_jax._src.transforms.accumulation",
+    "frozen_variance_adam": "topka2a_jax._src.transforms.frozen_variance",
+    "scale_by_frozen_rms": "topka2a_jax._src.transforms.frozen_variance",
+    "local_steps": "topka2a_jax._src.transforms.local_steps",
+    "SkipNonFiniteState": "topka2a_jax._src.transforms.nonfinite",
+    "skip_nonfinite": "topka2a_jax._src.transforms.nonfinite",
+    "sharded_optimizer": "topka2a_jax._src.transforms.sharded_optimizer",
+    "topka2a": "topka2a_jax._src.transforms.topka2a",
+    "compress_updates": "topka2a_jax._src.transforms.update_compression",
+}
+
 __all__ = [
   "AccumulatedGradientsState",
   "CheckpointManager",
@@ -118,7 +156,7 @@ _MOVED = {
 """Names the top level exported in an earlier release that moved, and where each is now."""
 
 
-_import_on_first_use, _every_name = _lazy.attach(__name__, __file__)
+_import_on_first_use, _every_name = _lazy.attach(__name__, _LAZY)
 del _lazy  # help() lists the face's names, not the loader
 
 

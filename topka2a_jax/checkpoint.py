@@ -34,6 +34,18 @@ if TYPE_CHECKING:  # the namespace; at run time each name is imported on first u
   from topka2a_jax._src.checkpointing.integrity import verify
   from topka2a_jax._src.checkpointing.resize import reshard, resize_residual, resize_slices
 
+_LAZY = {  # each name, its module (":attribute" where the name differs); the
+    # block above says the same to type checkers, and tests/test_package.py
+    # holds the two equal
+    "restore": "topka2a_jax._src.checkpointing.checkpoint",
+    "save": "topka2a_jax._src.checkpointing.checkpoint",
+    "CheckpointManager": "topka2a_jax._src.checkpointing.checkpoint_manager",
+    "verify": "topka2a_jax._src.checkpointing.integrity",
+    "reshard": "topka2a_jax._src.checkpointing.resize",
+    "resize_residual": "topka2a_jax._src.checkpointing.resize",
+    "resize_slices": "topka2a_jax._src.checkpointing.resize",
+}
+
 __all__ = [
   "CheckpointManager",
   "reshard",
@@ -44,5 +56,5 @@ __all__ = [
   "verify",
 ]
 
-__getattr__, __dir__ = _lazy.attach(__name__, __file__)
+__getattr__, __dir__ = _lazy.attach(__name__, _LAZY)
 del _lazy  # help() lists the face's names, not the loader

@@ -84,6 +84,28 @@ if TYPE_CHECKING:  # the namespace; at run time each name is imported on first u
   without a sort), ``"approx"`` (``lax.approx_max_k``) and ``"auto"`` (the
   fastest for the backend, :func:`auto_choice`)."""
 
+_LAZY = {  # each name, its module (":attribute" where the name differs); the
+    # block above says the same to type checkers, and tests/test_package.py
+    # holds the two equal
+    "Algorithm": "topka2a_jax._src.collectives.algorithms",
+    "ExchangeResult": "topka2a_jax._src.collectives.exchanges",
+    "allgather": "topka2a_jax._src.collectives.exchanges",
+    "codes_to_owners": "topka2a_jax._src.collectives.exchanges",
+    "dense": "topka2a_jax._src.collectives.exchanges",
+    "few_bit": "topka2a_jax._src.collectives.exchanges",
+    "onebit": "topka2a_jax._src.collectives.exchanges",
+    "topka2a": "topka2a_jax._src.collectives.exchanges",
+    "topka2a_sparse": "topka2a_jax._src.collectives.exchanges",
+    "two_level": "topka2a_jax._src.collectives.exchanges",
+    "initial_factor": "topka2a_jax._src.collectives.low_rank",
+    "powersgd": "topka2a_jax._src.collectives.low_rank",
+    "auto_choice": "topka2a_jax._src.collectives.selection",
+    "get_selection": "topka2a_jax._src.collectives.selection",
+    "ALGORITHMS": "topka2a_jax._src.collectives.algorithms",
+    "COLLECTIVES": "topka2a_jax._src.collectives.exchanges",
+    "SELECTIONS": "topka2a_jax._src.collectives.selection",
+}
+
 __all__ = [
   "ALGORITHMS",
   "COLLECTIVES",
@@ -104,5 +126,5 @@ __all__ = [
   "two_level",
 ]
 
-__getattr__, __dir__ = _lazy.attach(__name__, __file__)
+__getattr__, __dir__ = _lazy.attach(__name__, _LAZY)
 del _lazy  # help() lists the face's names, not the loader

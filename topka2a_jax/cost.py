@@ -78,6 +78,33 @@ if TYPE_CHECKING:  # the namespace; at run time each name is imported on first u
   """The route of :func:`topka2a_jax.collectives.two_level`, dense inside each
   node and the exchange between nodes."""
 
+_LAZY = {  # each name, its module (":attribute" where the name differs); the
+    # block above says the same to type checkers, and tests/test_package.py
+    # holds the two equal
+    "Device": "topka2a_jax._src.planner.compute",
+    "Cluster": "topka2a_jax._src.planner.cost",
+    "ClusterCost": "topka2a_jax._src.planner.cost",
+    "LowRankStep": "topka2a_jax._src.planner.cost",
+    "Network": "topka2a_jax._src.planner.cost",
+    "breakeven_density": "topka2a_jax._src.planner.cost",
+    "cluster_cost": "topka2a_jax._src.planner.cost",
+    "detected_network": "topka2a_jax._src.planner.cost",
+    "elements_read": "topka2a_jax._src.planner.cost",
+    "exchange_cost": "topka2a_jax._src.planner.cost",
+    "get_network": "topka2a_jax._src.planner.cost",
+    "low_rank_step": "topka2a_jax._src.planner.cost",
+    "selected_entries": "topka2a_jax._src.planner.cost",
+    "StepModel": "topka2a_jax._src.planner.fusion",
+    "time_call": "topka2a_jax._src.planner.tuning",
+    "NETWORKS": "topka2a_jax._src.planner.cost",
+    "DEVICES": "topka2a_jax._src.planner.compute",
+    "INNER_NETWORK": "topka2a_jax._src.planner.cost",
+    "AUTO_FORMS": "topka2a_jax._src.planner.forms:FORMS",
+    "AUTO_FORMS_WHY": "topka2a_jax._src.planner.forms:WHY",
+    "FLAT": "topka2a_jax._src.planner.cost",
+    "TWO_LEVEL": "topka2a_jax._src.planner.cost",
+}
+
 __all__ = [
   "AUTO_FORMS",
   "AUTO_FORMS_WHY",
@@ -103,5 +130,5 @@ __all__ = [
   "time_call",
 ]
 
-__getattr__, __dir__ = _lazy.attach(__name__, __file__)
+__getattr__, __dir__ = _lazy.attach(__name__, _LAZY)
 del _lazy  # help() lists the face's names, not the loader

@@ -40,8 +40,20 @@ if TYPE_CHECKING:  # the namespace; at run time each name is imported on first u
   """The exit status (124) of a process whose training step waited past
   ``initialize(stall_timeout_seconds=...)`` for a peer that stopped."""
 
+_LAZY = {  # each name, its module (":attribute" where the name differs); the
+    # block above says the same to type checkers, and tests/test_package.py
+    # holds the two equal
+    "initialize": "topka2a_jax._src.runtime.distributed",
+    "launch": "topka2a_jax._src.runtime.launch",
+    "watch": "topka2a_jax._src.runtime.watchdog",
+    "COORDINATOR": "topka2a_jax._src.runtime.contract",
+    "NUM_PROCESSES": "topka2a_jax._src.runtime.contract",
+    "PROCESS_ID": "topka2a_jax._src.runtime.contract",
+    "STALLED_STATUS": "topka2a_jax._src.runtime.contract",
+}
+
 __all__ = ["COORDINATOR", "NUM_PROCESSES", "PROCESS_ID", "STALLED_STATUS", "initialize",
            "launch", "watch"]
 
-__getattr__, __dir__ = _lazy.attach(__name__, __file__)
+__getattr__, __dir__ = _lazy.attach(__name__, _LAZY)
 del _lazy  # help() lists the face's names, not the loader
