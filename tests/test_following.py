@@ -157,6 +157,26 @@ def test_an_explicit_top_k_before_adam_is_kept_and_warned_once(mesh):
   assert sent < 0.05 * dense  # still the top-k it asked for
 
 
+BURSTS_BEFORE_ADAM = {"allgather": "top-k", "topka2a": "top-k", "topka2a_sparse": "top-k",
+                      "onebit": "signs", "onebit_4": "signs", "onebit_1": "signs"}
+"""The exchanges whose error feedback hands Adam bursts, and what each sends: a
+top-k, or the signs. The codes of 2 bits and more send every entry's size."""
+
+
+@pytest.mark.parametrize("algorithm", sorted(topka2a_jax.collectives.ALGORITHMS))
+def test_every_exchange_that_hands_adam_bursts_is_warned_of_and_no_other(mesh, algorithm):
+  tx = optax.chain(topka2a_jax.topka2a(0.01, algorithm=algorithm, mesh=mesh),
+                   optax.adam(1e-3))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    tx.init(readme_problem()[0])
+  said = [str(w.message) for w in caught if "adaptive optimizer" in str(w.message)]
+  if algorithm in BURSTS_BEFORE_ADAM:
+    assert len(said) == 1 and f"sends the gradient's {BURSTS_BEFORE_ADAM[algorithm]}" in said[0]
+  else:
+    assert not said
+
+
 def test_the_defaults_before_adam_or_sgd_warn_nothing(mesh):
   with warnings.catch_warnings():
     warnings.simplefilter("error")

@@ -177,7 +177,7 @@ def test_its_bytes_do_not_grow_with_the_devices():
   assert max(per_device) < 1.02 * 9 / 8 * 10**7 and per_device == sorted(per_device)
 
 
-def test_auto_never_picks_a_quantizing_exchange():
+def test_auto_before_plain_sgd_never_picks_a_quantizing_exchange():
   from topka2a_jax._src.planner.fusion import step_model
   model = step_model([10**7], 8, 0.01, network="eth1", min_size=0)
   assert not set(model.candidates("auto")) & set(QUANTIZING)

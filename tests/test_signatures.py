@@ -83,8 +83,8 @@ def test_a_type_checker_reports_a_misspelt_option_before_anything_runs(tmp_path)
   errors = sorted(line.split(": error: ", 1)[1].split("  [")[0]
                   for line in done.stdout.splitlines() if ": error: " in line)
   assert errors == [
-      'Argument "warmup_steps" to "compress_updates" has incompatible type "str"; '
-      'expected "int"',
+      ('Argument "warmup_steps" to "compress_updates" has incompatible type "str"; '
+       'expected "int"'),
       'Unexpected keyword argument "fusion" for "sharded_optimizer"',
       'Unexpected keyword argument "min_sise" for "topka2a"; did you mean "min_size"?',
   ], done.stdout + done.stderr

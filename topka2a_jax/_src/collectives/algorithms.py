@@ -189,6 +189,15 @@ class Algorithm:
     """
     return self.codes is not None
 
+  @property
+  def delivers_bursts(self) -> bool:
+    """Whether its error feedback hands the optimizer after it each entry as a
+    burst of many steps' gradients: a top-k, or the gradient's signs (whose
+    magnitudes wait in the residual). Adam's moments go wrong on bursts
+    (``transforms/following.py`` warns of them).
+    """
+    return self.sparse and (self.codes is None or self.codes.bits == 1)
+
   def index_bytes(self, length: float, devices: int) -> int:
     """Bytes of one index on the wire, as the collective sends it."""
     addressed = length if self.global_indices else math.ceil(length / devices)

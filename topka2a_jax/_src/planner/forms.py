@@ -37,12 +37,14 @@ FORMS: dict[str, tuple[str, ...]] = {
     ADAPTIVE: (CODED_FORM, algorithms.DENSE.name),
     MOMENTUM: (MOMENTUM_FORM, algorithms.DENSE.name),
     UNKNOWN: (CODED_FORM, algorithms.DENSE.name),
-    PLAIN: tuple(name for name, entry in algorithms.ALGORITHMS.items()
-                 if not entry.quantizes),
+    PLAIN: tuple(entry.name for entry in (algorithms.DENSE, algorithms.ALLGATHER,
+                                          algorithms.TOPKA2A, algorithms.TOPKA2A_SPARSE)),
 }
 """For each kind of optimizer after the exchange, the exchanges ``"auto"`` may
 plan a bucket with (the cheapest under the cost model wins). An unknown
-optimizer gets the form that is safe for both SGD and Adam."""
+optimizer gets the form that is safe for both SGD and Adam. Each row names
+its forms: an exchange added to the registry enters ``"auto"`` only where a
+row names it."""
 
 WHY: dict[str, str] = {
     ADAPTIVE: "an adaptive optimizer (Adam's family) follows: a top-k's bursts "

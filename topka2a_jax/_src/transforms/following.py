@@ -203,10 +203,6 @@ def unrecognised(followed: tuple[tuple[Any, ...], bool] | None) -> str:
   return "nothing after it in its chain makes a step of the mean"
 
 
-_SENDS_BURSTS = frozenset({"topka2a", "topka2a_sparse", "allgather", "onebit", "onebit_4",
-                           "onebit_1"})
-"""The exchanges whose error feedback hands an optimizer bursts: a top-k, or
-the gradient's signs."""
 
 _LOG = logging.getLogger("topka2a_jax")
 
@@ -263,11 +259,13 @@ def for_follower(options: Options, followed: tuple[tuple[Any, ...], bool] | None
                  f"{kind}: one of them runs through something it does not read")
       kind = UNKNOWN
   if options.algorithm != algorithms.AUTO:
-    if kind == ADAPTIVE and options.algorithm in _SENDS_BURSTS and "bursts" not in said:
+    entry = algorithms.ALGORITHMS.get(options.algorithm)  # None for "powersgd"
+    if (kind == ADAPTIVE and entry is not None and entry.delivers_bursts
+        and "bursts" not in said):
       said.add("bursts")
       warnings.warn(
           f"topka2a(algorithm={options.algorithm!r}) sends the gradient's "
-          f"{'signs' if options.algorithm.startswith('onebit') else 'top-k'} to an "
+          f"{'signs' if entry.quantizes else 'top-k'} to an "
           "adaptive optimizer (Adam's family): error feedback hands it each entry "
           "as a burst of many steps' gradients and its moments go wrong (measured on "
           "the link benchmark: the top-k at 1% ends +44% above dense's final loss, "
