@@ -1,7 +1,6 @@
-"""The package's shape: a curated face over private code, shallow imports, one step core."""
+"""The package's shape: a curated face over private code, imports in layers, one step core."""
 
 import ast
-import functools
 import importlib
 import os
 import pathlib
@@ -16,10 +15,6 @@ from topka2a_jax._src.training.step import DataParallelStep
 
 PACKAGE = pathlib.Path(topka2a_jax.__file__).parent
 ROOT = PACKAGE.parent
-MAX_CHAIN = 9  # modules, the first and the last included
-# The longest runs from frozen_variance_adam (a chain around compress_updates)
-# through the exchange's state, its plan, the planner and the registry down to
-# the size arithmetic every part shares (_src/sizes.py).
 PUBLIC_NAMESPACES = ("collectives", "cost", "checkpoint", "distributed")
 TOOLS = PACKAGE / "tools"  # the command-line tools: public, built on the face alone
 
@@ -65,21 +60,6 @@ def module_level(tree: ast.Module) -> list[ast.stmt]:
               node.test, ast.Name) and node.test.id == "TYPE_CHECKING" else [node])]
 
 
-def longest_chain(imports: dict[str, set[str]]) -> list[str]:
-  @functools.cache
-  def chain(name: str) -> tuple[str, ...]:
-    return (name,) + max((chain(dep) for dep in imports[name]), key=len, default=())
-
-  return list(max((chain(name) for name in imports), key=len))
-
-
-def test_no_import_chain_is_longer_than_nine_modules():
-  imports = module_imports()
-  assert "topka2a_jax._src.planner.cost" in imports["topka2a_jax.cost"]
-  chain = longest_chain(imports)
-  assert len(chain) <= MAX_CHAIN, " -> ".join(chain)
-
-
 LAYERS = ("training", "checkpointing", "runtime", "transforms", "options", "planner",
           "collectives", "layout", "states", "buffers", "arguments", "caller", "axis", "sizes",
           "lazy")
@@ -98,11 +78,6 @@ def test_every_part_imports_only_the_parts_below_it():
   upward = [f"{m} -> {d}" for m, deps in private.items() for d in deps
             if LAYERS.index(part_of(d)) < LAYERS.index(part_of(m))]
   assert not upward
-
-
-def test_the_chain_counter_counts_a_chain_it_is_shown():
-  imports = {"a": {"b"}, "b": {"c"}, "c": set(), "d": {"c"}}
-  assert longest_chain(imports) == ["a", "b", "c"]
 
 
 def test_one_class_is_behind_both_training_steps():

@@ -9,7 +9,8 @@ link?" before anything runs.
 * :func:`exchange_cost`, :func:`cluster_cost` (a flat or :data:`TWO_LEVEL`
   route), :func:`low_rank_step` (PowerSGD), :func:`breakeven_density`.
 * :func:`elements_read`, :func:`selected_entries`: the selection's work.
-* :class:`StepModel`: a whole step's predicted time, the planner's objective.
+* :class:`StepModel`: a whole step's predicted time, the planner's objective,
+  priced with one :class:`PlannerSettings` record (the link, overlap, rates).
 * :func:`time_call`: a measured time to set beside a prediction.
 
 Example:
@@ -39,11 +40,12 @@ if TYPE_CHECKING:  # the namespace; at run time each name is imported on first u
     detected_network,
     elements_read,
     exchange_cost,
+    from_link_fit,
     get_network,
     low_rank_step,
     selected_entries,
   )
-  from topka2a_jax._src.planner.fusion import StepModel
+  from topka2a_jax._src.planner.fusion import PlannerSettings, StepModel
   from topka2a_jax._src.planner.tuning import time_call
 
   NETWORKS = _cost.NETWORKS
@@ -91,9 +93,11 @@ _LAZY = {  # each name, its module (":attribute" where the name differs); the
     "detected_network": "topka2a_jax._src.planner.cost",
     "elements_read": "topka2a_jax._src.planner.cost",
     "exchange_cost": "topka2a_jax._src.planner.cost",
+    "from_link_fit": "topka2a_jax._src.planner.cost",
     "get_network": "topka2a_jax._src.planner.cost",
     "low_rank_step": "topka2a_jax._src.planner.cost",
     "selected_entries": "topka2a_jax._src.planner.cost",
+    "PlannerSettings": "topka2a_jax._src.planner.fusion",
     "StepModel": "topka2a_jax._src.planner.fusion",
     "time_call": "topka2a_jax._src.planner.tuning",
     "NETWORKS": "topka2a_jax._src.planner.cost",
@@ -118,12 +122,14 @@ __all__ = [
   "Device",
   "LowRankStep",
   "Network",
+  "PlannerSettings",
   "StepModel",
   "breakeven_density",
   "cluster_cost",
   "detected_network",
   "elements_read",
   "exchange_cost",
+  "from_link_fit",
   "get_network",
   "low_rank_step",
   "selected_entries",

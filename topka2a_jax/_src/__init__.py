@@ -18,10 +18,12 @@ this list (``tests/test_package.py`` holds it so).
 * ``transforms/``: the optax transforms. ``topka2a.py`` (the transform),
   ``exchange_state.py`` (its state made and updated, shared by every
   transform), ``exchange_plan.py`` (what every leaf does, decided once per
-  trace), ``leaves.py`` (pytrees taken apart), ``error_feedback.py`` (one
-  device's step, the one all three transforms run: residuals, buckets, one
-  collective per bucket, the warm-up, non-finite and overflow switches;
-  ended at the means, or at the owners' shards for the sharded optimizer),
+  trace), ``leaves.py`` (pytrees taken apart), ``exchange_step.py`` (one
+  device's step, the one every transform runs: a ``Carried`` record in, a
+  ``Stepped`` one out; the warm-up, non-finite and overflow switches),
+  ``bucket_exchange.py`` (each bucket's exchange under it: residuals added
+  back, the wire's clip, one collective per bucket; ended at the means, or
+  at the owners' shards for the sharded optimizer),
   ``extra_args.py`` (the keys passed through
   optax's extra arguments), ``update_compression.py``, ``local_steps.py``
   (rounds of local steps, one exchange a round), ``per_device.py`` (state
@@ -30,7 +32,8 @@ this list (``tests/test_package.py`` holds it so).
   ``clipping.py``, ``following.py`` (what follows the exchange in its chain,
   which sets ``"auto"``'s forms).
 * ``options.py``: every option of the transforms, declared once (default,
-  check, docstring line), and the factories' signatures made from them.
+  check, docstring line); ``transforms/signatures.py`` makes the factories'
+  signatures and types from them.
 * ``planner/``: which exchange each bucket takes. ``cost.py`` (α-β costs,
   the links), ``fusion.py`` (the bucket plan), ``forms.py`` (``"auto"``'s
   forms for each kind of optimizer), ``buckets.py`` (which leaves

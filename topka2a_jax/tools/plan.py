@@ -48,7 +48,6 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any
 
 import topka2a_jax
 from topka2a_jax.collectives import ALGORITHMS
@@ -62,6 +61,7 @@ from topka2a_jax.cost import (
   Network,
   breakeven_density,
   exchange_cost,
+  from_link_fit,
   get_network,
   low_rank_step,
 )
@@ -246,40 +246,12 @@ def main(argv: list[str] | None = None) -> int:
   return 0
 
 
-def fit_options(fitted: dict, source: str = "benchmarks/network.py") -> dict:
-  """A link fit as :func:`topka2a_jax.plan_fusion`'s model options.
-
-  Args:
-    fitted: the ``"fit"`` that ``benchmarks/network.py --json`` writes: α,
-      bandwidth, the selection's two rates and each few-bit code's.
-    source: where the fit comes from, for the plan's network.
-
-  Example:
-    >>> options = fit_options({"alpha": 2e-4, "bandwidth": 3e7, "per_element": 7e-9,
-    ...                        "per_entry": 1e-7, "coding": {"quantized_8_8_fine": 2e-9}})
-    >>> options["network"].name, options["coding_seconds_per_element"]
-    ('fitted', {'quantized_8_8_fine': 2e-09})
-  """
-  def number(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-      raise TypeError(f"its {what} is {value!r}, not a number")
-    return float(value)
-
-  return {"network": Network(number(fitted["alpha"], "alpha"),
-                             number(fitted["bandwidth"], "bandwidth"), "fitted", source),
-          "selection_seconds_per_element": number(fitted["per_element"], "per_element"),
-          "selection_seconds_per_entry": number(fitted["per_entry"], "per_entry"),
-          "coding_seconds_per_element": {
-              name: number(rate, f"coding rate of {name}")
-              for name, rate in fitted["coding"].items()}}
-
-
 def _link_fit(path: str) -> dict:
-  """``--link-fit``: the fit in ``path`` as :func:`fit_options`, or the parser's error."""
+  """``--link-fit``: the fit in ``path`` as the planner's settings, or the parser's error."""
   fix = ("write one with `python benchmarks/network.py --json FIT.json` on the link, "
          "or refit saved rows with `--rows OLD.json --json FIT.json`")
   try:
-    return fit_options(json.loads(Path(path).read_text())["fit"],
+    return from_link_fit(json.loads(Path(path).read_text())["fit"],
                        f"benchmarks/network.py's fit in {path}")
   except OSError as error:
     _parser().error(f"--link-fit {path}: cannot read it ({error.strerror}); {fix}")

@@ -137,6 +137,35 @@ def get_network(network: str | Network) -> Network:
   return NETWORKS[network]
 
 
+def from_link_fit(fitted: dict, source: str = "benchmarks/network.py") -> dict:
+  """A measured link fit as the planner's settings (:func:`topka2a_jax.plan_fusion`'s,
+  ``topka2a-plan --link-fit``).
+
+  Args:
+    fitted: the ``"fit"`` that ``benchmarks/network.py --json`` writes: α,
+      bandwidth, the selection's two rates and each few-bit code's.
+    source: where the fit comes from, for the plan's network.
+
+  Example:
+    >>> options = from_link_fit({"alpha": 2e-4, "bandwidth": 3e7, "per_element": 7e-9,
+    ...                          "per_entry": 1e-7, "coding": {"quantized_8_8_fine": 2e-9}})
+    >>> options["network"].name, options["coding_seconds_per_element"]
+    ('fitted', {'quantized_8_8_fine': 2e-09})
+  """
+  def number(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      raise TypeError(f"its {what} is {value!r}, not a number")
+    return float(value)
+
+  return {"network": Network(number(fitted["alpha"], "alpha"),
+                             number(fitted["bandwidth"], "bandwidth"), "fitted", source),
+          "selection_seconds_per_element": number(fitted["per_element"], "per_element"),
+          "selection_seconds_per_entry": number(fitted["per_entry"], "per_entry"),
+          "coding_seconds_per_element": {
+              name: number(rate, f"coding rate of {name}")
+              for name, rate in fitted["coding"].items()}}
+
+
 def exchange_cost(
     algorithm: str,
     length: int,
@@ -350,7 +379,7 @@ def cluster_cost(
   device of a node sends to the N L - L devices of other nodes through the
   one card. A sparse one then reduce-scatters what it did not send inside
   the node, as every device keeps the residual of one slice of the buffer
-  (``error_feedback.exchange_buckets``). ``route=TWO_LEVEL`` is
+  (``bucket_exchange.exchange_buckets``). ``route=TWO_LEVEL`` is
   :func:`topka2a_jax.collectives.two_level`: a ring reduce-scatter inside the
   node, ``algorithm`` over the N nodes on
   a slice of ``m = ceil(length / L)`` elements (all L devices of a node at

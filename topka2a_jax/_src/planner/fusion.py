@@ -231,6 +231,90 @@ def search_threshold(
 
 
 @dataclasses.dataclass(frozen=True)
+class PlannerSettings:
+  """What the planner prices a step with, the leaves aside: one record, by name.
+
+  Each setting is checked where the record is made. The transforms make one
+  per trace (``transforms/exchange_plan.py``); :func:`plan_fusion` and
+  ``topka2a-plan`` from their arguments.
+
+  Attributes:
+    network: the link (a preset's name, made a :class:`topka2a_jax.cost.Network`),
+      or with a ``cluster`` its outer link, which it is then set to.
+    min_size: smaller leaves go dense, in buckets of their own.
+    backward_seconds: the backward pass's duration; None (made 0) assumes
+      no overlap, every bucket ready when the exchanges begin
+      (:data:`NO_BACKWARD`).
+    selection_seconds_per_element: cost of selecting top-k, per element
+      read (:func:`topka2a_jax.cost.elements_read`).
+    value_bytes: bytes per value on the wire.
+    index_bytes: bytes per index on the wire; None for the collectives' own.
+    selection_seconds_per_entry: cost per selected entry.
+    cluster: for a data axis that is a pair (outer, inner) of mesh axes, its
+      nodes and their two links; None for one axis.
+    residual_slices: on a cluster, whether devices keep residuals (of their
+      slices), so that a flat sparse bucket reduce-scatters its unsent
+      inside the node; False without error feedback.
+    whole_selection: whether ``"auto"`` takes only exchanges whose mean
+      holds every device's whole selection.
+    forms: the exchanges ``"auto"`` may take, or None for those before
+      plain SGD (``transforms/following.py`` sets it from the optimizer
+      after the exchange).
+    coding_seconds_per_element: for the exchanges that code every entry in a
+      few bits, each one's own cost per element its coding passes over
+      (:func:`topka2a_jax.cost.elements_read`), by name (made sorted
+      ``(name, seconds)`` pairs): coding a chunk costs less per element than
+      searching it, and one code less than another (``benchmarks/network.py``
+      fits one per form on a link). A form not named is charged
+      ``selection_seconds_per_element``.
+
+  Raises:
+    ValueError: an unknown network, a negative or non-finite duration, or a
+      coding rate for an exchange that codes nothing.
+
+  Example:
+    >>> settings = PlannerSettings(network="eth1", min_size=0)
+    >>> settings.network.name, settings.backward_seconds
+    ('eth1', 0.0)
+  """
+
+  network: str | Network = "eth10"
+  min_size: int = DEFAULT_MIN_SIZE
+  backward_seconds: float | None = None
+  selection_seconds_per_element: float = DEFAULT_SELECTION_SECONDS_PER_ELEMENT
+  value_bytes: int = 4
+  index_bytes: int | None = None
+  selection_seconds_per_entry: float = DEFAULT_SELECTION_SECONDS_PER_ENTRY
+  cluster: Cluster | None = None
+  residual_slices: bool = True
+  whole_selection: bool = False
+  forms: Sequence[str] | None = None
+  coding_seconds_per_element: Mapping[str, float] | tuple[tuple[str, float], ...] = ()
+
+  def __post_init__(self) -> None:
+    def made(name: str, value: Any) -> None:  # frozen: set once, here
+      object.__setattr__(self, name, value)
+
+    made("network", self.cluster.outer if self.cluster is not None
+         else get_network(self.network))
+    made("backward_seconds", self.backward_seconds or 0.0)
+    for name in ("backward_seconds", "selection_seconds_per_element",
+                 "selection_seconds_per_entry"):
+      _check_seconds(name, getattr(self, name))
+    coding = dict(self.coding_seconds_per_element)
+    coded = [name for name, entry in ALGORITHMS.items() if entry.quantizes]
+    for name, rate in coding.items():
+      if name not in coded:
+        raise ValueError(f"coding_seconds_per_element names {name!r}, which codes no "
+                         f"entries; give rates for the few-bit exchanges: "
+                         f"{', '.join(coded)}")
+      _check_seconds(f"coding_seconds_per_element[{name!r}]", rate)
+    made("coding_seconds_per_element", tuple(sorted(coding.items())))
+    if self.forms is not None:
+      made("forms", tuple(self.forms))
+
+
+@dataclasses.dataclass(frozen=True)
 class StepModel:
   """Predicted exchange times of one model's buckets on one network.
 
@@ -239,49 +323,13 @@ class StepModel:
       last leaf first); all at least 1.
     num_devices: P, devices on the data-parallel axis.
     density: fraction of each sparse bucket sent.
-    network: the network.
-    min_size: smaller leaves go dense, in buckets of their own.
-    backward_seconds: the backward pass's duration.
-    selection_seconds_per_element: cost of selecting top-k, per element
-      read (:func:`topka2a_jax.cost.elements_read`).
-    selection_seconds_per_entry: cost per selected entry.
-    value_bytes: bytes per value on the wire.
-    index_bytes: bytes per index on the wire; None for the collectives' own.
-    cluster: for a data axis that is a pair (outer, inner) of mesh axes, its
-      nodes and their two links (``network`` is then the outer one); None
-      for one axis.
-    residual_slices: on a cluster, whether devices keep residuals (of their
-      slices), so that a flat sparse bucket reduce-scatters its unsent
-      inside the node; False without error feedback.
-    whole_selection: whether ``"auto"`` takes only exchanges whose mean
-      holds every device's whole selection.
-    forms: the exchanges ``"auto"`` may take, or None for every one but the
-      quantizing ones (``transforms/following.py`` sets it from the
-      optimizer after the exchange).
-    coding_seconds_per_element: for the exchanges that code every entry in a
-      few bits, each one's own cost per element its coding passes over
-      (:func:`topka2a_jax.cost.elements_read`), as ``(name, seconds)``
-      pairs: coding a chunk costs less per element than searching it, and
-      one code less than another (``benchmarks/network.py`` fits one per
-      form on a link). A form not named is charged
-      ``selection_seconds_per_element``.
+    settings: everything else the step is priced with (:class:`PlannerSettings`).
   """
 
   sizes: tuple[int, ...]
   num_devices: int
   density: float
-  network: Network
-  min_size: int
-  backward_seconds: float
-  selection_seconds_per_element: float = DEFAULT_SELECTION_SECONDS_PER_ELEMENT
-  value_bytes: int = 4
-  index_bytes: int | None = None
-  selection_seconds_per_entry: float = DEFAULT_SELECTION_SECONDS_PER_ENTRY
-  cluster: Cluster | None = None
-  residual_slices: bool = True
-  whole_selection: bool = False
-  forms: tuple[str, ...] | None = None
-  coding_seconds_per_element: tuple[tuple[str, float], ...] = ()
+  settings: PlannerSettings
   _seconds: dict[tuple[str, int, str], float] = dataclasses.field(
       default_factory=dict, init=False, repr=False, compare=False)
 
@@ -296,13 +344,13 @@ class StepModel:
     """
     if algorithm != AUTO:
       return [algorithm]
-    forms = self.forms if self.forms is not None else FORMS[PLAIN]
+    forms = self.settings.forms if self.settings.forms is not None else FORMS[PLAIN]
     return [name for name in forms
-            if not (self.whole_selection and ALGORITHMS[name].holds_back)]
+            if not (self.settings.whole_selection and ALGORITHMS[name].holds_back)]
 
   def routes(self) -> tuple[str, ...]:
     """The routes a bucket may take: two-level too on a cluster."""
-    return (FLAT,) if self.cluster is None else (FLAT, TWO_LEVEL)
+    return (FLAT,) if self.settings.cluster is None else (FLAT, TWO_LEVEL)
 
   def seconds(self, algorithm: str, size: int, route: str = FLAT) -> float:
     """Selection plus communication time of one bucket.
@@ -316,22 +364,22 @@ class StepModel:
     return self._seconds[key]
 
   def _priced(self, algorithm: str, size: int, route: str) -> float:
-    entry = ALGORITHMS[algorithm]
+    entry, settings, cluster = ALGORITHMS[algorithm], self.settings, self.settings.cluster
     length, devices = size, self.num_devices
-    if self.cluster is None:
-      comm = entry.cost(size, devices, self.density, self.value_bytes,
-                        self.index_bytes if entry.sparse else None
-                        ).seconds(self.network)
+    if cluster is None:
+      comm = entry.cost(size, devices, self.density, settings.value_bytes,
+                        settings.index_bytes if entry.sparse else None
+                        ).seconds(settings.network)
     else:
-      comm = cluster_cost(algorithm, size, self.cluster, self.density, route,
-                          self.value_bytes, self.residual_slices).seconds
+      comm = cluster_cost(algorithm, size, cluster, self.density, route,
+                          settings.value_bytes, settings.residual_slices).seconds
       if route == TWO_LEVEL:
-        length, devices = ceil_div(size, self.cluster.per_node), self.cluster.nodes
-    per_element = dict(self.coding_seconds_per_element).get(
-        algorithm, self.selection_seconds_per_element)
+        length, devices = ceil_div(size, cluster.per_node), cluster.nodes
+    per_element = dict(settings.coding_seconds_per_element).get(
+        algorithm, settings.selection_seconds_per_element)
     return (comm
             + per_element * entry.elements_read(length, devices)
-            + self.selection_seconds_per_entry * entry.selected_entries(
+            + settings.selection_seconds_per_entry * entry.selected_entries(
                 length, devices, self.density))
 
   def layout(self, algorithm: str, threshold: int) -> tuple[PlannedBucket, ...]:
@@ -339,7 +387,7 @@ class StepModel:
 
     On a cluster every bucket also takes its algorithm's cheaper route.
     """
-    labels = [DENSE.name if s < self.min_size else algorithm for s in self.sizes]
+    labels = [DENSE.name if s < self.settings.min_size else algorithm for s in self.sizes]
     chosen = []
     for bucket in plan_buckets(self.sizes, labels, threshold):
       best, route = min(((a, r) for a in self.candidates(bucket.algorithm)
@@ -347,7 +395,7 @@ class StepModel:
                         key=lambda choice: self.seconds(choice[0], bucket.size,
                                                         choice[1]))
       chosen.append(bucket._replace(algorithm=best, route=route))
-    return _simulate(self.sizes, chosen, self.backward_seconds,
+    return _simulate(self.sizes, chosen, self.settings.backward_seconds,
                      lambda b: self.seconds(b.algorithm, b.size, b.route))
 
   def best_threshold(self, algorithm: str) -> int:
@@ -383,64 +431,30 @@ def _check_seconds(name: str, seconds: Any) -> None:
                      "least 0 (e.g. 2e-9 for 2 ns per element)")
 
 
-def step_model(
-    sizes: Sequence[int],
-    num_devices: int,
-    density: float,
-    *,
-    network: str | Network = "eth10",
-    min_size: int = DEFAULT_MIN_SIZE,
-    backward_seconds: float | None = None,
-    selection_seconds_per_element: float = DEFAULT_SELECTION_SECONDS_PER_ELEMENT,
-    value_bytes: int = 4,
-    index_bytes: int | None = None,
-    selection_seconds_per_entry: float = DEFAULT_SELECTION_SECONDS_PER_ENTRY,
-    cluster: Cluster | None = None,
-    residual_slices: bool = True,
-    whole_selection: bool = False,
-    forms: Sequence[str] | None = None,
-    coding_seconds_per_element: Mapping[str, float] | None = None,
-) -> StepModel:
+def step_model(sizes: Sequence[int], num_devices: int, density: float,
+               **settings: Any) -> StepModel:
   """Validates the inputs and builds a :class:`StepModel`.
 
-  ``backward_seconds=None`` assumes no overlap: every bucket is ready when
-  the step's exchanges begin (:data:`NO_BACKWARD`). Pass the backward
-  pass's duration (:meth:`topka2a_jax.TrainStep.backward_seconds` estimates it) for plans that
-  overlap it. With a ``cluster``, ``network`` and ``num_devices`` are its
-  outer link and its devices.
+  Args:
+    sizes: elements of every leaf, in pytree order.
+    num_devices: P, devices on the data-parallel axis.
+    density: fraction of each sparse bucket sent.
+    **settings: :class:`PlannerSettings`' fields, by name (``network``,
+      ``min_size``, ``backward_seconds``, ``cluster``, ``forms``, ...).
 
   Raises:
-    ValueError: empty ``sizes``, an unknown network, a cluster whose
-      devices are not ``num_devices``, or a coding rate for an exchange that
-      codes nothing, or a negative one.
+    ValueError: empty ``sizes``, a cluster whose devices are not
+      ``num_devices``, or a bad setting (:class:`PlannerSettings`).
   """
   if not sizes or min(sizes) < 1:
     raise ValueError(f"need at least one leaf, all non-empty; got sizes {sizes}")
   checked_count("num_devices", num_devices, 1)
   check_density(density)
+  cluster = settings.get("cluster")
   if cluster is not None and cluster.devices != num_devices:
     raise ValueError(f"a cluster of {cluster.nodes} nodes x {cluster.per_node} "
                      f"devices has {cluster.devices} devices, not {num_devices}")
-  net = cluster.outer if cluster is not None else get_network(network)
-  if backward_seconds is None:
-    backward_seconds = 0.0
-  for name, seconds in (("backward_seconds", backward_seconds),
-                        ("selection_seconds_per_element", selection_seconds_per_element),
-                        ("selection_seconds_per_entry", selection_seconds_per_entry)):
-    _check_seconds(name, seconds)
-  coding = dict(coding_seconds_per_element or {})
-  coded = [name for name, entry in ALGORITHMS.items() if entry.quantizes]
-  for name, rate in coding.items():
-    if name not in coded:
-      raise ValueError(f"coding_seconds_per_element names {name!r}, which codes no "
-                       f"entries; give rates for the few-bit exchanges: "
-                       f"{', '.join(coded)}")
-    _check_seconds(f"coding_seconds_per_element[{name!r}]", rate)
-  return StepModel(tuple(sizes), num_devices, density, net, min_size,
-                   backward_seconds, selection_seconds_per_element, value_bytes,
-                   index_bytes, selection_seconds_per_entry, cluster,
-                   residual_slices, whole_selection,
-                   None if forms is None else tuple(forms), tuple(sorted(coding.items())))
+  return StepModel(tuple(sizes), num_devices, density, PlannerSettings(**settings))
 
 
 def plan_fusion(
@@ -471,7 +485,7 @@ def plan_fusion(
       default ``"eth10"``), ``min_size``, ``backward_seconds``,
       ``selection_seconds_per_element``, ``selection_seconds_per_entry``,
       ``value_bytes``, ``index_bytes``, ``cluster``, ``forms``,
-      ``coding_seconds_per_element``; see :func:`step_model`.
+      ``coding_seconds_per_element``: :class:`PlannerSettings`' fields.
 
   Returns:
     The :class:`FusionPlan`, with all-dense and all-TopkA baselines planned
@@ -503,10 +517,11 @@ def plan_fusion(
     return threshold, model.layout(choice, threshold)
 
   chosen_threshold, planned = end(algorithm)
+  network = model.settings.network
   if not planned[-1].finish < _LONGEST_STEP_SECONDS:
     raise ValueError(
-        f"the step predicted on {model.network.name} is {planned[-1].finish} s: its "
-        f"latency ({model.network.latency} s) or bandwidth ({model.network.bandwidth} "
+        f"the step predicted on {network.name} is {planned[-1].finish} s: its "
+        f"latency ({network.latency} s) or bandwidth ({network.bandwidth} "
         "bytes/s) is beyond what a link can have. Give a measured link "
         "(benchmarks/network.py fits one) or a preset of topka2a_jax.cost.NETWORKS")
   return FusionPlan(
@@ -515,13 +530,13 @@ def plan_fusion(
       names=names,
       num_devices=num_devices,
       density=density,
-      network=model.network,
-      backward_seconds=model.backward_seconds,
+      network=network,
+      backward_seconds=model.settings.backward_seconds,
       backward_source=backward_source or (
           "given" if model_options.get("backward_seconds") is not None
           else NO_BACKWARD),
       step_seconds=planned[-1].finish,
       dense_seconds=end(DENSE.name)[1][-1].finish,
       allgather_seconds=end(algorithms.ALLGATHER.name)[1][-1].finish,
-      cluster=model.cluster,
+      cluster=model.settings.cluster,
   )

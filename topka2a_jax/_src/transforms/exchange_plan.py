@@ -31,8 +31,7 @@ from topka2a_jax._src.axis import grouped_by_varying_axes
 from topka2a_jax._src.collectives import algorithms
 from topka2a_jax._src.options import Options
 from topka2a_jax._src.planner.buckets import Bucket
-from topka2a_jax._src.planner.cost import Cluster, Network
-from topka2a_jax._src.planner.fusion import step_model
+from topka2a_jax._src.planner.fusion import PlannerSettings, StepModel
 
 _LOG = logging.getLogger("topka2a_jax")
 _SAID: set[str] = set()
@@ -72,50 +71,8 @@ def leaf_plans(options: Options, paths: Sequence[str],
 
 
 @dataclasses.dataclass(frozen=True)
-class BucketPlanner:
-  """How leaves fuse into buckets and which exchange each takes (the cost model's inputs).
-
-  Attributes:
-    algorithm: every large bucket's exchange, or ``"auto"``.
-    fusion: the bucket size threshold in elements, or ``"auto"``.
-    network: the link the planner prices (between nodes for a pair of axes).
-    cluster: a pair of data axes' nodes and links, or None.
-    min_size: smaller leaves go dense.
-    backward_seconds: the backward pass the buckets overlap, or None.
-    value_bytes: bytes per sparse value on the wire.
-    residual_slices: whether residuals are kept (error feedback).
-    whole_selection: whether ``"auto"`` takes only exchanges whose mean
-      holds every device's whole selection.
-    forms: the exchanges ``"auto"`` may take, or None for its default set.
-  """
-
-  algorithm: str
-  fusion: int | str
-  network: Network
-  cluster: Cluster | None
-  min_size: int
-  backward_seconds: float | None
-  value_bytes: int
-  residual_slices: bool
-  whole_selection: bool
-  forms: tuple[str, ...] | None = None
-
-  def plan(self, sizes: Sequence[int], num_devices: int, density: float) -> list[Bucket]:
-    """The buckets for leaves of ``sizes``, as the planner or ``fusion`` sets them."""
-    model = step_model(sizes, num_devices, density, network=self.network,
-                       cluster=self.cluster, min_size=self.min_size,
-                       backward_seconds=self.backward_seconds,
-                       value_bytes=self.value_bytes,
-                       residual_slices=self.residual_slices,
-                       whole_selection=self.whole_selection, forms=self.forms)
-    _, planned = (model.best_layout(self.algorithm) if self.fusion == "auto"
-                  else (self.fusion, model.layout(self.algorithm, self.fusion)))
-    return [bucket.bucket for bucket in planned]
-
-
-@dataclasses.dataclass(frozen=True)
 class ExchangePlan:
-  """One trace's exchange: its settings, every leaf's part, and its bucket planner.
+  """One trace's exchange: its settings, every leaf's part, and how leaves fuse into buckets.
 
   Attributes:
     options: the transform's options, as the user gave them (the axis,
@@ -125,14 +82,19 @@ class ExchangePlan:
       can overflow from finite inputs.
     rank: the rank of the low-rank leaves' factors; None unless PowerSGD.
     leaves: every gradient leaf's part, in the pytree's order.
-    planner: how the leaves fuse into buckets.
+    algorithm: every large bucket's exchange, or ``"auto"`` (the cost
+      model's cheapest of ``planner.forms``).
+    fusion: the bucket size threshold in elements, or ``"auto"``.
+    planner: what the cost model prices the buckets with.
   """
 
   options: Options
   quantizes: bool
   rank: int | None
   leaves: tuple[LeafPlan, ...]
-  planner: BucketPlanner
+  algorithm: str
+  fusion: int | str
+  planner: PlannerSettings
 
   @classmethod
   def create(cls, options: Options, paths: Sequence[str],
@@ -150,21 +112,20 @@ class ExchangePlan:
     leaves = leaf_plans(options, paths, local_shapes)
     if options.backward_seconds is not None:
       backward_seconds = options.backward_seconds
-    planner = BucketPlanner(
-        algorithm=(algorithms.DENSE.name if options.is_low_rank  # its other leaves
-                   else options.algorithm),
-        fusion=options.fusion, network=options.outer_network(),
-        cluster=options.cluster(), min_size=options.min_size,
-        backward_seconds=backward_seconds, value_bytes=options.value_bytes,
-        residual_slices=options.error_feedback, whole_selection=options.whole_selection,
-        forms=options.auto_forms)
+    planner = PlannerSettings(
+        network=options.outer_network(), cluster=options.cluster(),
+        min_size=options.min_size, backward_seconds=backward_seconds,
+        value_bytes=options.value_bytes, residual_slices=options.error_feedback,
+        whole_selection=options.whole_selection, forms=options.auto_forms)
     names = (planner.forms or () if options.algorithm == algorithms.AUTO
              else (options.algorithm,))
     return cls(options=options,
                quantizes=any(algorithms.ALGORITHMS[name].quantizes for name in names
                              if name in algorithms.ALGORITHMS),
                rank=options.rank if options.is_low_rank else None, leaves=leaves,
-               planner=planner)
+               algorithm=(algorithms.DENSE.name if options.is_low_rank  # its other leaves
+                          else options.algorithm),
+               fusion=options.fusion, planner=planner)
 
   def buckets(self, grads: Sequence[jax.Array], num_devices: int
               ) -> list[tuple[list[int], Bucket]]:
@@ -180,8 +141,14 @@ class ExchangePlan:
               grouped_by_varying_axes([grads[i] for i in nonempty])]
     return [([live[j] for j in bucket.leaves], bucket)
             for live in groups
-            for bucket in self.planner.plan([grads[i].size for i in live], num_devices,
-                                            self.options.density)]
+            for bucket in self._plan([grads[i].size for i in live], num_devices)]
+
+  def _plan(self, sizes: Sequence[int], num_devices: int) -> list[Bucket]:
+    """The buckets for leaves of ``sizes``, as the cost model or ``fusion`` sets them."""
+    model = StepModel(tuple(sizes), num_devices, self.options.density, self.planner)
+    _, planned = (model.best_layout(self.algorithm) if self.fusion == "auto"
+                  else (self.fusion, model.layout(self.algorithm, self.fusion)))
+    return [bucket.bucket for bucket in planned]
 
   def wire_limit(self, dtypes: Sequence[Any]) -> float | None:
     """The largest magnitude a sparse bucket of ``dtypes`` may send, or None.

@@ -3,7 +3,7 @@
 :func:`init_state` makes a :class:`topka2a_jax.TopKA2AState` (per-device
 residuals, inside ``shard_map`` or as global arrays on the mesh);
 :func:`update_state` checks it against the gradients and runs one step of
-error feedback (:func:`error_feedback.step`), in a nested ``shard_map``
+error feedback (:func:`exchange_step.step`), in a nested ``shard_map``
 where the parameters are split over other mesh axes.
 :func:`topka2a_jax.topka2a` is these two; :func:`topka2a_jax.compress_updates`
 and :func:`topka2a_jax.sharded_optimizer` build on them.
@@ -34,7 +34,8 @@ from topka2a_jax._src.collectives import low_rank
 from topka2a_jax._src.collectives.algorithms import ALGORITHMS, AUTO
 from topka2a_jax._src.options import Options
 from topka2a_jax._src.states import TopKA2AState
-from topka2a_jax._src.transforms import error_feedback
+from topka2a_jax._src.transforms import exchange_step
+from topka2a_jax._src.transforms.bucket_exchange import accumulation_dtype
 from topka2a_jax._src.transforms.exchange_plan import ExchangePlan, LeafPlan, leaf_plans
 from topka2a_jax._src.transforms.extra_args import (
   BACKWARD_SECONDS,
@@ -84,7 +85,7 @@ def init_state(options: Options, params: optax.Params) -> TopKA2AState:
     parts = leaf_plans(options, paths, [leaf.shape for leaf in leaves])
     residuals = [
         jnp.zeros(residual_block_shape(options.axis, leaf.shape),
-                  options.residual_dtype or error_feedback.accumulation_dtype(leaf.dtype))
+                  options.residual_dtype or accumulation_dtype(leaf.dtype))
         if part.keeps_residual else optax.MaskedNode()
         for leaf, part in zip(leaves, parts)]
     return TopKA2AState(treedef.unflatten(residuals), zero, zero,
@@ -170,7 +171,7 @@ def _global_state(options: Options, mesh: Mesh, paths: Sequence[str],
       shapes.append(jax.ShapeDtypeStruct(
           layout.residual_shape(leaf.shape, num_devices, per_node=per_node,
                                 pieces=math.prod(leaf.shape) // local_size),
-          options.residual_dtype or error_feedback.accumulation_dtype(leaf.dtype)))
+          options.residual_dtype or accumulation_dtype(leaf.dtype)))
       shardings.append(NamedSharding(mesh, layout.residual_spec(options.axis, spec)))
 
   def zeros() -> list[jax.Array]:  # the residuals, then count and nonfinite_steps
@@ -230,7 +231,7 @@ class Exchanged(NamedTuple):
     means: the mean of the updates over the data axis (zeros if skipped).
     state: the exchange's state after the step.
     skipped: a boolean scalar, the same on every device: the step was skipped
-      (:attr:`error_feedback.Stepped.skipped`); what the caller keeps per step
+      (:attr:`exchange_step.Stepped.skipped`); what the caller keeps per step
       (an optimizer's state) should be kept as it was.
   """
 
@@ -253,16 +254,15 @@ def update_state(options: Options, updates: optax.Updates, state: TopKA2AState,
   paths, grads, treedef = tree.paths, tree.values, tree.structure
   check_floating(grads, paths, "gradient")
   given = given_specs(treedef, extra_args.get(PARAM_SPECS))
-  plan, residuals, factors = planned(options, treedef, state, grads, paths, given,
-                                     extra_args.get(BACKWARD_SECONDS))
+  plan, carried = planned(options, treedef, state, grads, paths, given,
+                          extra_args.get(BACKWARD_SECONDS))
   check_per_device(grads, paths, options.axis_name)
   if not any(g.size for g in grads):
     return Exchanged(updates, state, jnp.bool_(False))
   bad = extra_args.get(NONFINITE)  # decided already by skip_nonfinite(...)
-  carried = error_feedback.Carried(residuals, factors, state.count, state.nonfinite_steps)
   others = layout.automatic_axes(jax.sharding.get_abstract_mesh(), options.axis)
   if not others:
-    stepped = error_feedback.step(plan, grads, carried, bad)
+    stepped = exchange_step.step(plan, grads, carried, bad)
   else:
     stepped = _step_on_shards(plan, others, grads, carried, bad, given)
   new = stepped.carried
@@ -271,10 +271,23 @@ def update_state(options: Options, updates: optax.Updates, state: TopKA2AState,
       None if new.factors is None else treedef.unflatten(new.factors)), stepped.skipped)
 
 
+class Planned(NamedTuple):
+  """A trace's plan, and the exchange's state checked against it, ready for a step.
+
+  Attributes:
+    plan: the trace's :class:`ExchangePlan`.
+    carried: the state as the step takes it: one residual per leaf
+      (``optax.MaskedNode()`` where none is kept), PowerSGD's factor per leaf
+      (None for the other exchanges), and the two counts.
+  """
+
+  plan: ExchangePlan
+  carried: exchange_step.Carried
+
+
 def planned(options: Options, treedef: Any, state: TopKA2AState,
             grads: Sequence[jax.Array], paths: Sequence[str], given: Sequence[P | None],
-            backward_seconds: float | None = None
-            ) -> tuple[ExchangePlan, list[Any], list[Any] | None]:
+            backward_seconds: float | None = None) -> Planned:
   """The trace's plan, and the state's residuals and factors checked against it.
 
   Args:
@@ -287,9 +300,7 @@ def planned(options: Options, treedef: Any, state: TopKA2AState,
     backward_seconds: the step's estimate of its backward pass, or None.
 
   Returns:
-    ``(plan, residuals, factors)``: one residual per leaf
-    (``optax.MaskedNode()`` where none is kept), and for PowerSGD one factor
-    per leaf (None otherwise).
+    :class:`Planned`: the plan and the state the step carries.
 
   Raises:
     TypeError: a state of another transform.
@@ -300,7 +311,9 @@ def planned(options: Options, treedef: Any, state: TopKA2AState,
   shapes = local_shapes(grads, given, others)
   plan = ExchangePlan.create(options, paths, shapes, backward_seconds)
   residuals = _checked_residuals(options.axis, plan.leaves, treedef, state, grads)
-  return plan, residuals, _checked_factors(plan, treedef, state, grads)
+  return Planned(plan, exchange_step.Carried(
+      residuals, _checked_factors(plan, treedef, state, grads), state.count,
+      state.nonfinite_steps))
 
 
 def _checked_factors(plan: ExchangePlan, treedef: Any, state: TopKA2AState,
@@ -343,16 +356,16 @@ def _checked_factors(plan: ExchangePlan, treedef: Any, state: TopKA2AState,
 
 
 def _step_on_shards(plan: ExchangePlan, others: dict[Hashable, int], grads: list,
-                    carried: error_feedback.Carried, bad: jax.Array | None,
-                    given: Sequence[P | None]) -> error_feedback.Stepped:
-  """``error_feedback.step`` in a nested shard_map over the other mesh axes.
+                    carried: exchange_step.Carried, bad: jax.Array | None,
+                    given: Sequence[P | None]) -> exchange_step.Stepped:
+  """``exchange_step.step`` in a nested shard_map over the other mesh axes.
 
   Each device then selects from, and keeps residuals for, its own shard of
   every leaf (a residual is shaped like its leaf, so one spec splits both);
   the exchange adds no collective over those axes.
   """
   specs = shard_specs(grads, given, others)
-  blocks = error_feedback.Carried(
+  blocks = exchange_step.Carried(
       [optax.MaskedNode() if isinstance(r, optax.MaskedNode)
        else layout.residual_block_spec(plan.options.axis, spec)
        for r, spec in zip(carried.residuals, specs)],
@@ -362,12 +375,12 @@ def _step_on_shards(plan: ExchangePlan, others: dict[Hashable, int], grads: list
       P(), P())
 
   def on_shards(grads, carried, bad):
-    return error_feedback.step(plan, grads, carried, bad)
+    return exchange_step.step(plan, grads, carried, bad)
 
   run = jax.shard_map(
       on_shards, mesh=jax.sharding.get_abstract_mesh(), axis_names=set(others),
       in_specs=(specs, blocks, P()),
-      out_specs=error_feedback.Stepped(specs, blocks, P()))
+      out_specs=exchange_step.Stepped(specs, blocks, P()))
   return run(list(grads), carried._replace(residuals=list(carried.residuals)), bad)
 
 

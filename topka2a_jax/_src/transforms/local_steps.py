@@ -70,13 +70,13 @@ from topka2a_jax._src.axis import (
 from topka2a_jax._src.options import Options
 from topka2a_jax._src.planner.forms import CODED_FORM
 from topka2a_jax._src.states import LocalStepsState
-from topka2a_jax._src.transforms.error_feedback import held_where
 from topka2a_jax._src.transforms.exchange_state import (
   checked_residuals,
   init_state,
   layout_mesh,
   update_state,
 )
+from topka2a_jax._src.transforms.exchange_step import held_where
 from topka2a_jax._src.transforms.extra_args import NONFINITE, PARAM_SPECS
 from topka2a_jax._src.transforms.following import for_follower
 from topka2a_jax._src.transforms.leaves import check_per_device, given_specs, leaves_of

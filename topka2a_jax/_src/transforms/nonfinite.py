@@ -7,7 +7,7 @@ flag, so every device decides alike.
 
 :func:`topka2a_jax.topka2a` guards its own state this way by default: on a
 bad step its exchange runs with nothing sent, so its residuals stay as they
-were without a branch (``_src/transforms/error_feedback.py``). Optimizers, whose
+were without a branch (``_src/transforms/exchange_step.py``). Optimizers, whose
 state would move on zero updates, are switched by :func:`applied_or_skipped`.
 :func:`skip_nonfinite` wraps a whole optax chain, so that a stateful optimizer
 after it (momentum, Adam) skips the step too; it hands its decision to the

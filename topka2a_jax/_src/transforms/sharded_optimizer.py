@@ -19,7 +19,7 @@ weight decay on biases and scales) decide as they would on the whole leaf.
 Every leaf that keeps a residual is its own TopKA2A bucket (so its owned
 shard is its own slice); the others go through one dense reduce-scatter.
 The exchange is the step every transform runs
-(``error_feedback.step``), ended at the owners (``error_feedback.OWNERS``):
+(``exchange_step.step``), ended at the owners (``OWNERS``):
 its clip to the wire's range, warm-up, residuals and skips are the chain's.
 Where the parameters are split over other mesh axes (a ``("data", "model")``
 mesh), each device shards its own piece of them, as
@@ -65,7 +65,8 @@ from topka2a_jax._src.collectives.algorithms import ALGORITHMS, AUTO, DENSE, TOP
 from topka2a_jax._src.options import Options
 from topka2a_jax._src.sizes import ceil_div
 from topka2a_jax._src.states import ShardedOptimizerState, TopKA2AState
-from topka2a_jax._src.transforms import error_feedback
+from topka2a_jax._src.transforms import exchange_step
+from topka2a_jax._src.transforms.bucket_exchange import OWNERS
 from topka2a_jax._src.transforms.clipping import transform_names
 from topka2a_jax._src.transforms.exchange_plan import ExchangePlan
 from topka2a_jax._src.transforms.exchange_state import (
@@ -308,19 +309,19 @@ def _gather(shards: Sequence[jax.Array], shapes: Sequence[tuple[int, ...]],
 
 
 def _step(plan: ExchangePlan, inner: optax.GradientTransformation, treedef: Any,
-          grads: list, carried: error_feedback.Carried, param_leaves: list | None,
+          grads: list, carried: exchange_step.Carried, param_leaves: list | None,
           inner_state: Any, bad: jax.Array | None
-          ) -> tuple[list, error_feedback.Carried, Any]:
+          ) -> tuple[list, exchange_step.Carried, Any]:
   """One device's step on its pieces of the parameters (manual over every axis).
 
-  The exchange is the transforms' one step (:func:`error_feedback.step`),
+  The exchange is the transforms' one step (:func:`exchange_step.step`),
   ended at the owners: the clip to the wire, warm-up, the residuals and the
   skips (a non-finite gradient anywhere, or shards that overflow) are
   those of :func:`topka2a_jax.topka2a`. Where it skips, ``inner`` gets
   zeros and its state stays as it was.
   """
   num_devices = bound_axis_size(plan.options.axis.name)
-  stepped = error_feedback.step(plan, grads, carried, bad, end=error_feedback.OWNERS)
+  stepped = exchange_step.step(plan, grads, carried, bad, end=OWNERS)
   shards = stepped.means
   mean = treedef.unflatten([_present(s.astype(g.dtype), g.ndim)
                             for s, g in zip(shards, grads)])
@@ -331,7 +332,7 @@ def _step(plan: ExchangePlan, inner: optax.GradientTransformation, treedef: Any,
   out = treedef.flatten_up_to(out)
   if bad is not None:  # the step's exchange decided whether it skipped
     out = [jnp.where(stepped.skipped, jnp.zeros_like(u), u) for u in out]
-    new_state = error_feedback.held_where(stepped.skipped, own_state, new_state)
+    new_state = exchange_step.held_where(stepped.skipped, own_state, new_state)
   whole = _gather(out, [g.shape for g in grads], plan.options.axis.name, num_devices)
   return whole, stepped.carried, per_device_blocks(new_state, plan.options.axis.name)
 
@@ -346,19 +347,17 @@ def _update(options: Options, inner: optax.GradientTransformation, updates: Any,
     raise TypeError(f"expected the ShardedOptimizerState made by this transform's "
                     f"init, got {type(state).__name__}")
   given = extra_args.get(PARAM_SPECS)
-  plan, residuals, _ = planned(options, treedef, state.exchange, grads, paths,
-                               given_specs(treedef, given))
+  plan, carried = planned(options, treedef, state.exchange, grads, paths,
+                          given_specs(treedef, given))
   check_per_device(grads, paths, options.axis_name)
   param_leaves = None if params is None else leaves_of(params).values
   bad = step_is_bad(extra_args.get(NONFINITE), grads, options.axis_name, options.skip_nonfinite)
   step = functools.partial(_step, plan, inner, treedef)
-  carried = error_feedback.Carried(residuals, None, state.exchange.count,
-                                   state.exchange.nonfinite_steps)
   others = layout.automatic_axes(jax.sharding.get_abstract_mesh(), options.axis)
   if others:  # each device on its piece of every parameter, as topka2a does
     specs = shard_specs(grads, given_specs(treedef, given), others)
     inner_in = layout.inner_specs(state.inner, treedef, specs, None)
-    carried_in = error_feedback.Carried(specs, None, P(), P())
+    carried_in = exchange_step.Carried(specs, None, P(), P())
     step = jax.shard_map(
         step, mesh=jax.sharding.get_abstract_mesh(), axis_names=set(others),
         in_specs=(specs, carried_in, specs, inner_in, P()),

@@ -12,12 +12,12 @@ the dense ``lax.pmean`` of the gradients:
 4. ``residual = acc - sent`` is kept for the next step, so no gradient mass is
    lost, only delayed.
 
-Steps 1-4 are ``error_feedback.py``, with its two run-time switches (non-finite
-steps skipped everywhere, dense warm-up). Where the parameters are sharded
-over other mesh axes that the partitioner handles (a shard_map manual over
-the data axis only), the update runs them in a nested shard_map over those
-axes, so that each device selects from, and keeps residuals for, its own
-parameter shard only (``layout.py``).
+Steps 1-4 are ``bucket_exchange.py``, run by ``exchange_step.py`` with its
+run-time switches (non-finite steps skipped everywhere, dense warm-up).
+Where the parameters are sharded over other mesh axes that the partitioner
+handles (a shard_map manual over the data axis only), the update runs them
+in a nested shard_map over those axes, so that each device selects from,
+and keeps residuals for, its own parameter shard only (``layout.py``).
 
 :func:`topka2a_jax.train_step` and :func:`topka2a_jax.nnx_train_step` build
 the shard_map for you.
