@@ -43,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import network  # benchmarks/network.py: NetworkUnavailable and its checked command
+import link  # benchmarks/link.py: the shaped namespace, its workers, the timer
 
 from topka2a_jax import cost
 from topka2a_jax.collectives import ALGORITHMS
@@ -76,36 +76,36 @@ class ShapedNodes:
   def _shape(self, namespace: str, device: str) -> None:
     tc = ["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", device]
     # A token bucket at the rate; its burst must hold a 64 KiB frame.
-    network.checked(*tc, "root", "handle", "1:", "tbf", "rate", self.rate,
+    link.checked(*tc, "root", "handle", "1:", "tbf", "rate", self.rate,
                  "burst", "256kb", "latency", "200ms")
     if self.delay_ms:  # needs the sch_netem kernel module
-      network.checked(*tc, "parent", "1:1", "handle", "10:", "netem", "delay",
+      link.checked(*tc, "parent", "1:1", "handle", "10:", "netem", "delay",
                    f"{self.delay_ms}ms")
 
   def __enter__(self) -> ShapedNodes:  # noqa: PYI034
     switch = f"{self.prefix}-sw"
     try:
       for name in [switch, *map(self.node, range(self.nodes))]:
-        network.checked("ip", "netns", "add", name)
+        link.checked("ip", "netns", "add", name)
         self.made.append(name)
-        network.checked("ip", "netns", "exec", name, "ip", "link", "set", "lo", "up")
+        link.checked("ip", "netns", "exec", name, "ip", "link", "set", "lo", "up")
       in_switch = ["ip", "netns", "exec", switch]
-      network.checked(*in_switch, "ip", "link", "add", "br0", "type", "bridge")
-      network.checked(*in_switch, "ip", "link", "set", "br0", "up")
+      link.checked(*in_switch, "ip", "link", "add", "br0", "type", "bridge")
+      link.checked(*in_switch, "ip", "link", "set", "br0", "up")
       for i in range(self.nodes):
         node, port = self.node(i), f"port{i}"
-        network.checked("ip", "link", "add", f"{self.prefix}c{i}", "type", "veth",
+        link.checked("ip", "link", "add", f"{self.prefix}c{i}", "type", "veth",
                      "peer", "name", f"{self.prefix}p{i}")
-        network.checked("ip", "link", "set", f"{self.prefix}c{i}", "netns", node,
+        link.checked("ip", "link", "set", f"{self.prefix}c{i}", "netns", node,
                      "name", CARD)
-        network.checked("ip", "link", "set", f"{self.prefix}p{i}", "netns", switch,
+        link.checked("ip", "link", "set", f"{self.prefix}p{i}", "netns", switch,
                      "name", port)
         in_node = ["ip", "netns", "exec", node]
-        network.checked(*in_node, "ip", "addr", "add", f"{self.address(i)}/24", "dev",
+        link.checked(*in_node, "ip", "addr", "add", f"{self.address(i)}/24", "dev",
                      CARD)
-        network.checked(*in_node, "ip", "link", "set", CARD, "up")
-        network.checked(*in_switch, "ip", "link", "set", port, "master", "br0")
-        network.checked(*in_switch, "ip", "link", "set", port, "up")
+        link.checked(*in_node, "ip", "link", "set", CARD, "up")
+        link.checked(*in_switch, "ip", "link", "set", port, "master", "br0")
+        link.checked(*in_switch, "ip", "link", "set", port, "up")
         self._shape(node, CARD)  # what the node sends
         self._shape(switch, port)  # what it receives
     except BaseException:
@@ -377,7 +377,7 @@ def main() -> int:
           args.nodes, args.devices_per_node,
           prefixes=[["ip", "netns", "exec", nodes.node(i)] for i in range(args.nodes)],
           host=nodes.address(0))
-  except network.NetworkUnavailable as error:
+  except link.NetworkUnavailable as error:
     print(f"cannot make the shaped nodes here: {error}. It needs root (or "
           "CAP_NET_ADMIN), veth and bridge links and the kernel's tbf qdisc "
           "(netem too for --delay-ms); nothing was left behind.", file=sys.stderr)

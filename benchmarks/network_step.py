@@ -1,6 +1,6 @@
 """What a training step's update costs on a real link: state kept, real models' leaves.
 
-Inside the shaped namespace of ``benchmarks/network.py`` (loopback at
+Inside the shaped namespace of ``benchmarks/link.py`` (loopback at
 1 Gbit/s by default, P processes with one CPU device each, gloo over TCP),
 times the update of three gradients, each against the dense exchange of the
 same leaves:
@@ -47,10 +47,9 @@ import functools
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import network  # benchmarks/network.py: the shaped namespace
+import link  # benchmarks/link.py: the shaped namespace, its workers, the timer
 
 FIT_SIZES = (1_000_000, 8_000_000, 25_000_000)
 GRADIENTS = ("flat", "gpt2", "resnet50")
@@ -65,22 +64,6 @@ def leaf_shapes(gradient: str) -> list[tuple[int, ...]]:
     return [(FIT_SIZES[-1],)]
   shapes = gpt2_small(vocab=12_000, layers=2) if gradient == "gpt2" else resnet50()
   return [shape for _, shape in shapes]
-
-
-def _timed(run, repeats: int, name: str) -> float:
-  """Median seconds of ``run()``, every call started together on every process."""
-  import jax
-  import numpy as np
-  from jax.experimental import multihost_utils
-
-  jax.block_until_ready(run())  # compiles
-  seconds = []
-  for _ in range(repeats):
-    multihost_utils.sync_global_devices(name)
-    start = time.perf_counter()
-    jax.block_until_ready(run())
-    seconds.append(time.perf_counter() - start)
-  return float(np.median(seconds))
 
 
 def _runs(mesh, shapes, density: float, names: tuple[str, ...] = ROWS) -> dict:
@@ -181,14 +164,14 @@ def worker(args: argparse.Namespace) -> None:
         lambda index, size=size: np.ones(size, np.float32))
     run = functools.partial(dense, buffer)
     rows.append({"gradient": f"fit {size}", "run": "dense", "elements": size,
-                 "seconds": _timed(run, args.repeats, "fit")})
+                 "seconds": link.timed(run, repeats=args.repeats, label="fit")})
   all_shapes = json.loads(Path(args.shapes).read_text())
   for gradient in args.gradients:
     shapes = [tuple(shape) for shape in all_shapes[gradient]]
     for name, run in _runs(mesh, shapes, args.density, tuple(args.runs)).items():
       rows.append({"gradient": gradient, "run": name,
                    "elements": int(sum(np.prod(s) for s in shapes)),
-                   "seconds": _timed(run, args.repeats, name)})
+                   "seconds": link.timed(run, repeats=args.repeats, label=name)})
       if jax.process_index() == 0:
         print(f"{gradient:9s} {name:24s} {rows[-1]['seconds']:.4f} s", flush=True)
   if jax.process_index() == 0:
@@ -271,7 +254,7 @@ def main() -> int:
   scratch = Path(tempfile.mkdtemp())
   out, shapes = scratch / "rows.json", scratch / "shapes.json"
   shapes.write_text(json.dumps({g: leaf_shapes(g) for g in args.gradients}))
-  status = network.run_workers(
+  status = link.run_workers(
       args.rate, 0.0, args.processes, __file__, str(out), "--density", str(args.density),
       "--repeats", str(args.repeats), "--gradients", *args.gradients, "--runs", *runs,
       "--shapes", str(shapes), *(["--no-fit"] if args.no_fit else []))

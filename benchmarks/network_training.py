@@ -1,7 +1,7 @@
 """End-to-end training on a real, bandwidth-limited link: dense against sparse.
 
 Starts P processes (one CPU device each, gloo over TCP) inside the shaped
-network namespace of ``benchmarks/network.py`` (loopback at 1 Gbit/s by
+network namespace of ``benchmarks/link.py`` (loopback at 1 Gbit/s by
 default) and trains the same model from the same initialisation and batches
 once per configuration (:data:`RUNS`). By default: dense ``lax.pmean``; the
 gradient compressed, ``optax.chain(topka2a(density), optax.adam(...))``;
@@ -49,7 +49,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import network  # benchmarks/network.py: the shaped namespace
+import link  # benchmarks/link.py: the shaped namespace, its workers, the timer
 
 ROOT = Path(__file__).resolve().parent.parent
 WIDTH, LAYERS, HEADS, CONTEXT, BATCH_PER_DEVICE = 384, 4, 6, 64, 2
@@ -476,7 +476,7 @@ def train_on_the_link(args: argparse.Namespace, out: Path) -> int:
         f"{WIDTH} x {LAYERS} layers, {args.batch} x {CONTEXT} bytes per "
         f"process and step; density {args.density}; {args.steps} steps per run; "
         f"seed {args.seed}")
-  return network.run_workers(
+  return link.run_workers(
       args.rate, 0.0, args.processes, __file__, str(out), "--steps", str(args.steps),
       "--eval-every", str(args.eval_every), "--density", str(args.density),
       "--b1", str(args.b1), "--seed", str(args.seed), "--batch", str(args.batch),

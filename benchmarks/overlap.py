@@ -4,7 +4,7 @@ The planner splits a gradient into buckets so that each bucket's exchange
 can run while the backward pass still computes the earlier layers. That
 pays only where the backend overlaps a collective with compute that does
 not depend on it. This benchmark starts P processes (one CPU device each,
-gloo over TCP) in the shaped namespace of ``benchmarks/network.py`` and
+gloo over TCP) in the shaped namespace of ``benchmarks/link.py`` and
 times three jitted ``shard_map`` programs:
 
 - ``exchange``: an all-to-all of ``--elements`` float32 per process;
@@ -27,7 +27,7 @@ import argparse
 import json
 import sys
 
-import network  # benchmarks/network.py: the shaped namespace
+import link  # benchmarks/link.py: the shaped namespace, its workers, the timer
 
 WIDTH, MATMULS = 768, 12
 
@@ -67,7 +67,7 @@ def worker(elements: int, repeats: int, out: str | None) -> None:
   for name, body in programs.items():
     run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P("data")),
                                 out_specs=(P("data"), P("data"))))
-    seconds[name] = network.timed(run, a, b, repeats=repeats, label=name)
+    seconds[name] = link.timed(run, a, b, repeats=repeats, label=name)
   if jax.process_index() == 0:
     serial = seconds["exchange"] + seconds["compute"]
     overlapped = max(seconds["exchange"], seconds["compute"])
@@ -97,7 +97,7 @@ def main() -> int:
   if args.worker:
     worker(args.elements, args.repeats, args.json)
     return 0
-  return network.run_workers(
+  return link.run_workers(
       args.rate, 0.0, args.processes, __file__, "--elements", str(args.elements),
       "--repeats", str(args.repeats), *(["--json", args.json] if args.json else []))
 

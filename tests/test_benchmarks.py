@@ -186,3 +186,14 @@ def test_startup_ratios_are_to_the_same_trials_import_of_jax():
   assert rows["topka2a-plan --help"]["seconds"] == 0.5
   assert rows["topka2a-plan --help"]["ratio"] == 0.25
   assert rows["topka2a-plan --help"]["ratio_range"] == [0.25, 0.75]
+
+
+def test_every_benchmark_is_listed_in_its_family_with_evidence_that_exists():
+  layout = (BENCHMARKS.parent / "docs" / "layout.md").read_text()
+  table = layout[layout.index("| family | scripts | evidence |"):]
+  table = table[:table.index("\n\n")]
+  for script in sorted(BENCHMARKS.glob("*.py")):
+    assert f"`{script.name}`" in table, f"{script.name} has no family in docs/layout.md"
+  for row in table.splitlines()[2:]:
+    for page in row.rstrip(" |").rsplit("|", 1)[1].split(","):
+      assert (BENCHMARKS.parent / "docs" / page.strip()).exists(), page
