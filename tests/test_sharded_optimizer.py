@@ -25,7 +25,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import topka2a_jax
-from topka2a_jax._src.transforms.sharded_optimizer import shard_length
+from topka2a_jax._src.transforms.per_device import shard_length
 
 DEVICES = 8
 

@@ -1,4 +1,4 @@
-"""State that each device keeps a copy of: an optimizer run on its own gradient.
+"""State that each device keeps of its own: an optimizer's copy, or its shards.
 
 :func:`topka2a_jax.compress_updates` and :func:`topka2a_jax.local_steps`
 run an optimizer on every device's own gradient, so its state (and, for
@@ -9,6 +9,10 @@ outside as global arrays, every leaf ``(P, *shape)`` split along dimension
 (``layout.replica_specs``). :data:`topka2a_jax._src.states.REPLICA` names
 this kind of state for the specs, the checkpoints and a restore onto
 another device count (every device then starts from the mean of the copies).
+
+:func:`topka2a_jax.sharded_optimizer` runs its optimizer on the shard of the
+mean each device owns, so its state is made of those shards
+(:func:`per_device_shards`; ``1/P`` of every leaf on each device).
 
 Example:
   >>> mesh = jax.make_mesh((8,), ("data",))
@@ -21,20 +25,24 @@ Example:
 
 from __future__ import annotations
 
+import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from topka2a_jax._src import layout
-from topka2a_jax._src.axis import holds_tracer, is_bound, per_device_blocks
+from topka2a_jax._src.axis import bound_axis_size, holds_tracer, is_bound, per_device_blocks
+from topka2a_jax._src.buffers import padded_rows
 from topka2a_jax._src.caller import user_stacklevel
 from topka2a_jax._src.options import Options
+from topka2a_jax._src.sizes import ceil_div
 from topka2a_jax._src.states import holds_exchange
 from topka2a_jax._src.transforms.leaves import leaves_of
 
@@ -79,6 +87,77 @@ def per_device_state(options: Options, make: Callable[[optax.Params], Any],
   if holds_tracer(one):
     return jax.tree.map(layout.constrain, copies(one), shardings)
   return jax.jit(copies, out_shardings=shardings)(one)
+
+
+def shard_length(size: int, num_devices: int) -> int:
+  """Entries of a ``size``-entry leaf each of ``num_devices`` owns: ``ceil(size / P)``."""
+  return ceil_div(size, num_devices)
+
+
+def shard_shape(entries: int, ndim: int) -> tuple[int, ...]:
+  """The shape an optimizer sees a shard of ``entries`` in: ``ndim`` dimensions."""
+  return () if ndim == 0 else (1,) * (ndim - 1) + (entries,)
+
+
+def shaped_shard(flat_shard: jax.Array, ndim: int) -> jax.Array:
+  """A 1-D shard shaped with ``ndim`` dimensions for the optimizer (:func:`shard_shape`)."""
+  return flat_shard.reshape(shard_shape(flat_shard.size, ndim))
+
+
+def own_shard(leaf: jax.Array, num_devices: int, axis_name: Hashable) -> jax.Array:
+  """Inside shard_map: this device's shard of a whole ``leaf``, entries
+  ``[i m, (i + 1) m)`` of it flattened, shaped for the optimizer."""
+  rows = padded_rows(jnp.ravel(leaf), num_devices)
+  return shaped_shard(lax.dynamic_index_in_dim(rows, lax.axis_index(axis_name),
+                                               keepdims=False), leaf.ndim)
+
+
+def per_device_shards(options: Options, make: Callable[[optax.Params], Any],
+                      params: optax.Params, mesh: Mesh | None, transform: str,
+                      why: str) -> Any:
+  """``make`` of the shards each device owns of ``params`` (:func:`own_shard`), per
+  device: this device's block inside shard_map, else global arrays on the mesh.
+
+  The state of an optimizer that runs on the owners' shards of the mean
+  (:func:`topka2a_jax.sharded_optimizer`): ``1/P`` of each leaf per device.
+
+  Args:
+    options: the transform's options (its axis and mesh).
+    make: builds one device's state from its shards (an optimizer's ``init``).
+    params: the parameters (arrays or shapes).
+    mesh: the mesh to lay the state out for outside shard_map.
+    transform: the transform's name, for its errors.
+    why: why ``make``'s state may not hold an exchange (:func:`without_exchange`).
+  """
+  tree = leaves_of(params)
+  leaves, treedef = tree.values, tree.structure
+
+  def blocks(*leaves: jax.Array) -> Any:
+    num_devices = bound_axis_size(options.axis_name)
+    shards = [own_shard(leaf, num_devices, options.axis_name) for leaf in leaves]
+    state = without_exchange(make(treedef.unflatten(shards)), transform, why)
+    return per_device_blocks(state, options.axis_name)
+
+  if is_bound(options.axis_name):
+    return blocks(*leaves)
+  others = layout.automatic_axes(mesh, options.axis)
+  specs = [layout.restrict_spec(layout.param_spec_of(leaf, mesh), leaf.shape, others)
+           for leaf in leaves]
+  num_devices = options.axis.size(mesh)
+  shards = [jax.ShapeDtypeStruct(shard_shape(shard_length(
+      math.prod(layout.local_shape(leaf.shape, spec, others)), num_devices),
+      leaf.ndim), leaf.dtype) for leaf, spec in zip(leaves, specs)]
+  with layout.laid_out_for(mesh):  # an exchange inside is refused, not asked for a mesh
+    local = without_exchange(jax.eval_shape(make, treedef.unflatten(shards)), transform,
+                             why)
+  out_specs = layout.inner_specs(
+      jax.tree.map(lambda x: jax.ShapeDtypeStruct((1, *x.shape), x.dtype), local),
+      treedef, specs, options.axis_name)
+  made = jax.jit(jax.shard_map(blocks, mesh=mesh, in_specs=tuple(specs),
+                               out_specs=out_specs))
+  values = [jnp.zeros(leaf.shape, leaf.dtype) if isinstance(leaf, jax.ShapeDtypeStruct)
+            else leaf for leaf in leaves]
+  return made(*jax.device_put(values, [NamedSharding(mesh, s) for s in specs]))
 
 
 def zeros_in_float32(params: optax.Params) -> optax.Params:

@@ -49,7 +49,6 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from topka2a_jax._src import layout
@@ -57,13 +56,11 @@ from topka2a_jax._src.arguments import checked_optimizer
 from topka2a_jax._src.axis import (
   bound_axis_size,
   grouped_by_varying_axes,
-  is_bound,
   per_device_blocks,
 )
-from topka2a_jax._src.buffers import padded_rows, split_by_widths
+from topka2a_jax._src.buffers import split_by_widths
 from topka2a_jax._src.collectives.algorithms import ALGORITHMS, AUTO, DENSE, TOPKA2A
 from topka2a_jax._src.options import Options
-from topka2a_jax._src.sizes import ceil_div
 from topka2a_jax._src.states import ShardedOptimizerState, TopKA2AState
 from topka2a_jax._src.transforms import exchange_step
 from topka2a_jax._src.transforms.bucket_exchange import OWNERS
@@ -85,7 +82,7 @@ from topka2a_jax._src.transforms.leaves import (
 from topka2a_jax._src.transforms.nonfinite import (
   step_is_bad,
 )
-from topka2a_jax._src.transforms.per_device import without_exchange
+from topka2a_jax._src.transforms.per_device import own_shard, per_device_shards, shaped_shard
 from topka2a_jax._src.transforms.signatures import (
   ShardedOptimizerOptions,
   Unpack,
@@ -214,8 +211,9 @@ def sharded_optimizer(inner: optax.GradientTransformation, density: float | None
       if name in OWNER_SHARD_ALGORITHMS))
 
   def init_fn(params: optax.Params) -> ShardedOptimizerState:
-    return ShardedOptimizerState(init_state(checked, params),
-                                 _init_inner(checked, inner, params))
+    return ShardedOptimizerState(init_state(checked, params), per_device_shards(
+        checked, inner.init, params, layout_mesh(checked, jax.tree.leaves(params)),
+        "sharded_optimizer", WHY_NOT_AN_EXCHANGE))
 
   def update_fn(updates: optax.Updates, state: ShardedOptimizerState,
                 params: optax.Params | None = None, **extra_args: Any):
@@ -224,71 +222,9 @@ def sharded_optimizer(inner: optax.GradientTransformation, density: float | None
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def shard_length(size: int, num_devices: int) -> int:
-  """Entries of a ``size``-entry leaf each of ``num_devices`` owns: ``ceil(size / P)``."""
-  return ceil_div(size, num_devices)
-
-
-def _present_shape(entries: int, ndim: int) -> tuple[int, ...]:
-  """The shape the inner transform sees a shard of ``entries`` in: ``ndim`` dimensions."""
-  return () if ndim == 0 else (1,) * (ndim - 1) + (entries,)
-
-
-def _present(flat_shard: jax.Array, ndim: int) -> jax.Array:
-  """A 1-D shard shaped with ``ndim`` dimensions for the inner transform."""
-  return flat_shard.reshape(_present_shape(flat_shard.size, ndim))
-
-
-def _own_shard(leaf: jax.Array, num_devices: int, axis_name: Hashable) -> jax.Array:
-  """This device's shard of a whole ``leaf``, shaped for the inner transform."""
-  rows = padded_rows(jnp.ravel(leaf), num_devices)
-  return _present(lax.dynamic_index_in_dim(rows, lax.axis_index(axis_name), keepdims=False),
-                  leaf.ndim)
-
-
-def _without_exchange(state: Any) -> Any:
-  """``state``, unless it holds an exchange of its own."""
-  return without_exchange(state, "sharded_optimizer", "the shards it gets are averaged "
-                          "already (to exchange the optimizer's updates instead, use "
-                          "compress_updates(optax.adam(...), density) alone)")
-
-
-def _local_inner_init(options: Options, inner: optax.GradientTransformation,
-                      leaves: Sequence[jax.Array], treedef: Any) -> Any:
-  """Inside shard_map: ``inner``'s state for this device's shards, per device."""
-  num_devices = bound_axis_size(options.axis_name)
-  shards = treedef.unflatten([_own_shard(leaf, num_devices, options.axis_name)
-                              for leaf in leaves])
-  state = _without_exchange(inner.init(shards))
-  return per_device_blocks(state, options.axis_name)
-
-
-def _init_inner(options: Options, inner: optax.GradientTransformation,
-                params: optax.Params) -> Any:
-  """``inner``'s state: per device inside shard_map, else global arrays on the mesh."""
-  tree = leaves_of(params)
-  leaves, treedef = tree.values, tree.structure
-  if is_bound(options.axis_name):
-    return _local_inner_init(options, inner, leaves, treedef)
-  mesh = layout_mesh(options, leaves)  # init_state has refused a missing one
-  others = layout.automatic_axes(mesh, options.axis)
-  specs = [layout.restrict_spec(layout.param_spec_of(leaf, mesh), leaf.shape, others)
-           for leaf in leaves]
-  num_devices = options.axis.size(mesh)
-  shards = [jax.ShapeDtypeStruct(_present_shape(shard_length(
-      math.prod(layout.local_shape(leaf.shape, spec, others)), num_devices),
-      leaf.ndim), leaf.dtype) for leaf, spec in zip(leaves, specs)]
-  with layout.laid_out_for(mesh):  # an exchange inside is refused, not asked for a mesh
-    local = _without_exchange(jax.eval_shape(inner.init, treedef.unflatten(shards)))
-  out_specs = layout.inner_specs(
-      jax.tree.map(lambda x: jax.ShapeDtypeStruct((1, *x.shape), x.dtype), local),
-      treedef, specs, options.axis_name)
-  make = jax.jit(jax.shard_map(
-      lambda *leaves: _local_inner_init(options, inner, leaves, treedef), mesh=mesh,
-      in_specs=tuple(specs), out_specs=out_specs))
-  values = [jnp.zeros(leaf.shape, leaf.dtype) if isinstance(leaf, jax.ShapeDtypeStruct)
-            else leaf for leaf in leaves]
-  return make(*jax.device_put(values, [NamedSharding(mesh, s) for s in specs]))
+WHY_NOT_AN_EXCHANGE = ("the shards it gets are averaged already (to exchange the optimizer's "
+                       "updates instead, use compress_updates(optax.adam(...), density) alone)")
+"""Why ``inner`` may not exchange by itself, for the refusal."""
 
 
 def _gather(shards: Sequence[jax.Array], shapes: Sequence[tuple[int, ...]],
@@ -323,10 +259,10 @@ def _step(plan: ExchangePlan, inner: optax.GradientTransformation, treedef: Any,
   num_devices = bound_axis_size(plan.options.axis.name)
   stepped = exchange_step.step(plan, grads, carried, bad, end=OWNERS)
   shards = stepped.means
-  mean = treedef.unflatten([_present(s.astype(g.dtype), g.ndim)
+  mean = treedef.unflatten([shaped_shard(s.astype(g.dtype), g.ndim)
                             for s, g in zip(shards, grads)])
   own_params = None if param_leaves is None else treedef.unflatten(
-      [_own_shard(p, num_devices, plan.options.axis.name) for p in param_leaves])
+      [own_shard(p, num_devices, plan.options.axis.name) for p in param_leaves])
   own_state = jax.tree.map(lambda x: x[0], inner_state)
   out, new_state = inner.update(mean, own_state, own_params)
   out = treedef.flatten_up_to(out)
