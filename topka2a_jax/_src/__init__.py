@@ -42,7 +42,7 @@ this list (``tests/test_package.py`` holds it so).
   compiled program sends).
 * ``collectives/``: the exchanges of one flat buffer. ``exchanges.py``
   (dense, TopkA, TopKA2A, TopKA2A-sparse, few-bit, two-level),
-  ``low_rank.py`` (PowerSGD), ``selection.py`` and ``threshold.py`` (which
+  ``low_rank.py`` (PowerSGD), ``selection.py``, ``threshold.py`` and ``top_k.py`` (which
   entries to send, by name), ``wire.py`` (values and indices in one
   message), ``quantized.py`` (the few-bit exchanges' codes),
   ``algorithms.py`` (every exchange's name, phases and cost terms: the

@@ -44,7 +44,7 @@ from topka2a_jax._src.collectives.packed_flags import (
   pack,
   set_positions,
 )
-from topka2a_jax._src.collectives.selection import top_magnitudes
+from topka2a_jax._src.collectives.top_k import top_magnitudes
 
 KEY_BITS = 31
 """Bisection steps: one per bit of a key, so the threshold is exact."""
@@ -57,7 +57,7 @@ def top_of_received(shard: jax.Array, received: jax.Array,
   Args:
     shard: ``(n,)`` floating array, zero outside ``received``. Keys are
       float32 magnitudes, exact for 32-bit and narrower floats; wider ones
-      sort exactly (:func:`~topka2a_jax._src.collectives.selection.top_magnitudes`).
+      sort exactly (:func:`~topka2a_jax._src.collectives.top_k.top_magnitudes`).
     received: int32 positions into ``shard``, shape ``(P, m)``, each row's
       distinct (every sender's selection), ``k <= m``.
     k: entries to select, at least 1.

@@ -78,7 +78,7 @@ from topka2a_jax._src.collectives.packed_flags import (
   pack,
   set_positions,
 )
-from topka2a_jax._src.collectives.selection import top_magnitudes
+from topka2a_jax._src.collectives.top_k import top_magnitudes
 from topka2a_jax._src.sizes import ceil_div, round_up
 
 GROUPS_PER_ENTRY = 24
