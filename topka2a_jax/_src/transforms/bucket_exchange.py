@@ -177,34 +177,71 @@ def exchange_buckets(plan: ExchangePlan, buckets: Sequence[tuple[list[int], Buck
     algorithm = ALGORITHMS[bucket.algorithm] if sparse else DENSE
     limit = _sent_limit(plan, [grads[i].dtype for i in members], send) if (
         algorithm.sparse) else None
-    collective_kwargs = {"value_dtype": plan.options.value_dtype,
-                         "selection": plan.options.selection, "send": send}
     with form_scope(algorithm.name):  # comm_report reads the form back
-      if bucket.route == TWO_LEVEL:  # clipped where the node's sum is formed
-        result = exchanges.two_level(
-            jnp.concatenate(rows, axis=1).ravel(), axis.name, plan.options.density,
-            outer=exchanges.COLLECTIVES[algorithm.name], limit=limit, **collective_kwargs)
-        mean_pieces = [piece.ravel()[:size] for piece, size in zip(
-            split_by_widths(result.mean.reshape(per_node, -1), widths), sizes)]
-        unsent = split_by_widths(result.unsent, widths)
+      if bucket.route == TWO_LEVEL:
+        mean_pieces, unsent = _two_level_pieces(plan, algorithm, rows, sizes, widths,
+                                                limit, send)
       else:
-        sent, held = clipped_to_wire([r.ravel()[:size] for r, size in zip(rows, sizes)],
-                                     limit)
-        result = exchanges.COLLECTIVES[algorithm.name](
-            pack_bucket(sent, dtype), axis.name, plan.options.density, **collective_kwargs)
-        mean_pieces = split_by_widths(result.mean, sizes)
-        # What the clip held back joins what was not sent, before a pair of
-        # data axes sums it onto the devices keeping each slice.
-        unsent = split_by_widths(result.unsent, sizes)
-        if held is not None:
-          unsent = [left + back for left, back in zip(unsent, held)]
-        unsent = unsent_slices(unsent, widths, per_node, axis.inner,
-                               algorithm.sparse and any(keeps), send)
+        mean_pieces, unsent = _flat_pieces(plan, algorithm, rows, sizes, widths, limit,
+                                           send, any(keeps))
     for i, keep, mean, left in zip(members, keeps, mean_pieces, unsent):
       means[i] = mean.reshape(grads[i].shape).astype(grads[i].dtype)
       if keep:
         new_residuals[i] = left.reshape(residuals[i].shape).astype(residuals[i].dtype)
   return Sent(means, new_residuals)
+
+
+def _two_level_pieces(plan: ExchangePlan, algorithm: Any, rows: list[jax.Array],
+                      sizes: list[int], widths: list[int], limit: Any,
+                      send: jax.Array | None) -> tuple[list, list]:
+  """A bucket over a pair of axes, dense inside each node and ``algorithm`` between
+  nodes, its leaves packed slice by slice: each leaf's mean and this device's
+  unsent slice (what the outer exchange leaves is in slices already). Clipped
+  where the node's sum is formed."""
+  axis, options = plan.options.axis, plan.options
+  per_node = axis.per_node()
+  result = exchanges.two_level(
+      jnp.concatenate(rows, axis=1).ravel(), axis.name, options.density,
+      outer=exchanges.COLLECTIVES[algorithm.name], limit=limit,
+      value_dtype=options.value_dtype, selection=options.selection, send=send)
+  mean_pieces = [piece.ravel()[:size] for piece, size in zip(
+      split_by_widths(result.mean.reshape(per_node, -1), widths), sizes)]
+  return mean_pieces, split_by_widths(result.unsent, widths)
+
+
+def _flat_pieces(plan: ExchangePlan, algorithm: Any, rows: list[jax.Array],
+                 sizes: list[int], widths: list[int], limit: Any,
+                 send: jax.Array | None, keeps: bool) -> tuple[list, list]:
+  """A bucket over every device of the axis, packed leaf after leaf: each leaf's
+  mean and this device's unsent slice (``keeps``: any leaf keeps a residual)."""
+  axis, options = plan.options.axis, plan.options
+  dtype = jnp.result_type(*rows)
+  sent, held = clipped_to_wire([r.ravel()[:size] for r, size in zip(rows, sizes)], limit)
+  result = exchanges.COLLECTIVES[algorithm.name](
+      pack_bucket(sent, dtype), axis.name, options.density,
+      value_dtype=options.value_dtype, selection=options.selection, send=send)
+  # What the clip held back joins what was not sent, before a pair of data
+  # axes sums it onto the devices keeping each slice.
+  unsent = split_by_widths(result.unsent, sizes)
+  if held is not None:
+    unsent = [left + back for left, back in zip(unsent, held)]
+  return split_by_widths(result.mean, sizes), unsent_slices(
+      unsent, widths, axis.per_node() or 1, axis.inner, algorithm.sparse and keeps, send)
+
+
+def _to_owners(plan: ExchangePlan, algorithm: Any, sent: jax.Array,
+               send: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+  """One leaf's first phase: its few-bit codes, or TopKA2A's top-k of each shard,
+  to the owners. This device's summed shard, and what it left unsent."""
+  axis_name, options = plan.options.axis.name, plan.options
+  with form_scope(algorithm.name):
+    if algorithm.codes is not None:
+      return exchanges.codes_to_owners(
+          sent, axis_name, algorithm.codes.bits, chunk=algorithm.codes.chunk, send=send,
+          rotated=algorithm.codes.rotated)
+    phase = exchanges.to_owners(sent, axis_name, options.density, options.value_dtype,
+                                get_selection(options.selection), send)
+  return phase.owned, phase.unsent.reshape(-1)[: sent.size]
 
 
 def owner_buckets(plan: ExchangePlan, buckets: Sequence[tuple[list[int], Bucket]],
@@ -249,16 +286,7 @@ def owner_buckets(plan: ExchangePlan, buckets: Sequence[tuple[list[int], Bucket]
       continue
     (i,) = members  # one leaf a bucket: its owned shard is a slice of it
     (sent,), held = clipped_to_wire([accs[i]], _sent_limit(plan, [grads[i].dtype], send))
-    with form_scope(algorithm.name):
-      if algorithm.codes is not None:
-        owned, unsent = exchanges.codes_to_owners(
-            sent, axis_name, algorithm.codes.bits, chunk=algorithm.codes.chunk, send=send,
-            rotated=algorithm.codes.rotated)
-      else:
-        phase = exchanges.to_owners(sent, axis_name, plan.options.density,
-                                    plan.options.value_dtype,
-                                    get_selection(plan.options.selection), send)
-        owned, unsent = phase.owned, phase.unsent.reshape(-1)[: sent.size]
+    owned, unsent = _to_owners(plan, algorithm, sent, send)
     shards[i] = owned / num_devices
     if keeps[i]:
       left = unsent if held is None else unsent + held[0]
