@@ -289,7 +289,7 @@ def test_auto_never_takes_an_exchange_that_holds_back(mesh):
     options = dataclasses.replace(Options.create(0.01, network="eth1"),
                                   whole_selection=whole_selection)
     plan = ExchangePlan.create(options, ["w"], [(8_000_000,)])
-    return plan.planner.plan([8_000_000], 8, plan.options.density)
+    return [bucket for _, bucket in plan.buckets([jnp.zeros(8_000_000)], 8)]
 
   gradient, updates = buckets(False), buckets(True)
   assert [b.algorithm for b in gradient] == ["topka2a_sparse"]

@@ -41,6 +41,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from topka2a_jax._src.transforms.signatures import (
+  FrozenVarianceAdamOptions,
+  Unpack,
+  refuse_options,
+  takes_options,
+)
 from topka2a_jax._src.transforms.update_compression import compress_updates
 
 
@@ -132,11 +138,13 @@ def scale_by_frozen_rms(b1: float, b2: float = 0.999, eps: float = 1e-8, *,
   return optax.GradientTransformation(init_fn, update_fn)
 
 
+@takes_options(FrozenVarianceAdamOptions)
 def frozen_variance_adam(learning_rate: optax.ScalarOrSchedule,
                          density: float | None = None, *,
                          freeze_after: int, b1: float = 0.9, b2: float = 0.999,
                          eps: float = 1e-8, variance_floor: float = 0.01,
-                         **options: Any) -> optax.GradientTransformation:
+                         **options: Unpack[FrozenVarianceAdamOptions]
+                         ) -> optax.GradientTransformation:
   """Adam whose momentum is compressed and whose variance freezes (1-bit Adam).
 
   Args:
@@ -146,17 +154,16 @@ def frozen_variance_adam(learning_rate: optax.ScalarOrSchedule,
     freeze_after: dense steps during which the variance learns.
     b1, b2, eps: Adam's.
     variance_floor: see :func:`scale_by_frozen_rms`.
-    **options: options of :func:`topka2a_jax.compress_updates` (``mesh``,
-      ``algorithm``, ``selection``, ...); ``warmup_steps`` is
-      ``freeze_after``.
+    **options: the options of :func:`topka2a_jax.compress_updates` but
+      ``warmup_steps``, which is ``freeze_after``, below.
 
   Returns:
     ``optax.chain(compress_updates(ema(b1)), scale_by_frozen_rms(...),
     scale_by_learning_rate(learning_rate))``.
   """
-  if "warmup_steps" in options:
-    raise ValueError("frozen_variance_adam exchanges densely for freeze_after "
-                     "steps; it takes no warmup_steps= option.")
+  refuse_options("frozen_variance_adam", options, {
+      "warmup_steps": "it exchanges densely for its first freeze_after steps, its warm-up",
+      "follows": "the exchange sends its momentum, in the form compress_updates sends"})
   if not callable(learning_rate) and (
       isinstance(learning_rate, bool) or not isinstance(learning_rate, numbers.Real)
       or not math.isfinite(learning_rate)):

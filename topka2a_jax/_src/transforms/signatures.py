@@ -32,14 +32,15 @@ if sys.version_info >= (3, 11):
 else:  # PEP 692's Unpack came to typing in 3.11
   from typing_extensions import Unpack
 
-__all__ = ["CompressUpdatesOptions", "ShardedOptimizerOptions", "TopKA2AOptions",
-           "Unpack", "refuse_options", "takes_options"]  # Unpack: for the factories
+# Unpack is here for the factories, which import it with their records.
+__all__ = ["CompressUpdatesOptions", "FrozenVarianceAdamOptions", "ShardedOptimizerOptions",
+           "TopKA2AOptions", "Unpack", "refuse_options", "takes_options"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class ShardedOptimizerOptions(TypedDict, total=False):
-  """The options :func:`topka2a_jax.sharded_optimizer` takes (each one's doc: :class:`Options`)."""
+class _EveryFactorysOptions(TypedDict, total=False):
+  """The options every factory takes (each one's doc: :class:`Options`)."""
 
   axis_name: Hashable
   mesh: Mesh | None
@@ -50,17 +51,28 @@ class ShardedOptimizerOptions(TypedDict, total=False):
   value_dtype: Any
   residual_dtype: Any
   selection: str
-  warmup_steps: int
   skip_nonfinite: bool
 
 
-class CompressUpdatesOptions(ShardedOptimizerOptions, total=False):
-  """The options of :func:`topka2a_jax.compress_updates` and :func:`topka2a_jax.local_steps`:
-  all but ``follows`` (the exchange's form follows the optimizer they are given)."""
+class ShardedOptimizerOptions(_EveryFactorysOptions, total=False):
+  """The options :func:`topka2a_jax.sharded_optimizer` takes: no ``fusion``,
+  ``backward_seconds``, ``rank`` or ``follows``."""
+
+  warmup_steps: int
+
+
+class FrozenVarianceAdamOptions(_EveryFactorysOptions, total=False):
+  """The options :func:`topka2a_jax.frozen_variance_adam` takes: its warm-up is
+  ``freeze_after``, and the exchange's form follows its momentum."""
 
   fusion: int | str
   backward_seconds: float | None
   rank: int | None
+
+
+class CompressUpdatesOptions(ShardedOptimizerOptions, FrozenVarianceAdamOptions, total=False):
+  """The options of :func:`topka2a_jax.compress_updates` and :func:`topka2a_jax.local_steps`:
+  all but ``follows`` (the exchange's form follows the optimizer they are given)."""
 
 
 class TopKA2AOptions(CompressUpdatesOptions, total=False):
