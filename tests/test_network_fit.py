@@ -1,17 +1,12 @@
 """The network benchmark's model fit, on timings made from a known link."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from test_benchmarks import load
 
 from topka2a_jax._src.collectives.algorithms import ALGORITHMS
 from topka2a_jax._src.planner.cost import Network, exchange_cost
 
-spec = importlib.util.spec_from_file_location(
-    "network_benchmark", Path(__file__).parent.parent / "benchmarks" / "network.py")
-network_benchmark = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(network_benchmark)
+network_benchmark = load("network")  # as it runs: its folder on the path, for link.py
 
 
 def synthetic_rows(link, processes, per_element=0.0, per_entry=0.0, per_matrix=0.0,

@@ -349,10 +349,9 @@ def clipped_to_wire(values: Sequence[jax.Array], limit: Any
   return sent, [v - s for v, s in zip(values, sent)]
 
 
-def low_and_rest(factors: Sequence[Any]) -> tuple[list[int], list[int]]:
-  """The positions of the leaves that hold a PowerSGD factor, and of the others."""
-  low = [i for i, factor in enumerate(factors) if not isinstance(factor, optax.MaskedNode)]
-  return low, [i for i in range(len(factors)) if i not in set(low)]
+def low_rank_positions(factors: Sequence[Any]) -> list[int]:
+  """The positions of the leaves that hold a PowerSGD factor (the others go dense)."""
+  return [i for i, factor in enumerate(factors) if not isinstance(factor, optax.MaskedNode)]
 
 
 def exchange_low_rank(plan: ExchangePlan, buckets: Sequence[tuple[list[int], Bucket]],
@@ -368,7 +367,8 @@ def exchange_low_rank(plan: ExchangePlan, buckets: Sequence[tuple[list[int], Buc
   Returns:
     :class:`Sent`, its ``factors`` the new ``Q`` of every leaf.
   """
-  low, rest = low_and_rest(factors)
+  low = low_rank_positions(factors)
+  rest = [i for i in range(len(factors)) if i not in set(low)]
   means: list[Any] = [g if g.size else zeros_like_mean(g, plan.options.axis) for g in grads]
   new, new_factors = list(residuals), list(factors)
   rest_sent = exchange_buckets(plan, buckets, [grads[i] for i in rest],

@@ -53,7 +53,7 @@ from topka2a_jax._src.transforms.bucket_exchange import (
   OWNERS,
   Sent,
   exchange_low_rank,
-  low_and_rest,
+  low_rank_positions,
   zeros_like_mean,
 )
 from topka2a_jax._src.transforms.exchange_plan import describe, say_once
@@ -229,7 +229,8 @@ def step(plan: ExchangePlan, grads: list, carried: Carried, bad: jax.Array | Non
   num_devices = bound_axis_size(plan.options.axis.name)
   bad = step_is_bad(bad, grads, plan.options.axis.name, plan.options.skip_nonfinite)
   # PowerSGD's other leaves are bucketed alone: the low-rank ones go apart.
-  low, rest = ([], range(len(grads))) if factors is None else low_and_rest(factors)
+  low = [] if factors is None else low_rank_positions(factors)
+  rest = [i for i in range(len(grads)) if i not in set(low)]
   buckets = plan.buckets([grads[i] for i in rest], num_devices)
   say_once(describe([bucket for _, bucket in buckets], plan.options.density,
                     [grads[i].size for i in low], plan.rank))

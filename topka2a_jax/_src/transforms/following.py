@@ -41,7 +41,7 @@ import logging
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import optax
 
@@ -129,7 +129,21 @@ def _members(field: str, members: Sequence[Any]) -> list[Any]:
   return [member for _, member in members] if field == "transforms" else list(members)
 
 
-def follower(own: Callable[..., Any]) -> tuple[tuple[Any, ...], bool] | None:
+class Followers(NamedTuple):
+  """What follows the exchange in its chains, as :func:`follower` reads it.
+
+  Attributes:
+    functions: the functions after it, innermost chain first (or whole
+      transforms under ``optax.named_chain``).
+    updates: whether their update functions are among them (read from a
+      chain's update, or any named chain), which tells the kinds apart.
+  """
+
+  functions: tuple[Any, ...]
+  updates: bool
+
+
+def follower(own: Callable[..., Any]) -> Followers | None:
   """The functions after ``own`` in every chain now running it, innermost first.
 
   Call it from inside ``own`` (a transform's ``init`` or ``update``).
@@ -138,11 +152,8 @@ def follower(own: Callable[..., Any]) -> tuple[tuple[Any, ...], bool] | None:
     own: the running transform's init or update function.
 
   Returns:
-    ``(functions, updates)``: what follows (functions, or whole transforms
-    under ``optax.named_chain``), and whether their update functions are
-    there (from a chain's update, or any named chain); None where no chain
-    runs ``own`` (the transform was called alone, or by a combinator this
-    module does not read).
+    :class:`Followers`, or None where no chain runs ``own`` (the transform
+    was called alone, or by a combinator this module does not read).
   """
   frame, after, updates, inner = sys._getframe(1), [], True, (own,)
   found = False
@@ -159,10 +170,10 @@ def follower(own: Callable[..., Any]) -> tuple[tuple[Any, ...], bool] | None:
         inner = tuple(members[position]) if isinstance(members[position], tuple) \
             else (members[position],)
     frame = frame.f_back
-  return (tuple(after), updates) if found else None
+  return Followers(tuple(after), updates) if found else None
 
 
-def kind_of(followed: tuple[tuple[Any, ...], bool] | None) -> str:
+def kind_of(followed: Followers | None) -> str:
   """The kind of optimizer :func:`follower` found: one of the four kinds.
 
   :data:`PLAIN` only where it is positively known: a step of plain SGD (a
@@ -172,7 +183,7 @@ def kind_of(followed: tuple[tuple[Any, ...], bool] | None) -> str:
   and the update decides. No chain, nothing after the exchange in it, or
   functions whose names say nothing: :data:`UNKNOWN`.
   """
-  if followed is None or not followed[0]:
+  if followed is None or not followed.functions:
     return UNKNOWN
   fns, updates = followed
   names = _factories(fns, updates_only=updates)
@@ -185,12 +196,12 @@ def kind_of(followed: tuple[tuple[Any, ...], bool] | None) -> str:
   return UNKNOWN
 
 
-def unrecognised(followed: tuple[tuple[Any, ...], bool] | None) -> str:
+def unrecognised(followed: Followers | None) -> str:
   """What the exchange could not read of the optimizer after it, in a phrase."""
   if followed is None:
     return ("no optax.chain or optax.named_chain is running it, so it cannot see what "
             "is done with its mean")
-  if not followed[0]:
+  if not followed.functions:
     return ("nothing follows it in its chain, so it cannot see what is done with its "
             "mean")
   known = _NEUTRAL_NAMES | _ADAPTIVE_NAMES | _MOMENTUM_NAMES
@@ -199,7 +210,7 @@ def unrecognised(followed: tuple[tuple[Any, ...], bool] | None) -> str:
     return f"it does not know the optimizer after it ({', '.join(names)})"
   if not _qualnames(*followed):
     return ("the functions after it carry no name it can read ("
-            f"{', '.join(type(fn).__name__ for fn in followed[0])})")
+            f"{', '.join(type(fn).__name__ for fn in followed.functions)})")
   return "nothing after it in its chain makes a step of the mean"
 
 
@@ -216,7 +227,7 @@ def _named_kind(follows: Any) -> tuple[str, str]:
   return kind, (unrecognised(named) if kind == UNKNOWN else "")
 
 
-def for_follower(options: Options, followed: tuple[tuple[Any, ...], bool] | None,
+def for_follower(options: Options, followed: Followers | None,
                  said: set[str], at_init: bool = False) -> Options:
   """``options`` with ``"auto"``'s forms set for the optimizer after the exchange.
 

@@ -78,7 +78,7 @@ from topka2a_jax._src.transforms.exchange_state import (
 )
 from topka2a_jax._src.transforms.exchange_step import held_where
 from topka2a_jax._src.transforms.extra_args import NONFINITE, PARAM_SPECS
-from topka2a_jax._src.transforms.following import for_follower
+from topka2a_jax._src.transforms.following import Followers, for_follower
 from topka2a_jax._src.transforms.leaves import check_per_device, given_specs, leaves_of
 from topka2a_jax._src.transforms.nonfinite import nonfinite_on_any_device
 from topka2a_jax._src.transforms.per_device import (
@@ -167,7 +167,7 @@ def local_steps(inner: optax.GradientTransformation, every: int = DEFAULT_EVERY,
       checked_optimizer("outer", default_outer() if outer is None else outer))
   options.setdefault("algorithm", DEFAULT_ALGORITHM)
   checked = for_follower(Options.create(density, forms_follow=True, **options),
-                         ((outer.update,), True), set())
+                         Followers((outer.update,), True), set())
 
   def init_fn(params: optax.Params) -> LocalStepsState:
     exchange = init_state(checked, params)

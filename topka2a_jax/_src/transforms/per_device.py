@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -166,14 +166,26 @@ def zeros_in_float32(params: optax.Params) -> optax.Params:
       lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
 
 
-def counters(every: int, mesh: Mesh | None, leaves: list[Any]) -> tuple[jax.Array, jax.Array]:
-  """A round's step (0) and length ``every`` as int32 scalars, replicated over ``mesh``.
+class Counters(NamedTuple):
+  """A round's counters, int32 scalars the same on every device.
+
+  Attributes:
+    step: steps taken in the round so far.
+    every: the round's length.
+  """
+
+  step: jax.Array
+  every: jax.Array
+
+
+def counters(every: int, mesh: Mesh | None, leaves: list[Any]) -> Counters:
+  """A round's step (0) and length ``every``, replicated over ``mesh``.
 
   Made in place on the mesh, as the exchange's counts are: a scalar on one
   device would have to be placed on every process's devices.
   """
-  def made() -> tuple[jax.Array, jax.Array]:
-    return jnp.zeros((), jnp.int32), jnp.asarray(every, jnp.int32)
+  def made() -> Counters:
+    return Counters(jnp.zeros((), jnp.int32), jnp.asarray(every, jnp.int32))
 
   if mesh is None or holds_tracer(leaves):
     return made()

@@ -72,7 +72,7 @@ from topka2a_jax._src.transforms.exchange_state import (
   planned,
 )
 from topka2a_jax._src.transforms.extra_args import NONFINITE, PARAM_SPECS
-from topka2a_jax._src.transforms.following import for_follower
+from topka2a_jax._src.transforms.following import Followers, for_follower
 from topka2a_jax._src.transforms.leaves import (
   check_per_device,
   given_specs,
@@ -204,7 +204,7 @@ def sharded_optimizer(inner: optax.GradientTransformation, density: float | None
   check_element_wise(inner)
   # "auto" plans for the optimizer it runs, as topka2a plans for the one
   # after it: 8 bits before Adam's family, 4 bits up before momentum.
-  checked = for_follower(checked, ((inner.update,), True), set())
+  checked = for_follower(checked, Followers((inner.update,), True), set())
   # Each sparse leaf its own bucket, so that what a device owns is a slice of it.
   checked = dataclasses.replace(checked, fusion=1, auto_forms=tuple(
       name for name in checked.auto_forms or OWNER_PHASE_FORMS
