@@ -80,6 +80,42 @@ def test_every_part_imports_only_the_parts_below_it():
   assert not upward
 
 
+def positional_returns(part: str) -> dict[str, str]:
+  """The public functions of a part of ``_src`` (those other modules may import) that
+  return a tuple of unlike things (``tuple[A, B]``, not ``tuple[A, ...]``), by
+  ``module.function``, with their annotations."""
+  found = {}
+  for path in (PACKAGE / "_src" / part).glob("*.py"):
+    for node in ast.parse(path.read_text()).body:
+      if (isinstance(node, ast.FunctionDef) and node.returns is not None
+          and not node.name.startswith("_")):
+        returned = ast.unparse(node.returns)
+        if returned.startswith("tuple[") and not returned.endswith(", ...]"):
+          found[f"{path.stem}.{node.name}"] = returned
+  return found
+
+
+def test_the_transforms_pass_records_not_positional_tuples_between_modules():
+  # What one module of the step hands another has named fields (Stepped,
+  # Carried, Sent, Planned, Exchanged...): reordering a field cannot misassign it.
+  transforms = PACKAGE / "_src" / "transforms"
+  texts = {path.stem: path.read_text() for path in transforms.glob("*.py")}
+  crossing = [f"{name}: {returned}" for name, returned in positional_returns("transforms").items()
+              if any(re.search(rf"\b{name.split('.')[1]}\(", text)
+                     for stem, text in texts.items() if stem != name.split(".")[0])]
+  assert not crossing
+
+
+def test_the_tuple_reader_sees_a_positional_return(tmp_path, monkeypatch):
+  part = tmp_path / "topka2a_jax" / "_src" / "probe"
+  part.mkdir(parents=True)
+  (part / "m.py").write_text("def f() -> tuple[int, str]: ...\n"
+                             "def g() -> tuple[int, ...]: ...\n"
+                             "def _h() -> tuple[int, str]: ...\n")
+  monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path / "topka2a_jax")
+  assert positional_returns("probe") == {"m.f": "tuple[int, str]"}
+
+
 def test_one_class_is_behind_both_training_steps():
   assert issubclass(topka2a_jax.TrainStep, DataParallelStep)
   assert issubclass(topka2a_jax.NnxTrainStep, DataParallelStep)
