@@ -35,7 +35,6 @@ Example:
   (True, 1)
 """
 
-
 from __future__ import annotations
 
 import functools

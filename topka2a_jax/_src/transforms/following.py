@@ -222,7 +222,7 @@ def _named_kind(follows: Any) -> tuple[str, str]:
   """The kind ``follows=`` says, and what could not be read where it says nothing."""
   if isinstance(follows, str):
     return follows, ""
-  named = ((follows.update,), True)
+  named = Followers((follows.update,), True)
   kind = kind_of(named)
   return kind, (unrecognised(named) if kind == UNKNOWN else "")
 
