@@ -92,6 +92,13 @@ class Result:
     return float(np.mean([losses[-tail:] for losses in self.losses]))
 
 
+def round_length(opt_state: Any) -> int:
+  """Steps per exchange: a :func:`topka2a_jax.local_steps` state's round, else 1."""
+  is_local = lambda node: isinstance(node, topka2a_jax.LocalStepsState)
+  found = [node for node in jax.tree.leaves(opt_state, is_leaf=is_local) if is_local(node)]
+  return int(found[0].every) if found else 1
+
+
 def nnx_jit_step(train: topka2a_jax.NnxTrainStep):
   """The ``nnx.jit`` training step a Flax NNX user writes around ``train``."""
 
@@ -133,7 +140,8 @@ def compare(
       batches = task.batches(seed, batch_per_device * num_devices)
       if not result.bytes_per_step:
         lowered = train.lower(model, optimizer, next(batches))
-        result.bytes_per_step = topka2a_jax.comm_report(lowered).total_bytes
+        result.bytes_per_step = topka2a_jax.comm_report(lowered).step_bytes(
+            round_length(optimizer.opt_state))
       scores, losses, eval_steps = [], [], []
       for i in range(1, steps + 1):
         loss = step(model, optimizer, next(batches))

@@ -9,7 +9,9 @@ Python versions; the table records the version.) Data-parallel over 8
 emulated CPU devices, from the same seed: dense ``lax.pmean``, TopKA2A at 1%
 and 5% density, TopKA2A without error feedback, the TopkA allgather
 baseline, and Adam's updates compressed at 1% with the defaults
-(:func:`topka2a_jax.compress_updates`). Prints final validation loss (nats per byte), bytes per
+(:func:`topka2a_jax.compress_updates`); ``--runs "local 4"`` trains with
+local steps (:func:`topka2a_jax.local_steps`, the shared parameters
+evaluated). Prints final validation loss (nats per byte), bytes per
 step and time; writes a PNG of validation and training loss against step, and JSON.
 
 Run:
@@ -123,15 +125,19 @@ def make_task(eval_every: int) -> Task:
 
 
 def optimizer(steps: int, learning_rate: float, updates: bool = False,
-              **options) -> optax.GradientTransformation:
+              every: int = 0, **options) -> optax.GradientTransformation:
   """Adam with a linear warm-up and cosine decay, after the exchange or inside it.
 
   ``updates=True`` compresses Adam's updates
-  (:func:`topka2a_jax.compress_updates`); otherwise the gradient is
-  exchanged first, ``optax.chain(topka2a(...), adam)``.
+  (:func:`topka2a_jax.compress_updates`); ``every=N`` runs Adam on each
+  device alone for rounds of ``N`` steps and exchanges the pseudo-gradients
+  (:func:`topka2a_jax.local_steps`, outer SGD at 1); otherwise the gradient
+  is exchanged first, ``optax.chain(topka2a(...), adam)``.
   """
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, learning_rate, WARMUP_STEPS, max(steps, WARMUP_STEPS + 1))
+  if every:
+    return topka2a_jax.local_steps(optax.adam(schedule), every, **options)
   if updates:
     return topka2a_jax.compress_updates(optax.adam(schedule), **options)
   return optax.chain(topka2a_jax.topka2a(**options), optax.adam(schedule))
@@ -149,6 +155,9 @@ RUNS = {
     "quantized_8_8_fine": {"algorithm": "quantized_8_8_fine"},
     "rotated_4_8": {"algorithm": "rotated_4_8"},
     "rotated_4_4": {"algorithm": "rotated_4_4"},
+    "local 2": {"every": 2},
+    "local 4": {"every": 4},
+    "local 4, rotated_4_8": {"every": 4, "algorithm": "rotated_4_8"},
 }
 QUICK_RUNS = ("dense (pmean)", "topka2a 1%", "updates 1%")
 
