@@ -29,7 +29,7 @@ rounding: gloo adds in another order), the times do not. ``--b1`` sets
 Adam's first-moment decay. The ``local N...`` runs train with
 ``local_steps(optax.adam(...), N, ...)``: rounds of N steps, their
 pseudo-gradients in 8 bits (or as named), outer SGD at 1 (or DiLoCo's
-Nesterov); their bytes are a round's over its N steps, and the validation
+Nesterov, or Nesterov at 0.5 with momentum 0.5); their bytes are a round's over its N steps, and the validation
 loss is the shared parameters', which move once a round.
 
 Run:
@@ -89,7 +89,7 @@ RUNS = {
            (", rotated_4_8", {"algorithm": "rotated_4_8"}),
            (", top-k 3%", {"algorithm": "topka2a_sparse", "density": 0.03}),
            (", nesterov", {"outer": "nesterov"}),
-           (", outer 0.8 momentum 0.5", {"outer": "slow momentum"}))},
+           (", outer 0.5 momentum 0.5", {"outer": "half momentum"}))},
 }
 """Configurations: name -> options of ``topka2a`` besides the density.
 
@@ -154,7 +154,8 @@ def optimizer(name: str, density: float, mesh, schedule, b1: float,
   if form == "local":
     outer = {None: None,
              "nesterov": optax.sgd(0.7, momentum=0.9, nesterov=True),  # DiLoCo's
-             "slow momentum": optax.sgd(0.8, momentum=0.5, nesterov=True),
+             # a steady step of the mean pseudo-gradient, its rounds' noise averaged
+             "half momentum": optax.sgd(0.5, momentum=0.5, nesterov=True),
              }[options.pop("outer", None)]
     return topka2a_jax.local_steps(optax.adam(schedule, b1=b1), options.pop("every"), outer,
                                    density, mesh=mesh, **options)
