@@ -29,8 +29,9 @@ rounding: gloo adds in another order), the times do not. ``--b1`` sets
 Adam's first-moment decay. The ``local N...`` runs train with
 ``local_steps(optax.adam(...), N, ...)``: rounds of N steps, their
 pseudo-gradients in 8 bits (or as named), outer SGD at 1 (or DiLoCo's
-Nesterov, or Nesterov at 0.5 with momentum 0.5); their bytes are a round's over its N steps, and the validation
-loss is the shared parameters', which move once a round.
+Nesterov, or Nesterov at 0.5 with momentum 0.5); their bytes are a round's
+over its N steps, and the validation loss is the shared parameters', which
+move once a round.
 
 Run:
   python benchmarks/network_training.py [--rate 1gbit] [--processes 4]
