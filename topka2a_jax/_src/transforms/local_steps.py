@@ -141,7 +141,9 @@ def local_steps(inner: optax.GradientTransformation, every: int = DEFAULT_EVERY,
     outer: the optimizer of the shared parameters, given the mean
       pseudo-gradient (shared minus local parameters) once a round; by
       default ``optax.sgd(1.0)``, which moves them to the local ones' mean.
-      DiLoCo's is ``optax.sgd(0.7, momentum=0.9, nesterov=True)``.
+      DiLoCo's, for rounds of hundreds of steps, is
+      ``optax.sgd(0.7, momentum=0.9, nesterov=True)``; at 4 steps a round
+      it never reached ``benchmarks/network_training.py``'s first target.
     density: fraction of every bucket sent where a top-k is chosen.
     **options: every option of the exchange, below.
 
@@ -155,7 +157,7 @@ def local_steps(inner: optax.GradientTransformation, every: int = DEFAULT_EVERY,
       optax transform, or a bad option (as :func:`topka2a_jax.topka2a`).
 
   Example:
-    >>> tx = local_steps(optax.adamw(1e-3), every=8,
+    >>> tx = local_steps(optax.adamw(1e-3), every=500,  # DiLoCo's round
     ...                  outer=optax.sgd(0.7, momentum=0.9, nesterov=True),
     ...                  mesh=jax.make_mesh((8,), ("data",)))
   """
