@@ -24,6 +24,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "evidence" / "data"
 FIGURES = HERE / "evidence" / "figures"
+TRAINING_JSON = "network_training*.json"
+"""``benchmarks/network_training.py``'s files under :data:`DATA`, one figure each."""
+CHARLM_JSON = "charlm_*.json"
+"""``examples/train_charlm.py``'s files under :data:`DATA`, one figure each."""
 
 
 def _pyplot():
@@ -161,7 +165,7 @@ def draw_all() -> list[Path]:
   """Every figure the committed JSON holds; returns the files written."""
   FIGURES.mkdir(parents=True, exist_ok=True)
   written = []
-  for path in sorted(DATA.glob("network_training*.json")):
+  for path in sorted(DATA.glob(TRAINING_JSON)):
     out = FIGURES / f"{path.stem}.png"
     training_curves(json.loads(path.read_text()), out)
     written.append(out)
@@ -171,7 +175,7 @@ def draw_all() -> list[Path]:
       out = FIGURES / f"{path.stem}.png"
       exchange_times(data, out)
       written.append(out)
-  for path in sorted(DATA.glob("charlm_*.json")):
+  for path in sorted(DATA.glob(CHARLM_JSON)):
     out = FIGURES / f"{path.stem}.png"
     seeds_curves(json.loads(path.read_text()), out)
     written.append(out)
