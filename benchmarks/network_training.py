@@ -28,7 +28,8 @@ devices, with no link: the losses come out as on the link (to float
 rounding: gloo adds in another order), the times do not. ``--b1`` sets
 Adam's first-moment decay. The ``local N...`` runs train with
 ``local_steps(optax.adam(...), N, ...)``: rounds of N steps, their
-pseudo-gradients in 8 bits (or as named), outer SGD at 1 (or DiLoCo's
+pseudo-gradients in 8 bits (or as named: ``", rotated_4_8"`` is
+``local_steps``' default), outer SGD at 1 (or DiLoCo's
 Nesterov, or Nesterov at 0.5 with momentum 0.5); their bytes are a round's
 over its N steps, and the validation loss is the shared parameters', which
 move once a round.
@@ -85,7 +86,7 @@ RUNS = {
     **{f"local {every}{name}": {"form": "local", "every": every, **options}
        for every in (2, 4, 8)
        for name, options in (
-           ("", {}),  # local_steps' defaults: 8 bits, outer SGD at 1
+           ("", {"algorithm": "quantized_8_8_fine"}),  # 8 bits, outer SGD at 1
            (", exact mean", {"algorithm": "dense"}),
            (", rotated_4_8", {"algorithm": "rotated_4_8"}),
            (", top-k 3%", {"algorithm": "topka2a_sparse", "density": 0.03}),

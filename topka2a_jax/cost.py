@@ -73,6 +73,10 @@ if TYPE_CHECKING:  # the namespace; at run time each name is imported on first u
   AUTO_FORMS_WHY = _forms.WHY
   """Why each kind of optimizer in :data:`AUTO_FORMS` gets its forms, in words."""
 
+  LOCAL_STEPS_FORM = _forms.LOCAL_STEPS_FORM
+  """The pseudo-gradient's exchange of :func:`topka2a_jax.local_steps` by
+  default: ``"rotated_4_8"``."""
+
   FLAT = _cost.FLAT
   """The route of an exchange over a cluster's devices as one axis."""
 
@@ -105,6 +109,7 @@ _LAZY = {  # each name, its module (":attribute" where the name differs); the
     "INNER_NETWORK": "topka2a_jax._src.planner.cost",
     "AUTO_FORMS": "topka2a_jax._src.planner.forms:FORMS",
     "AUTO_FORMS_WHY": "topka2a_jax._src.planner.forms:WHY",
+    "LOCAL_STEPS_FORM": "topka2a_jax._src.planner.forms",
     "FLAT": "topka2a_jax._src.planner.cost",
     "TWO_LEVEL": "topka2a_jax._src.planner.cost",
 }
@@ -115,6 +120,7 @@ __all__ = [
   "DEVICES",
   "FLAT",
   "INNER_NETWORK",
+  "LOCAL_STEPS_FORM",
   "NETWORKS",
   "TWO_LEVEL",
   "Cluster",

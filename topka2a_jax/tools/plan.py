@@ -56,6 +56,7 @@ from topka2a_jax.cost import (
   AUTO_FORMS_WHY,
   DEVICES,
   INNER_NETWORK,
+  LOCAL_STEPS_FORM,
   NETWORKS,
   Cluster,
   Network,
@@ -79,9 +80,6 @@ OPTIMIZERS = {"adam": "adaptive", "momentum": "momentum", "sgd": "plain",
               "nesterov": "momentum"}
 """``--optimizer``'s names and the kinds of :data:`topka2a_jax.cost.AUTO_FORMS`: Adam's
 family and the other per-entry adaptive steps plan as ``adam``."""
-
-LOCAL_FORM = "quantized_8_8_fine"
-"""The pseudo-gradient's form of ``local_steps`` by default (its ``algorithm``)."""
 
 DENSE, ALLGATHER, TOPKA2A, TOPKA2A_SPARSE = (
     ALGORITHMS[name] for name in ("dense", "allgather", "topka2a", "topka2a_sparse"))
@@ -131,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--local-steps", type=int, metavar="H",
                       help="also plan local_steps(inner, every=H): the pseudo-gradient "
                            "exchanged once a round of H steps (in --algorithm, or "
-                           f"{LOCAL_FORM} by default), against compute alone")
+                           f"{LOCAL_STEPS_FORM} by default), against compute alone")
   parser.add_argument("--threshold", default="auto", type=_threshold,
                       help="bucket size in elements, or auto (default)")
   parser.add_argument("--backward-ms", type=float,
@@ -301,7 +299,7 @@ def _print_local_steps(args: argparse.Namespace, sizes: list[int], names: list[s
                        rates: dict) -> None:
   """``local_steps(inner, every=H)``'s plan: a round's exchange over its steps."""
   every = args.local_steps
-  algorithm = LOCAL_FORM if args.algorithm == AUTO else args.algorithm
+  algorithm = LOCAL_STEPS_FORM if args.algorithm == AUTO else args.algorithm
   try:
     round_plan = topka2a_jax.plan_fusion(
         sizes, args.devices, args.density, names=names, network=network,

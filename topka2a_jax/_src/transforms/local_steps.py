@@ -10,7 +10,8 @@ round of ``every`` steps:
    rounds;
 2. at the end of the round each device's pseudo-gradient, the shared
    parameters minus its local ones, goes through one of the library's
-   exchanges with error feedback (by default every entry in 8 bits);
+   exchanges with error feedback (by default every entry in 4 bits after a
+   rotation, the means back in 8);
 3. the mean pseudo-gradient goes to ``outer`` (by default ``optax.sgd(1.0)``:
    the shared parameters move to the mean of the local ones, to the code's
    rounding), which updates the shared parameters, from which every device
@@ -68,7 +69,7 @@ from topka2a_jax._src.axis import (
   per_device_blocks,
 )
 from topka2a_jax._src.options import Options
-from topka2a_jax._src.planner.forms import CODED_FORM
+from topka2a_jax._src.planner.forms import LOCAL_STEPS_FORM
 from topka2a_jax._src.states import LocalStepsState
 from topka2a_jax._src.transforms.exchange_state import (
   checked_residuals,
@@ -98,10 +99,11 @@ DEFAULT_EVERY = 4
 """Inner steps per round by default (``benchmarks/network_training.py``'s
 ``local`` runs chose it)."""
 
-DEFAULT_ALGORITHM = CODED_FORM
-"""The pseudo-gradient's form by default: every entry in 8 bits, one scale
-per 256 entries, both phases' rounding fed back (``benchmarks/network_training.py``
-compares it with the rotated 4-bit code, a top-k and dense)."""
+DEFAULT_ALGORITHM = LOCAL_STEPS_FORM
+"""The pseudo-gradient's form by default: each 512 entries rotated, 4 bits to
+the owners and their means back in 8, both phases' rounding fed back
+(``benchmarks/network_training.py`` compares it with 8 bits, a top-k and
+dense)."""
 
 
 def default_outer() -> optax.GradientTransformation:
@@ -113,7 +115,8 @@ def default_outer() -> optax.GradientTransformation:
 @takes_options(CompressUpdatesOptions, defaults={"algorithm": DEFAULT_ALGORITHM}, docs={
     "algorithm": (
         f"the pseudo-gradient's exchange: by default ``{DEFAULT_ALGORITHM!r}`` (every "
-        "entry in 8 bits); any name of :data:`topka2a_jax.collectives.ALGORITHMS` "
+        "entry in 4 bits after a rotation, the means back in 8); any name of "
+        ":data:`topka2a_jax.collectives.ALGORITHMS` "
         "(a top-k needs ``density``), ``\"powersgd\"``, or ``\"auto\"``, whose forms "
         "then follow ``outer`` as :func:`topka2a_jax.topka2a`'s follow the optimizer "
         "after it."),
