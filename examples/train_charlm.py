@@ -11,8 +11,9 @@ and 5% density, TopKA2A without error feedback, the TopkA allgather
 baseline, and Adam's updates compressed at 1% with the defaults
 (:func:`topka2a_jax.compress_updates`); ``--runs "local 4, rotated_4_8"``
 trains with local steps as they come (:func:`topka2a_jax.local_steps`, the
-shared parameters evaluated), ``"local 4"`` with an 8-bit pseudo-gradient. Prints final validation loss (nats per byte), bytes per
-step and time; writes a PNG of validation and training loss against step, and JSON.
+shared parameters evaluated), ``"local 4"`` with an 8-bit pseudo-gradient.
+Prints final validation loss (nats per byte), bytes per step and time;
+writes a PNG of validation and training loss against step, and JSON.
 
 Run:
   python examples/train_charlm.py [--steps 600] [--seeds 0] [--quick]
