@@ -99,22 +99,15 @@ DEFAULT_EVERY = 4
 """Inner steps per round by default (``benchmarks/network_training.py``'s
 ``local`` runs chose it)."""
 
-DEFAULT_ALGORITHM = LOCAL_STEPS_FORM
-"""The pseudo-gradient's form by default: each 512 entries rotated, 4 bits to
-the owners and their means back in 8, both phases' rounding fed back
-(``benchmarks/network_training.py`` compares it with 8 bits, a top-k and
-dense)."""
-
-
 def default_outer() -> optax.GradientTransformation:
   """The outer optimizer by default: ``optax.sgd(1.0)``, the mean of the local
   parameters (``benchmarks/network_training.py`` compares it with DiLoCo's Nesterov)."""
   return optax.sgd(1.0)
 
 
-@takes_options(CompressUpdatesOptions, defaults={"algorithm": DEFAULT_ALGORITHM}, docs={
+@takes_options(CompressUpdatesOptions, defaults={"algorithm": LOCAL_STEPS_FORM}, docs={
     "algorithm": (
-        f"the pseudo-gradient's exchange: by default ``{DEFAULT_ALGORITHM!r}`` (every "
+        f"the pseudo-gradient's exchange: by default ``{LOCAL_STEPS_FORM!r}`` (every "
         "entry in 4 bits after a rotation, the means back in 8); any name of "
         ":data:`topka2a_jax.collectives.ALGORITHMS` "
         "(a top-k needs ``density``), ``\"powersgd\"``, or ``\"auto\"``, whose forms "
@@ -170,7 +163,7 @@ def local_steps(inner: optax.GradientTransformation, every: int = DEFAULT_EVERY,
   inner = optax.with_extra_args_support(checked_optimizer("inner", inner))
   outer = optax.with_extra_args_support(
       checked_optimizer("outer", default_outer() if outer is None else outer))
-  options.setdefault("algorithm", DEFAULT_ALGORITHM)
+  options.setdefault("algorithm", LOCAL_STEPS_FORM)
   checked = for_follower(Options.create(density, forms_follow=True, **options),
                          Followers((outer.update,), True), set())
 
