@@ -29,10 +29,15 @@ rounding: gloo adds in another order), the times do not. ``--b1`` sets
 Adam's first-moment decay. The ``local N...`` runs train with
 ``local_steps(optax.adam(...), N, ...)``: rounds of N steps, their
 pseudo-gradients in 8 bits (or as named: ``", rotated_4_8"`` is
-``local_steps``' default), outer SGD at 1 (or DiLoCo's
+``local_steps``' default), outer SGD at 1 (or at 0.75, 1.25 or 1.5, DiLoCo's
 Nesterov, or Nesterov at 0.5 with momentum 0.5); their bytes are a round's
 over its N steps, and the validation loss is the shared parameters', which
-move once a round.
+move once a round. ``", inner state averaged"`` (Local Adam's state
+averaging, DES-LOC's with one period: arXiv 2505.22549) also replaces every
+device's Adam moments by their mean over the devices after each round (or
+every third; ``", first moment averaged"`` and ``", second moment
+averaged"``: one of them alone), exactly, in float32:
+:func:`average_inner_state`, timed and counted with the step.
 
 Run:
   python benchmarks/network_training.py [--rate 1gbit] [--processes 4]
@@ -44,6 +49,7 @@ Run:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -91,7 +97,14 @@ RUNS = {
            (", rotated_4_8", {"algorithm": "rotated_4_8"}),
            (", top-k 3%", {"algorithm": "topka2a_sparse", "density": 0.03}),
            (", nesterov", {"outer": "nesterov"}),
-           (", outer 0.5 momentum 0.5", {"outer": "half momentum"}))},
+           (", outer 0.5 momentum 0.5", {"outer": "half momentum"}),
+           (", outer 0.75", {"outer": "0.75"}),
+           (", outer 1.25", {"outer": "1.25"}),
+           (", outer 1.5", {"outer": "1.5"}),
+           (", inner state averaged", {"inner_mean_every": 1}),
+           (", inner state averaged every 3 rounds", {"inner_mean_every": 3}),
+           (", first moment averaged", {"inner_mean_every": 1, "inner_mean_of": "mu"}),
+           (", second moment averaged", {"inner_mean_every": 1, "inner_mean_of": "nu"}))},
 }
 """Configurations: name -> options of ``topka2a`` besides the density.
 
@@ -158,7 +171,11 @@ def optimizer(name: str, density: float, mesh, schedule, b1: float,
              "nesterov": optax.sgd(0.7, momentum=0.9, nesterov=True),  # DiLoCo's
              # a steady step of the mean pseudo-gradient, its rounds' noise averaged
              "half momentum": optax.sgd(0.5, momentum=0.5, nesterov=True),
+             # a shorter or a longer step than to the mean
+             "0.75": optax.sgd(0.75), "1.25": optax.sgd(1.25), "1.5": optax.sgd(1.5),
              }[options.pop("outer", None)]
+    options.pop("inner_mean_every", None)  # applied by the training loop
+    options.pop("inner_mean_of", None)
     return topka2a_jax.local_steps(optax.adam(schedule, b1=b1), options.pop("every"), outer,
                                    density, mesh=mesh, **options)
   if form == "updates":
@@ -287,13 +304,21 @@ def worker(args: argparse.Namespace) -> None:
     schedule = optax.warmup_cosine_decay_schedule(0.0, 2e-3, warmup,
                                                   max(args.steps, warmup + 1))
     tx = optimizer(name, args.density, mesh, schedule, args.b1, backward)
+    every = run_options(name).get("every", 1)
+    inner_mean_every = run_options(name).get("inner_mean_every")
+    inner_mean_of = run_options(name).get("inner_mean_of")
     params = jax.tree.map(lambda v: jax.make_array_from_callback(
         v.shape, NamedSharding(mesh, P()), lambda index, v=v: np.asarray(v)[index]),
         init(jax.random.key(args.seed)))
     state, step = tx.init(params), topka2a_jax.train_step(loss, tx, mesh)
+    averaged = jax.jit(functools.partial(average_inner_state, only=inner_mean_of),
+                       donate_argnums=0,
+                       out_shardings=jax.tree.map(lambda leaf: leaf.sharding, state))
     # local_steps' program holds its round's exchange in a branch, taken one step in `every`.
-    sent = topka2a_jax.comm_report(step.lower(params, state, batches[0])).step_bytes(
-        run_options(name).get("every", 1))
+    sent = topka2a_jax.comm_report(step.lower(params, state, batches[0])).step_bytes(every)
+    if inner_mean_every:  # a program of its own, run once in every * inner_mean_every steps
+      sent += topka2a_jax.comm_report(averaged.lower(state)).step_bytes() / (
+          every * inner_mean_every)
     params, state, _ = step(params, state, batches[0])  # compiles
     jax.block_until_ready(params)
     params = jax.tree.map(lambda v: jax.make_array_from_callback(
@@ -305,7 +330,9 @@ def worker(args: argparse.Namespace) -> None:
       multihost_utils.sync_global_devices(f"{name} {i}")
       start = time.perf_counter()
       params, state, _ = step(params, state, batch)
-      jax.block_until_ready(params)
+      if inner_mean_every and i % (every * inner_mean_every) == 0:
+        state = averaged(state)
+      jax.block_until_ready((params, state))
       seconds.append(time.perf_counter() - start)
       if i % args.eval_every == 0 or i == args.steps:
         evals.append((i, float(validation(params, valid_windows))))
@@ -314,6 +341,26 @@ def worker(args: argparse.Namespace) -> None:
       print(f"{name:20s} {seconds_a_step(name, seconds):.3f} s/step, valid loss "
             f"{evals[-1][1]:.4f}", flush=True)
       Path(args.worker).write_text(json.dumps(rows))  # each run kept as it ends
+
+
+def average_inner_state(state, only: str | None = None):
+  """``local_steps``' state with every device's inner state replaced by the devices' mean.
+
+  The inner state's leaves are global ``(devices, ...)`` arrays split along
+  the data axis: the mean over dimension 0 is one all-reduce of each
+  floating leaf (Adam's moments; with ``only``, the leaves under that field,
+  ``"mu"`` or ``"nu"``: Adam's first or second moments); the step counts are
+  kept.
+  """
+  import jax
+  import jax.numpy as jnp
+
+  def mean(path, leaf):
+    named = only is None or any(getattr(key, "name", None) == only for key in path)
+    if not named or not jnp.issubdtype(leaf.dtype, jnp.floating):
+      return leaf
+    return jnp.broadcast_to(leaf.mean(0, keepdims=True), leaf.shape)
+  return state._replace(inner=jax.tree_util.tree_map_with_path(mean, state.inner))
 
 
 def seconds_a_step(name: str, seconds: list[float]) -> float:

@@ -67,6 +67,35 @@ def test_a_local_steps_runs_step_is_its_median_round_over_its_steps():
   assert network_training.seconds_a_step("dense", rounds) == 1.0
 
 
+@pytest.mark.parametrize("only", [None, "nu"])
+def test_averaging_the_inner_state_gives_every_device_the_devices_mean_moments(mesh, only):
+  import jax
+  import optax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import topka2a_jax
+
+  network_training = load("network_training")
+  tx = topka2a_jax.local_steps(optax.adam(0.1), 2, mesh=mesh)
+  state = topka2a_jax.init(tx, {"w": np.zeros(3, np.float32)}, mesh)
+  devices = mesh.size
+  mu = np.arange(devices * 3, dtype=np.float32).reshape(devices, 3)  # device d: 3d, 3d+1, 3d+2
+  nu = (mu + 1) ** 2
+  adam = state.inner[0]
+  spread = NamedSharding(mesh, P("data"))
+  adam = adam._replace(mu={"w": jax.device_put(mu, spread)},
+                       nu={"w": jax.device_put(nu, spread)})
+  state = state._replace(inner=(adam, *state.inner[1:]))
+  averaged = jax.jit(lambda s: network_training.average_inner_state(s, only))(state)
+  got = averaged.inner[0]
+  want_mu = np.tile(mu.mean(0), (devices, 1)) if only is None else mu
+  np.testing.assert_allclose(np.asarray(got.mu["w"]), want_mu, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(got.nu["w"]), np.tile(nu.mean(0), (devices, 1)),
+                             rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(got.count), np.asarray(adam.count))
+
+
 def test_nodes_benchmark_fits_links_and_selection_that_reproduce_its_rows():
   """Rows timed by a known cluster's model: the fit recovers it, off by 0%."""
   from topka2a_jax._src.planner import cost
