@@ -304,19 +304,18 @@ def worker(args: argparse.Namespace) -> None:
     schedule = optax.warmup_cosine_decay_schedule(0.0, 2e-3, warmup,
                                                   max(args.steps, warmup + 1))
     tx = optimizer(name, args.density, mesh, schedule, args.b1, backward)
-    every = run_options(name).get("every", 1)
-    inner_mean_every = run_options(name).get("inner_mean_every")
-    inner_mean_of = run_options(name).get("inner_mean_of")
+    options = run_options(name)
+    every, inner_mean_every = options.get("every", 1), options.get("inner_mean_every")
     params = jax.tree.map(lambda v: jax.make_array_from_callback(
         v.shape, NamedSharding(mesh, P()), lambda index, v=v: np.asarray(v)[index]),
         init(jax.random.key(args.seed)))
     state, step = tx.init(params), topka2a_jax.train_step(loss, tx, mesh)
-    averaged = jax.jit(functools.partial(average_inner_state, only=inner_mean_of),
-                       donate_argnums=0,
-                       out_shardings=jax.tree.map(lambda leaf: leaf.sharding, state))
     # local_steps' program holds its round's exchange in a branch, taken one step in `every`.
     sent = topka2a_jax.comm_report(step.lower(params, state, batches[0])).step_bytes(every)
     if inner_mean_every:  # a program of its own, run once in every * inner_mean_every steps
+      averaged = jax.jit(
+          functools.partial(average_inner_state, only=options.get("inner_mean_of")),
+          donate_argnums=0, out_shardings=jax.tree.map(lambda leaf: leaf.sharding, state))
       sent += topka2a_jax.comm_report(averaged.lower(state)).step_bytes() / (
           every * inner_mean_every)
     params, state, _ = step(params, state, batches[0])  # compiles

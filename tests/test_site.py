@@ -41,6 +41,7 @@ def test_the_site_builds_without_warnings_and_has_a_page_per_public_name(tmp_pat
   missing = public - pages
   assert not missing, f"public names without an API page: {sorted(missing)}"
 
+
 def test_every_run_a_figure_draws_has_a_legend():
   """A committed JSON whose run has no legend would fail only the slow site build."""
   spec = importlib.util.spec_from_file_location("docs_figures", ROOT / "docs" / "figures.py")

@@ -99,6 +99,7 @@ DEFAULT_EVERY = 4
 """Inner steps per round by default (``benchmarks/network_training.py``'s
 ``local`` runs chose it)."""
 
+
 def default_outer() -> optax.GradientTransformation:
   """The outer optimizer by default: ``optax.sgd(1.0)``, the mean of the local
   parameters (``benchmarks/network_training.py`` compares it with DiLoCo's Nesterov)."""
