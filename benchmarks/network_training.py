@@ -301,7 +301,7 @@ def worker(args: argparse.Namespace) -> None:
   rows = []
   for name in args.runs:
     warmup = min(30, args.steps // 4)
-    schedule = optax.warmup_cosine_decay_schedule(0.0, 2e-3, warmup,
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.peak_lr, warmup,
                                                   max(args.steps, warmup + 1))
     tx = optimizer(name, args.density, mesh, schedule, args.b1, backward)
     options = run_options(name)
@@ -444,6 +444,9 @@ def main() -> int:
                             "', N dense steps' (the first is the baseline of the "
                             "ratios)").replace("%", "%%"))  # argparse formats with %
   parser.add_argument("--b1", type=float, default=0.9, help="Adam's b1")
+  parser.add_argument("--peak-lr", type=float, default=2e-3,
+                      help="Adam's learning rate after the warm-up (it then decays "
+                           "to 0 by the last step, a cosine)")
   parser.add_argument("--local", action="store_true",
                       help="one process of emulated CPU devices, no link: losses only")
   parser.add_argument("--json", help="also write the rows here")
@@ -503,8 +506,9 @@ def main() -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     args.worker = str(out)
     print(f"{args.processes} emulated devices in one process, no link; Adam b1 "
-          f"{args.b1}; density {args.density}; {args.steps} steps per run; seed "
-          f"{args.seed}; {args.batch} x {CONTEXT} bytes per device and step")
+          f"{args.b1}, peak learning rate {args.peak_lr}; density {args.density}; "
+          f"{args.steps} steps per run; seed {args.seed}; {args.batch} x {CONTEXT} "
+          "bytes per device and step")
     worker(args)
   else:
     status = train_on_the_link(args, out)
@@ -514,7 +518,8 @@ def main() -> int:
   if args.json:
     Path(args.json).write_text(json.dumps(
         {"rate": None if args.local else args.rate, "processes": args.processes,
-         "density": args.density, "b1": args.b1, "seed": args.seed,
+         "density": args.density, "b1": args.b1, "peak_lr": args.peak_lr,
+         "seed": args.seed,
          "batch": args.batch, "targets": args.targets, "rows": rows}, indent=1))
   return status
 
@@ -523,12 +528,13 @@ def train_on_the_link(args: argparse.Namespace, out: Path) -> int:
   """Runs the worker on every process inside the shaped namespace; its status."""
   print(f"{args.processes} processes on loopback at {args.rate}; transformer of "
         f"{WIDTH} x {LAYERS} layers, {args.batch} x {CONTEXT} bytes per "
-        f"process and step; density {args.density}; {args.steps} steps per run; "
-        f"seed {args.seed}")
+        f"process and step; Adam's peak learning rate {args.peak_lr}; density "
+        f"{args.density}; {args.steps} steps per run; seed {args.seed}")
   return link.run_workers(
       args.rate, 0.0, args.processes, __file__, str(out), "--steps", str(args.steps),
       "--eval-every", str(args.eval_every), "--density", str(args.density),
-      "--b1", str(args.b1), "--seed", str(args.seed), "--batch", str(args.batch),
+      "--b1", str(args.b1), "--peak-lr", str(args.peak_lr), "--seed", str(args.seed),
+      "--batch", str(args.batch),
       "--runs", *args.runs)
 
 if __name__ == "__main__":
