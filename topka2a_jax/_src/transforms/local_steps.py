@@ -134,6 +134,10 @@ def local_steps(inner: optax.GradientTransformation, every: int = DEFAULT_EVERY,
   Args:
     inner: the optimizer each device runs on its own gradient (any optax
       transform, e.g. ``optax.adamw(1e-3)``); its state is kept across rounds.
+      Tune its learning rate on the run you will train: the best need not
+      be a per-step run's (Adam's best peak in
+      ``benchmarks/network_training.py --peak-lr`` was 1.25x to 1.5x
+      dense's at 8 windows a device, and no higher than dense's at 2).
     every: inner steps per round, at least 1.
     outer: the optimizer of the shared parameters, given the mean
       pseudo-gradient (shared minus local parameters) once a round; by
