@@ -107,7 +107,11 @@ RUNS = {
            (", inner state averaged", {"inner_mean_every": 1}),
            (", inner state averaged every 3 rounds", {"inner_mean_every": 3}),
            (", first moment averaged", {"inner_mean_every": 1, "inner_mean_of": "mu"}),
-           (", second moment averaged", {"inner_mean_every": 1, "inner_mean_of": "nu"}))},
+           (", second moment averaged", {"inner_mean_every": 1, "inner_mean_of": "nu"}),
+           (", inner state averaged in few bits", {"inner_mean_every": 1,
+                                                   "inner_mean_coded": True}),
+           (", inner state averaged in few bits every 3 rounds", {
+               "inner_mean_every": 3, "inner_mean_coded": True}))},
 }
 """Configurations: name -> options of ``topka2a`` besides the density.
 
@@ -179,6 +183,7 @@ def optimizer(name: str, density: float, mesh, schedule, b1: float,
              }[options.pop("outer", None)]
     options.pop("inner_mean_every", None)  # applied by the training loop
     options.pop("inner_mean_of", None)
+    options.pop("inner_mean_coded", None)
     return topka2a_jax.local_steps(optax.adam(schedule, b1=b1), options.pop("every"), outer,
                                    density, mesh=mesh, **options)
   if form == "updates":
@@ -317,7 +322,8 @@ def worker(args: argparse.Namespace) -> None:
     sent = topka2a_jax.comm_report(step.lower(params, state, batches[0])).step_bytes(every)
     if inner_mean_every:  # a program of its own, run once in every * inner_mean_every steps
       averaged = jax.jit(
-          functools.partial(average_inner_state, only=options.get("inner_mean_of")),
+          functools.partial(average_inner_state, only=options.get("inner_mean_of"),
+                            mesh=mesh, coded=options.get("inner_mean_coded", False)),
           donate_argnums=0, out_shardings=jax.tree.map(lambda leaf: leaf.sharding, state))
       sent += topka2a_jax.comm_report(averaged.lower(state)).step_bytes() / (
           every * inner_mean_every)
@@ -345,24 +351,92 @@ def worker(args: argparse.Namespace) -> None:
       Path(args.worker).write_text(json.dumps(rows))  # each run kept as it ends
 
 
-def average_inner_state(state, only: str | None = None):
+def average_inner_state(state, only: str | None = None, mesh=None, coded: bool = False):
   """``local_steps``' state with every device's inner state replaced by the devices' mean.
 
   The inner state's leaves are global ``(devices, ...)`` arrays split along
   the data axis: the mean over dimension 0 is one all-reduce of each
   floating leaf (Adam's moments; with ``only``, the leaves under that field,
   ``"mu"`` or ``"nu"``: Adam's first or second moments); the step counts are
-  kept.
+  kept. With ``coded`` (and the ``mesh``), the means go in few bits instead:
+  the first moments through the rotated 4-bit code of ``local_steps``' own
+  pseudo-gradient (``"rotated_4_8"``), the second moments through
+  :func:`relative_mean`; what the codes round off is dropped.
   """
   import jax
   import jax.numpy as jnp
+  from jax.sharding import PartitionSpec as P
+
+  import topka2a_jax
+
+  def named(path, name):
+    return any(getattr(key, "name", None) == name for key in path)
+
+  def averaged(path, leaf):
+    return (only is None or named(path, only)) and jnp.issubdtype(leaf.dtype, jnp.floating)
 
   def mean(path, leaf):
-    named = only is None or any(getattr(key, "name", None) == only for key in path)
-    if not named or not jnp.issubdtype(leaf.dtype, jnp.floating):
+    if not averaged(path, leaf):
       return leaf
     return jnp.broadcast_to(leaf.mean(0, keepdims=True), leaf.shape)
-  return state._replace(inner=jax.tree_util.tree_map_with_path(mean, state.inner))
+
+  if not coded:
+    return state._replace(inner=jax.tree_util.tree_map_with_path(mean, state.inner))
+  rotated = topka2a_jax.collectives.COLLECTIVES["rotated_4_8"]
+
+  def coded_mean(path, block):  # one device's (1, ...) block, inside shard_map
+    if not averaged(path, block):
+      return block
+    flat = block.reshape(-1)
+    if named(path, "nu"):
+      got = relative_mean(flat, "data", mesh.size)
+    else:
+      got = rotated(flat, "data", 1.0).mean
+    return got.reshape(block.shape).astype(block.dtype)
+
+  inner = jax.shard_map(
+      lambda tree: jax.tree_util.tree_map_with_path(coded_mean, tree), mesh=mesh,
+      in_specs=P("data"), out_specs=P("data"))(state.inner)
+  return state._replace(inner=inner)
+
+
+def relative_mean(values, axis_name: str, devices: int, chunk: int = 512):
+  """The devices' mean of the non-negative 1-D ``values``, with relative precision.
+
+  Inside ``shard_map``. Each entry goes as the float8 (e4m3) of its square
+  root over its chunk's largest root, one float32 scale a chunk, to its
+  shard's owner (one AlltoAll); the owner averages the decoded entries and
+  sends its shard's mean back in the same code (one AllGather). A root is
+  kept to 1 part in 16 down to 2**-17 of its chunk's largest (below, to
+  zero): Adam's second moments, over many decades, come back near their
+  own size, where a scale per chunk with evenly spaced codes rounds the
+  small ones to zero. Bytes: about what an 8-bit all-reduce sends.
+  """
+  import jax.numpy as jnp
+  from jax import lax
+
+  top = 448.0  # float8_e4m3fn's largest finite value
+  size = values.shape[0]
+  shard = -(-size // (devices * chunk)) * chunk
+  padded = jnp.pad(values.astype(jnp.float32), (0, shard * devices - size))
+
+  def encode(x):
+    roots = jnp.sqrt(jnp.maximum(x, 0.0)).reshape(-1, chunk)
+    scale = roots.max(-1, keepdims=True)
+    codes = (roots / jnp.where(scale > 0, scale, 1.0) * top).astype(jnp.float8_e4m3fn)
+    return lax.bitcast_convert_type(codes, jnp.uint8), scale
+
+  def decode(codes, scale):
+    roots = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32)
+    return (roots / top * scale) ** 2
+
+  codes, scales = encode(padded)
+  codes = lax.all_to_all(codes.reshape(devices, -1, chunk), axis_name, 0, 0)
+  scales = lax.all_to_all(scales.reshape(devices, -1, 1), axis_name, 0, 0)
+  codes, scales = encode(decode(codes, scales).mean(0))  # this device's shard
+  codes = lax.all_gather(codes, axis_name).reshape(-1, chunk)
+  scales = lax.all_gather(scales, axis_name).reshape(-1, 1)
+  return decode(codes, scales).reshape(-1)[:size]
 
 
 def seconds_a_step(name: str, seconds: list[float]) -> float:
