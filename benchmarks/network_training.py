@@ -108,6 +108,7 @@ RUNS = {
            (", inner state averaged every 3 rounds", {"inner_mean_every": 3}),
            (", first moment averaged", {"inner_mean_every": 1, "inner_mean_of": "mu"}),
            (", second moment averaged", {"inner_mean_every": 1, "inner_mean_of": "nu"}),
+           (", inner state averaged in 8 bits", {"average_inner_state": True}),
            (", inner state averaged in few bits", {"inner_mean_every": 1,
                                                    "inner_mean_coded": True}),
            (", inner state averaged in few bits every 3 rounds", {

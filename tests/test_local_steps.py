@@ -112,6 +112,76 @@ def test_rounds_match_the_numpy_model(mesh, every):
       _close(np.asarray(state.inner[0].mu[k]), model.mu[k], f"step {i} mu {k}")
 
 
+STATE_CODE = (17 / 16) ** 2 - 1
+"""One rounding of :func:`topka2a_jax.collectives.relative_mean`'s code, relative:
+half a step of float8's 3-bit mantissa on a square root, squared."""
+
+
+def _within_the_code(got, values, what):
+  """``got`` is the mean over axis 0 of ``values`` to relative_mean's two roundings.
+
+  The owner adds decoded entries (each within one rounding of its own
+  size), then codes the mean again: at most
+  ``STATE_CODE * (2 + STATE_CODE)`` of the devices' mean magnitude apart.
+  """
+  bound = STATE_CODE * (2 + STATE_CODE) * np.abs(values).mean(0)
+  error = np.abs(np.asarray(got, np.float64) - values.mean(0))
+  assert (error <= bound + 1e-6 * np.abs(values).max()).all(), what
+
+
+def test_averaging_the_inner_state_starts_every_round_from_the_devices_mean_moments(mesh):
+  """Rounds of 3: at a round's end every device holds the model's mean Adam moments,
+  to the code's rounding, and its count; the next round is Adam from what was
+  delivered: the model, given it, predicts every update and offset."""
+  every = 3
+  tx = topka2a_jax.local_steps(
+      optax.adam(LR, b1=B1, b2=B2, eps=EPS), every,
+      optax.sgd(OUTER_LR, momentum=OUTER_MOMENTUM), algorithm="dense",
+      average_inner_state=True)
+  steps = [random_grads(seed) for seed in range(7)]
+  model = NumpyLocalSteps(SHAPES, every, "dense", None)
+  params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
+  rounds = 0
+  for i, (grads, (updates, state)) in enumerate(zip(steps, _steps(tx, mesh, steps, params))):
+    want = model.update(grads)
+    adam = state.inner[0]
+    np.testing.assert_array_equal(np.asarray(adam.count), model.count)
+    for k in SHAPES:
+      _close(updates[k], want[k], f"step {i} {k}")
+      _close(np.asarray(state.offset[k]), model.offset[k], f"step {i} offset {k}")
+      if model.step:
+        _close(np.asarray(adam.mu[k]), model.mu[k], f"step {i} mu {k}")
+        continue
+      for name in ("mu", "nu"):
+        got = np.asarray(getattr(adam, name)[k])
+        assert (got == got[0]).all(), f"step {i} {name} {k}: one state on every device"
+        _within_the_code(got[0], getattr(model, name)[k], f"step {i} {name} {k}")
+        getattr(model, name)[k] = np.repeat(got[:1].astype(np.float64), DEVICES, axis=0)
+    rounds += model.step == 0
+  assert rounds == 2
+
+
+@pytest.mark.parametrize("shape", [(8,), (2, 4)], ids=["flat", "node-local"])
+def test_relative_mean_keeps_every_entry_near_its_own_size(shape):
+  """Entries over 8 decades in one chunk, signs differing by device: each mean within
+  the code's two roundings of the devices' magnitudes (NumPy), where one evenly
+  spaced code a chunk would send the small ones as zero."""
+  names = ("data",) if len(shape) == 1 else ("node", "local")
+  axis = names[0] if len(shape) == 1 else names
+  mesh = jax.make_mesh(shape, names)
+  rng = np.random.default_rng(0)
+  size = 10.0 ** rng.uniform(-8, 0, 3000)  # each entry's size, alike on every device
+  rows = (size * rng.uniform(0.5, 2.0, (DEVICES, 3000))
+          * rng.choice([-1.0, 1.0], (DEVICES, 3000))).astype(np.float32)
+  spec = P(axis)
+  mean = jax.jit(jax.shard_map(
+      lambda row: topka2a_jax.collectives.relative_mean(row[0], axis)[None], mesh=mesh,
+      in_specs=spec, out_specs=spec))(jax.device_put(rows, NamedSharding(mesh, spec)))
+  got = np.asarray(mean)
+  assert (got == got[0]).all()
+  _within_the_code(got[0], rows.astype(np.float64), "relative_mean")
+
+
 @pytest.mark.parametrize("algorithm", ["dense", "quantized_8_8_fine"])
 def test_two_levels_train_each_node_as_one_and_run_rounds_between_nodes(algorithm):
   """On a 2 x 4 mesh of (node, local): the model fed every device its node's mean gradient.
@@ -265,7 +335,9 @@ def test_bytes_per_step_are_the_exchanges_over_the_round(mesh):
      "outer must be an optax.GradientTransformation"),
     (lambda: topka2a_jax.local_steps(optax.adam(1e-3), 4, follows="sgd"), TypeError,
      "local_steps takes no follows="),
-], ids=["every-0", "every-float", "inner-factory", "outer-string", "follows"])
+    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), 4, average_inner_state="mu"),
+     TypeError, "average_inner_state must be True or False"),
+], ids=["every-0", "every-float", "inner-factory", "outer-string", "follows", "average-str"])
 def test_bad_arguments_are_refused_naming_the_fix(call, error, match):
   with pytest.raises(error, match=match):
     call()

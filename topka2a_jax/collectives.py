@@ -22,6 +22,9 @@ your own.
 * :func:`two_level`: over a pair of mesh axes ``(node, local)``: dense
   inside each node, one of the above between nodes.
 * :func:`powersgd`: PowerSGD's rank-r exchange of matrices.
+* :func:`relative_mean`: the mean in 8 bits an entry, each entry kept to
+  about 1 part in 8 of its own size, nothing fed back: for an optimizer's
+  state (``local_steps(..., average_inner_state=True)``), not a gradient.
 
 :data:`ALGORITHMS` names every exchange with its cost terms; the
 collective of each is :data:`COLLECTIVES` of the same name. :data:`SELECTIONS`
@@ -68,6 +71,7 @@ if TYPE_CHECKING:  # the namespace; at run time each name is imported on first u
     two_level,
   )
   from topka2a_jax._src.collectives.low_rank import initial_factor, powersgd
+  from topka2a_jax._src.collectives.relative import relative_mean
   from topka2a_jax._src.collectives.selection import auto_choice, get_selection
 
   ALGORITHMS = _algorithms.ALGORITHMS
@@ -99,6 +103,7 @@ _LAZY = {  # each name, its module (":attribute" where the name differs); the
     "two_level": "topka2a_jax._src.collectives.exchanges",
     "initial_factor": "topka2a_jax._src.collectives.low_rank",
     "powersgd": "topka2a_jax._src.collectives.low_rank",
+    "relative_mean": "topka2a_jax._src.collectives.relative",
     "auto_choice": "topka2a_jax._src.collectives.selection",
     "get_selection": "topka2a_jax._src.collectives.selection",
     "ALGORITHMS": "topka2a_jax._src.collectives.algorithms",
@@ -121,6 +126,7 @@ __all__ = [
   "initial_factor",
   "onebit",
   "powersgd",
+  "relative_mean",
   "topka2a",
   "topka2a_sparse",
   "two_level",
