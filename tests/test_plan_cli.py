@@ -287,9 +287,28 @@ def test_local_steps_are_planned_as_a_rounds_exchange_over_its_steps(capsys):
   assert float(shown) == pytest.approx(20 + per_step, abs=2e-3)  # with the forward
 
 
+def test_averaging_the_inner_state_adds_its_exchange_to_every_round(capsys):
+  # Adam's two floats a parameter, 8 bits to the owners and 8 back, 7/8 of
+  # them crossing the wire, one 4-byte scale per 4,096 entries and phase: a
+  # round pays it beside the pseudo-gradient, a step an H-th of both.
+  out = run(capsys, "--params", "25000000", "--devices", "8", "--network", "eth10",
+            "--optimizer", "adam", "--backward-ms", "40", "--local-steps", "8",
+            "--average-inner-state", "2")
+  pseudo_ms = float(re.search(r"once a round, .* MB a step\), ([0-9.]+) ms", out)[1])
+  found = re.search(r"priced as quantized_8_8\), ([0-9.]+) MB per device, ([0-9.]+) ms: "
+                    r"([0-9.]+) ms a round", out)
+  state_mb, state_ms, round_ms = map(float, found.groups())
+  assert state_mb == pytest.approx(2 * 25e6 * (2 + 2 * 4 / 4096) * 7 / 8 / 1e6, rel=1e-3)
+  assert round_ms == pytest.approx(pseudo_ms + state_ms, abs=2e-3)
+  step = re.search(r"= ([0-9.]+) ms, ([0-9.]+)x compute alone", out)
+  assert float(step[1]) == pytest.approx(60 + round_ms / 8, abs=2e-3)
+
+
 @pytest.mark.parametrize("flags, wanted", [
     (["--local-steps", "0"], "--local-steps is the steps of a round, at least 1; got 0"),
     (["--local-steps", "4", "--algorithm", "topka2a_sparse"], "--density is required"),
+    (["--average-inner-state", "2"], "give --local-steps H and the state's floats"),
+    (["--local-steps", "4", "--average-inner-state", "0"], "above 0 (Adam's: 2); got 0"),
 ])
 def test_a_bad_local_steps_plan_exits_with_the_fix(capsys, flags, wanted):
   with pytest.raises(SystemExit):

@@ -27,7 +27,9 @@ only where its coding costs less than the wire it saves.
 ``--local-steps H`` adds the plan of ``local_steps(inner, every=H)``: one
 exchange of the pseudo-gradient a round of H steps, after the round's last
 backward pass (nothing to overlap), its time spread over the round's steps,
-against the step's compute alone (forward and backward).
+against the step's compute alone (forward and backward);
+``--average-inner-state N`` adds the inner state's mean to each round, N
+floats a parameter (``average_inner_state=True``; Adam's N is 2).
 ``--model`` takes the layer shapes of a
 known model (:data:`topka2a_jax.tools.model_shapes.MODELS`, in the order its
 layers run; the backward pass produces their gradients in reverse).
@@ -81,6 +83,10 @@ OPTIMIZERS = {"adam": "adaptive", "momentum": "momentum", "sgd": "plain",
 """``--optimizer``'s names and the kinds of :data:`topka2a_jax.cost.AUTO_FORMS`: Adam's
 family and the other per-entry adaptive steps plan as ``adam``."""
 
+STATE_FORM = "quantized_8_8"
+"""How ``--average-inner-state`` prices ``collectives.relative_mean``: the same
+AlltoAll and AllGather of 8-bit codes (its scales, one per 512 entries, add 0.7%)."""
+
 DENSE, ALLGATHER, TOPKA2A, TOPKA2A_SPARSE = (
     ALGORITHMS[name] for name in ("dense", "allgather", "topka2a", "topka2a_sparse"))
 
@@ -130,6 +136,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="also plan local_steps(inner, every=H): the pseudo-gradient "
                            "exchanged once a round of H steps (in --algorithm, or "
                            f"{LOCAL_STEPS_FORM} by default), against compute alone")
+  parser.add_argument("--average-inner-state", type=float, metavar="N",
+                      help="with --local-steps: also price local_steps(..., "
+                           "average_inner_state=True) for an inner state of N floats "
+                           "per parameter (Adam's: 2), 8 bits each way a round")
   parser.add_argument("--threshold", default="auto", type=_threshold,
                       help="bucket size in elements, or auto (default)")
   parser.add_argument("--backward-ms", type=float,
@@ -210,6 +220,11 @@ def main(argv: list[str] | None = None) -> int:
   if args.local_steps is not None and args.local_steps < 1:
     _parser().error(f"--local-steps is the steps of a round, at least 1; got "
                     f"{args.local_steps}")
+  if args.average_inner_state is not None and (
+      args.local_steps is None or not args.average_inner_state > 0):
+    _parser().error(f"--average-inner-state prices the inner state of --local-steps: "
+                    f"give --local-steps H and the state's floats per parameter, "
+                    f"above 0 (Adam's: 2); got {args.average_inner_state}")
   if args.rank is not None and (args.rank < 1 or not args.model or cluster):
     _parser().error("--rank prices PowerSGD on a model's layer shapes over one data "
                     "axis: give a rank of at least 1 and --model, without "
@@ -315,6 +330,18 @@ def _print_local_steps(args: argparse.Namespace, sizes: list[int], names: list[s
   print(f"\nlocal steps, every {every} (local_steps(inner, every={every})): the "
         f"pseudo-gradient in {algorithm} once a round{sent}, {exchange * 1e3:.3f} ms "
         f"on {round_plan.network.name} after the round's last step")
+  if args.average_inner_state is not None:
+    state_plan = topka2a_jax.plan_fusion(
+        [math.ceil(args.average_inner_state * sum(sizes))], args.devices, args.density,
+        names=["inner state"], network=network, algorithm=STATE_FORM, cluster=cluster,
+        forms=AUTO_FORMS["plain"], backward_seconds=0.0,
+        backward_source="after the round's last step", **rates)
+    exchange += state_plan.step_seconds
+    sent = "" if cluster else f", {_round_bytes(state_plan) / 1e6:.3f} MB per device"
+    print(f"  and the inner state averaged (average_inner_state=True: "
+          f"{args.average_inner_state:g} floats a parameter, 8 bits each way, priced as "
+          f"{STATE_FORM}){sent}, {state_plan.step_seconds * 1e3:.3f} ms: "
+          f"{exchange * 1e3:.3f} ms a round")
   compute = _compute_seconds(args)
   if compute is None:
     print(f"  {exchange / every * 1e3:.3f} ms of exchange a step; give --model or "
