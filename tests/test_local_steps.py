@@ -161,6 +161,28 @@ def test_averaging_the_inner_state_starts_every_round_from_the_devices_mean_mome
   assert rounds == 2
 
 
+def test_two_levels_average_the_inner_state_over_the_nodes():
+  """On a 2 x 4 mesh each node trains as one: at a round's end every device holds the
+  two nodes' mean moments (the model fed each node's mean gradient), to the code."""
+  mesh = jax.make_mesh((2, 4), ("node", "local"))
+  tx = topka2a_jax.local_steps(optax.adam(LR, b1=B1, b2=B2, eps=EPS), 2, optax.sgd(1.0),
+                               algorithm="dense", axis_name=("node", "local"),
+                               average_inner_state=True)
+  steps = [random_grads(seed) for seed in range(2)]
+  node_means = [{k: np.repeat(g.reshape(2, 4, *g.shape[1:]).mean(1), 4, axis=0)
+                 for k, g in grads.items()} for grads in steps]
+  model = NumpyLocalSteps(SHAPES, 2, "dense", None)
+  for grads in node_means:
+    model.update(grads)
+  params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
+  _, state = _steps(tx, mesh, steps, params, ("node", "local"))[-1]
+  for k in SHAPES:
+    for name in ("mu", "nu"):
+      got = np.asarray(getattr(state.inner[0], name)[k])
+      assert (got == got[0]).all(), f"{name} {k}: one state on every device"
+      _within_the_code(got[0], getattr(model, name)[k][::4], f"{name} {k}")
+
+
 @pytest.mark.parametrize("shape", [(8,), (2, 4)], ids=["flat", "node-local"])
 def test_relative_mean_keeps_every_entry_near_its_own_size(shape):
   """Entries over 8 decades in one chunk, signs differing by device: each mean within
