@@ -40,7 +40,11 @@ averaging, DES-LOC's with one period: arXiv 2505.22549) also replaces every
 device's Adam moments by their mean over the devices after each round (or
 every third; ``", first moment averaged"`` and ``", second moment
 averaged"``: one of them alone), exactly, in float32:
-:func:`average_inner_state`, timed and counted with the step.
+:func:`average_inner_state`, timed and counted with the step;
+``", inner state averaged in few bits"`` (every round, or every 3) does the
+same in codes, a first try: the first moments in ``local_steps``' rotated
+4-bit code, the second in :func:`relative_mean`. ``", inner state averaged
+in 8 bits"`` is the library's own, ``local_steps(..., average_inner_state=True)``.
 
 Run:
   python benchmarks/network_training.py [--rate 1gbit] [--processes 4]
