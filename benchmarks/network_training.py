@@ -43,7 +43,7 @@ averaged"``: one of them alone), exactly, in float32:
 :func:`average_inner_state`, timed and counted with the step;
 ``", inner state averaged in few bits"`` (every round, or every 3) does the
 same in codes, a first try: the first moments in ``local_steps``' rotated
-4-bit code, the second in :func:`relative_mean`. ``", inner state averaged
+4-bit code, the second in ``collectives.relative_mean``. ``", inner state averaged
 in 8 bits"`` is the library's own, ``local_steps(..., average_inner_state=True)``.
 
 Run:
@@ -366,7 +366,8 @@ def average_inner_state(state, only: str | None = None, mesh=None, coded: bool =
   kept. With ``coded`` (and the ``mesh``), the means go in few bits instead:
   the first moments through the rotated 4-bit code of ``local_steps``' own
   pseudo-gradient (``"rotated_4_8"``), the second moments through
-  :func:`relative_mean`; what the codes round off is dropped.
+  :func:`topka2a_jax.collectives.relative_mean`; what the codes round off
+  is dropped.
   """
   import jax
   import jax.numpy as jnp
@@ -394,7 +395,7 @@ def average_inner_state(state, only: str | None = None, mesh=None, coded: bool =
       return block
     flat = block.reshape(-1)
     if named(path, "nu"):
-      got = relative_mean(flat, "data", mesh.size)
+      got = topka2a_jax.collectives.relative_mean(flat, "data")
     else:
       got = rotated(flat, "data", 1.0).mean
     return got.reshape(block.shape).astype(block.dtype)
@@ -403,45 +404,6 @@ def average_inner_state(state, only: str | None = None, mesh=None, coded: bool =
       lambda tree: jax.tree_util.tree_map_with_path(coded_mean, tree), mesh=mesh,
       in_specs=P("data"), out_specs=P("data"))(state.inner)
   return state._replace(inner=inner)
-
-
-def relative_mean(values, axis_name: str, devices: int, chunk: int = 512):
-  """The devices' mean of the non-negative 1-D ``values``, with relative precision.
-
-  Inside ``shard_map``. Each entry goes as the float8 (e4m3) of its square
-  root over its chunk's largest root, one float32 scale a chunk, to its
-  shard's owner (one AlltoAll); the owner averages the decoded entries and
-  sends its shard's mean back in the same code (one AllGather). A root is
-  kept to 1 part in 16 down to 2**-17 of its chunk's largest (below, to
-  zero): Adam's second moments, over many decades, come back near their
-  own size, where a scale per chunk with evenly spaced codes rounds the
-  small ones to zero. Bytes: about what an 8-bit all-reduce sends.
-  """
-  import jax.numpy as jnp
-  from jax import lax
-
-  top = 448.0  # float8_e4m3fn's largest finite value
-  size = values.shape[0]
-  shard = -(-size // (devices * chunk)) * chunk
-  padded = jnp.pad(values.astype(jnp.float32), (0, shard * devices - size))
-
-  def encode(x):
-    roots = jnp.sqrt(jnp.maximum(x, 0.0)).reshape(-1, chunk)
-    scale = roots.max(-1, keepdims=True)
-    codes = (roots / jnp.where(scale > 0, scale, 1.0) * top).astype(jnp.float8_e4m3fn)
-    return lax.bitcast_convert_type(codes, jnp.uint8), scale
-
-  def decode(codes, scale):
-    roots = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32)
-    return (roots / top * scale) ** 2
-
-  codes, scales = encode(padded)
-  codes = lax.all_to_all(codes.reshape(devices, -1, chunk), axis_name, 0, 0)
-  scales = lax.all_to_all(scales.reshape(devices, -1, 1), axis_name, 0, 0)
-  codes, scales = encode(decode(codes, scales).mean(0))  # this device's shard
-  codes = lax.all_gather(codes, axis_name).reshape(-1, chunk)
-  scales = lax.all_gather(scales, axis_name).reshape(-1, 1)
-  return decode(codes, scales).reshape(-1)[:size]
 
 
 def seconds_a_step(name: str, seconds: list[float]) -> float:
