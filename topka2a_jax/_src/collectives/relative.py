@@ -13,15 +13,6 @@ under about 2**-35).
 
 :func:`topka2a_jax.local_steps` with ``average_inner_state=True`` averages
 the inner optimizer's state with it at every round's end.
-
-Example:
-  >>> mesh = jax.make_mesh((8,), ("data",))
-  >>> sizes = 10.0 ** -jnp.arange(8.0)  # 1, 0.1, ..., 1e-7 in one chunk
-  >>> rows = jax.device_put(jnp.tile(sizes, (8, 1)), NamedSharding(mesh, P("data")))
-  >>> mean = jax.jit(jax.shard_map(lambda row: relative_mean(row[0], "data"), mesh=mesh,
-  ...                              in_specs=P("data"), out_specs=P()))(rows)
-  >>> bool(jnp.all(jnp.abs(mean / sizes - 1) < 0.13))
-  True
 """
 
 from __future__ import annotations
@@ -103,6 +94,15 @@ def relative_mean(buffer: jax.Array, axis_name: Hashable) -> jax.Array:
     (fewer digits below, zero under about 2**-35); after the two, each
     mean is within 27% of the devices' mean magnitude there, so of the mean
     itself where the devices' entries share a sign (a second moment's do).
+
+  Example:
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> sizes = 10.0 ** -jnp.arange(8.0)  # 1, 0.1, ..., 1e-7 in one chunk
+    >>> rows = jax.device_put(jnp.tile(sizes, (8, 1)), NamedSharding(mesh, P("data")))
+    >>> mean = jax.jit(jax.shard_map(lambda row: relative_mean(row[0], "data"), mesh=mesh,
+    ...                              in_specs=P("data"), out_specs=P()))(rows)
+    >>> bool(jnp.all(jnp.abs(mean / sizes - 1) < 0.13))  # one rounding: the same rows
+    True
   """
   axis = DataAxis.parse(axis_name)
   if not axis.is_pair:
