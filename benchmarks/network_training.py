@@ -39,7 +39,9 @@ move once a round. ``", inner state averaged"`` (Local Adam's state
 averaging, DES-LOC's with one period: arXiv 2505.22549) also replaces every
 device's Adam moments by their mean over the devices after each round (or
 every third; ``", first moment averaged"`` and ``", second moment
-averaged"``: one of them alone), exactly, in float32:
+averaged"``: one of them alone; ``", first moment averaged every round,
+second every 6"`` and ``"... every 3 rounds, second every 6"``: a period
+for each, DES-LOC's schedule), exactly, in float32:
 :func:`average_inner_state`, timed and counted with the step;
 ``", inner state averaged in few bits"`` (every round, or every 3) does the
 same in codes, a first try: the first moments in ``local_steps``' rotated
@@ -108,15 +110,20 @@ RUNS = {
            (", outer 0.75", {"outer": "0.75"}),
            (", outer 1.25", {"outer": "1.25"}),
            (", outer 1.5", {"outer": "1.5"}),
-           (", inner state averaged", {"inner_mean_every": 1}),
-           (", inner state averaged every 3 rounds", {"inner_mean_every": 3}),
-           (", first moment averaged", {"inner_mean_every": 1, "inner_mean_of": "mu"}),
-           (", second moment averaged", {"inner_mean_every": 1, "inner_mean_of": "nu"}),
+           (", inner state averaged", {"inner_mean": ((None, 1),)}),
+           (", inner state averaged every 3 rounds", {"inner_mean": ((None, 3),)}),
+           (", first moment averaged", {"inner_mean": (("mu", 1),)}),
+           (", second moment averaged", {"inner_mean": (("nu", 1),)}),
+           # DES-LOC's periods: the slower the moment, the rarer its mean
+           (", first moment averaged every round, second every 6",
+            {"inner_mean": (("mu", 1), ("nu", 6))}),
+           (", first moment averaged every 3 rounds, second every 6",
+            {"inner_mean": (("mu", 3), ("nu", 6))}),
            (", inner state averaged in 8 bits", {"average_inner_state": True}),
-           (", inner state averaged in few bits", {"inner_mean_every": 1,
+           (", inner state averaged in few bits", {"inner_mean": ((None, 1),),
                                                    "inner_mean_coded": True}),
            (", inner state averaged in few bits every 3 rounds", {
-               "inner_mean_every": 3, "inner_mean_coded": True}))},
+               "inner_mean": ((None, 3),), "inner_mean_coded": True}))},
 }
 """Configurations: name -> options of ``topka2a`` besides the density.
 
@@ -186,8 +193,7 @@ def optimizer(name: str, density: float, mesh, schedule, b1: float,
              # a shorter or a longer step than to the mean
              "0.75": optax.sgd(0.75), "1.25": optax.sgd(1.25), "1.5": optax.sgd(1.5),
              }[options.pop("outer", None)]
-    options.pop("inner_mean_every", None)  # applied by the training loop
-    options.pop("inner_mean_of", None)
+    options.pop("inner_mean", None)  # applied by the training loop
     options.pop("inner_mean_coded", None)
     return topka2a_jax.local_steps(optax.adam(schedule, b1=b1), options.pop("every"), outer,
                                    density, mesh=mesh, **options)
@@ -318,20 +324,21 @@ def worker(args: argparse.Namespace) -> None:
                                                   max(args.steps, warmup + 1))
     tx = optimizer(name, args.density, mesh, schedule, args.b1, backward)
     options = run_options(name)
-    every, inner_mean_every = options.get("every", 1), options.get("inner_mean_every")
+    every = options.get("every", 1)
     params = jax.tree.map(lambda v: jax.make_array_from_callback(
         v.shape, NamedSharding(mesh, P()), lambda index, v=v: np.asarray(v)[index]),
         init(jax.random.key(args.seed)))
     state, step = tx.init(params), topka2a_jax.train_step(loss, tx, mesh)
     # local_steps' program holds its round's exchange in a branch, taken one step in `every`.
     sent = topka2a_jax.comm_report(step.lower(params, state, batches[0])).step_bytes(every)
-    if inner_mean_every:  # a program of its own, run once in every * inner_mean_every steps
+    means = []  # (a program of its own, the steps between two runs of it)
+    for only, rounds in options.get("inner_mean", ()):
       averaged = jax.jit(
-          functools.partial(average_inner_state, only=options.get("inner_mean_of"),
-                            mesh=mesh, coded=options.get("inner_mean_coded", False)),
+          functools.partial(average_inner_state, only=only, mesh=mesh,
+                            coded=options.get("inner_mean_coded", False)),
           donate_argnums=0, out_shardings=jax.tree.map(lambda leaf: leaf.sharding, state))
-      sent += topka2a_jax.comm_report(averaged.lower(state)).step_bytes() / (
-          every * inner_mean_every)
+      means.append((averaged, every * rounds))
+      sent += topka2a_jax.comm_report(averaged.lower(state)).step_bytes() / (every * rounds)
     params, state, _ = step(params, state, batches[0])  # compiles
     jax.block_until_ready(params)
     params = jax.tree.map(lambda v: jax.make_array_from_callback(
@@ -343,8 +350,9 @@ def worker(args: argparse.Namespace) -> None:
       multihost_utils.sync_global_devices(f"{name} {i}")
       start = time.perf_counter()
       params, state, _ = step(params, state, batch)
-      if inner_mean_every and i % (every * inner_mean_every) == 0:
-        state = averaged(state)
+      for averaged, period in means:
+        if i % period == 0:
+          state = averaged(state)
       jax.block_until_ready((params, state))
       seconds.append(time.perf_counter() - start)
       if i % args.eval_every == 0 or i == args.steps:
