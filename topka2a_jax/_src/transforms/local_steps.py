@@ -162,7 +162,10 @@ def local_steps(inner: optax.GradientTransformation, every: int = DEFAULT_EVERY,
       tuned: -0.5% / +2.2% / -0.9% against dense on three seeds, +3.9% /
       +3.8% / +2.8% without), and sends 8 bits each way for every float of
       the state (Adam: twice the parameters) each round, 3.7x the default
-      pseudo-gradient's bytes there; so it is off by default.
+      pseudo-gradient's bytes there; so it is off by default. The round's
+      end then also needs temporary memory of about twice the state's
+      floating size (the state as one buffer, and its mean;
+      ``benchmarks/local_steps_memory.py``).
     **options: every option of the exchange, below.
 
   Returns:
