@@ -183,6 +183,53 @@ def test_two_levels_average_the_inner_state_over_the_nodes():
       _within_the_code(got[0], getattr(model, name)[k][::4], f"{name} {k}")
 
 
+@pytest.mark.parametrize("devices", [8, 3])
+def test_averaging_the_inner_state_keeps_injected_hyperparameters_as_set(devices):
+  """``optax.inject_hyperparams(optax.adamw)`` keeps its hyperparameters in its
+  state as float scalars: after four rounds through ``train_step`` they are the
+  values the user set, to the bit, on 8 devices and on 3 (where a mean of three
+  equal floats can be an ulp off), while the moments are averaged."""
+  mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
+  hyperparameters = {"learning_rate": 1e-3, "b1": 0.9, "b2": 0.999, "eps": 1e-8,
+                     "weight_decay": 1e-4}
+  inner = optax.inject_hyperparams(optax.adamw)(**hyperparameters)
+  tx = topka2a_jax.local_steps(inner, 2, algorithm="dense", mesh=mesh,
+                               average_inner_state=True)
+  step = topka2a_jax.train_step(_least_squares, tx, mesh)
+  rng = np.random.default_rng(0)
+  batch = tuple(rng.normal(size=(devices * 16, n)).astype(np.float32) for n in (12, 3))
+  params, state = {"w": jnp.zeros((12, 3))}, tx.init({"w": jnp.zeros((12, 3))})
+  for _ in range(8):
+    params, state, _ = step(params, state, batch)
+  for name, value in hyperparameters.items():
+    got = np.asarray(state.inner.hyperparams[name])
+    np.testing.assert_array_equal(got, np.full(devices, value, np.float32), err_msg=name)
+  mu = np.asarray(state.inner.inner_state[0].mu["w"])
+  assert (mu == mu[0]).all() and np.abs(mu).max() > 0, "the moments are averaged"
+
+
+def test_averaging_the_inner_state_gives_a_scalar_its_exact_mean(mesh):
+  """A float scalar that differs by device (here a thousandth of the running sum of
+  its gradients' means, beside Adam's larger moments in the state) becomes the
+  devices' mean to float32's rounding (NumPy), not to the 8-bit code's."""
+
+  def running_sum() -> optax.GradientTransformation:
+    def update(updates, total, params=None):
+      return updates, total + 1e-3 * sum(jnp.mean(u) for u in jax.tree.leaves(updates))
+    return optax.GradientTransformation(lambda params: jnp.zeros((), jnp.float32), update)
+
+  tx = topka2a_jax.local_steps(optax.chain(running_sum(), optax.adam(LR)), 2,
+                               algorithm="dense", average_inner_state=True)
+  steps = [random_grads(seed) for seed in range(2)]
+  _, state = _steps(tx, mesh, steps, {k: jnp.zeros(s) for k, s in SHAPES.items()})[-1]
+  sums = 1e-3 * sum(g.reshape(DEVICES, -1).mean(1, dtype=np.float64)
+                    for grads in steps for g in grads.values())
+  got = np.asarray(state.inner[0])
+  assert (got == got[0]).all()
+  np.testing.assert_allclose(got[0], sums.mean(), rtol=64 * np.finfo(np.float32).eps)
+  assert not np.isclose(sums.mean(), sums[0], rtol=0.2), "the devices' sums differ"
+
+
 @pytest.mark.parametrize("shape", [(8,), (2, 4)], ids=["flat", "node-local"])
 def test_relative_mean_keeps_every_entry_near_its_own_size(shape):
   """Entries over 8 decades in one chunk, signs differing by device: each mean within

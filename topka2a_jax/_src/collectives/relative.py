@@ -12,7 +12,7 @@ down to 2**-29 of its chunk's largest magnitude (fewer digits below, zero
 under about 2**-35).
 
 :func:`topka2a_jax.local_steps` with ``average_inner_state=True`` averages
-the inner optimizer's state with it at every round's end.
+the inner optimizer's state arrays with it at every round's end.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ round of ``every`` steps:
    starts the next round;
 4. with ``average_inner_state=True``, every device's ``inner`` state (Adam's
    moments) also becomes the devices' mean, in 8 bits an entry with
-   relative precision (:func:`topka2a_jax.collectives.relative_mean`).
+   relative precision (:func:`topka2a_jax.collectives.relative_mean`); its
+   floating scalars (an injected hyperparameter) exactly.
 
 Over a pair of data axes, ``axis_name=("node", "local")`` (hosts of several
 devices on a slower link between them), the devices of a node train as one:
@@ -153,8 +154,10 @@ def local_steps(inner: optax.GradientTransformation, every: int = DEFAULT_EVERY,
     density: fraction of every bucket sent where a top-k is chosen.
     average_inner_state: at every round's end, also replace each device's
       ``inner`` state (Adam's moments) by the devices' mean, every floating
-      leaf in 8 bits with relative precision
-      (:func:`topka2a_jax.collectives.relative_mean`); its counts are kept.
+      array in 8 bits with relative precision
+      (:func:`topka2a_jax.collectives.relative_mean`), every floating
+      scalar exactly (so the hyperparameters of
+      ``optax.inject_hyperparams`` stay as set); its counts are kept.
       Local Adam's state averaging: every device starts each round from the
       same moments, those of all the devices' gradients. It closes most of
       the rounds' cost where many windows a device make it show
@@ -285,19 +288,34 @@ def _update(options: Options, inner: optax.GradientTransformationExtraArgs,
 def _averaged(inner_state: Any, axis: Any) -> Any:
   """Every device's ``inner_state`` replaced by the devices' mean, its counts kept.
 
-  The floating leaves go as one buffer through :func:`relative_mean` (one
-  exchange, not one a leaf); the others (step counts) are the same on every
-  device and stay.
+  The floating arrays go as one buffer through :func:`relative_mean` (one
+  exchange, not one a leaf). The floating scalars (hyperparameters of
+  ``optax.inject_hyperparams``, a loss scale) go exactly: a scalar on
+  which every device agrees stays as it is, where the code would round a
+  ``b2`` of 0.999 by up to 13%. The other leaves (step counts) are the same
+  on every device and stay.
   """
   leaves, structure = jax.tree.flatten(inner_state)
   floating = [i for i, leaf in enumerate(leaves) if jnp.issubdtype(leaf.dtype, jnp.floating)]
-  if not floating:
-    return inner_state
-  buffer = jnp.concatenate([leaves[i].astype(jnp.float32).reshape(-1) for i in floating])
-  mean = relative_mean(buffer, axis)
-  ends = itertools.accumulate(leaves[i].size for i in floating)
-  for i, end in zip(floating, ends):
-    leaf = leaves[i]
-    leaves[i] = as_varying(mean[end - leaf.size:end].reshape(leaf.shape).astype(leaf.dtype),
-                           axis)
+  for group, mean_of in (([i for i in floating if leaves[i].size > 1], relative_mean),
+                         ([i for i in floating if leaves[i].size == 1], _exact_mean)):
+    if not group:
+      continue
+    mean = mean_of(jnp.concatenate([leaves[i].astype(jnp.float32).reshape(-1)
+                                    for i in group]), axis)
+    for i, end in zip(group, itertools.accumulate(leaves[i].size for i in group)):
+      leaf = leaves[i]
+      leaves[i] = as_varying(mean[end - leaf.size:end].reshape(leaf.shape).astype(leaf.dtype),
+                             axis)
   return jax.tree.unflatten(structure, leaves)
+
+
+def _exact_mean(buffer: jax.Array, axis: Any) -> jax.Array:
+  """The devices' float32 mean of ``buffer``, each entry on which they all agree kept.
+
+  A mean of equal values need not return them (three times ``b2``, over
+  three, can be an ulp off), and every round would move them again.
+  """
+  highest = lax.pmax(jnp.concatenate([buffer, -buffer]), axis)
+  agreed = highest[:buffer.size] == -highest[buffer.size:]
+  return jnp.where(agreed, buffer, lax.pmean(buffer, axis))
