@@ -129,24 +129,40 @@ def _within_the_code(got, values, what):
   assert (error <= bound + 1e-6 * np.abs(values).max()).all(), what
 
 
+WITH_MOMENTS_IN_CODE = {**SHAPES, "d": (4, 160)}
+"""SHAPES, whose leaves (under 512 entries) are averaged exactly, and one of 640
+entries, whose moments go through the 8-bit code."""
+
+
+def _averaged_like_the_model(got, values, shape, what):
+  """``got`` is the mean over axis 0 of ``values``: exactly (float32) for a leaf under
+  512 entries, to relative_mean's two roundings for a larger one."""
+  if np.prod(shape) < 512:
+    _close(got, values.mean(0), what)
+  else:
+    _within_the_code(got, values, what)
+
+
 def test_averaging_the_inner_state_starts_every_round_from_the_devices_mean_moments(mesh):
   """Rounds of 3: at a round's end every device holds the model's mean Adam moments,
-  to the code's rounding, and its count; the next round is Adam from what was
-  delivered: the model, given it, predicts every update and offset."""
+  exactly for small leaves and to the code's rounding for a large one, and its
+  count; the next round is Adam from what was delivered: the model, given it,
+  predicts every update and offset."""
   every = 3
   tx = topka2a_jax.local_steps(
       optax.adam(LR, b1=B1, b2=B2, eps=EPS), every,
       optax.sgd(OUTER_LR, momentum=OUTER_MOMENTUM), algorithm="dense",
       average_inner_state=True)
-  steps = [random_grads(seed) for seed in range(7)]
-  model = NumpyLocalSteps(SHAPES, every, "dense", None)
-  params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
+  shapes = WITH_MOMENTS_IN_CODE
+  steps = [random_grads(seed, shapes) for seed in range(7)]
+  model = NumpyLocalSteps(shapes, every, "dense", None)
+  params = {k: jnp.zeros(s) for k, s in shapes.items()}
   rounds = 0
   for i, (grads, (updates, state)) in enumerate(zip(steps, _steps(tx, mesh, steps, params))):
     want = model.update(grads)
     adam = state.inner[0]
     np.testing.assert_array_equal(np.asarray(adam.count), model.count)
-    for k in SHAPES:
+    for k, shape in shapes.items():
       _close(updates[k], want[k], f"step {i} {k}")
       _close(np.asarray(state.offset[k]), model.offset[k], f"step {i} offset {k}")
       if model.step:
@@ -155,7 +171,7 @@ def test_averaging_the_inner_state_starts_every_round_from_the_devices_mean_mome
       for name in ("mu", "nu"):
         got = np.asarray(getattr(adam, name)[k])
         assert (got == got[0]).all(), f"step {i} {name} {k}: one state on every device"
-        _within_the_code(got[0], getattr(model, name)[k], f"step {i} {name} {k}")
+        _averaged_like_the_model(got[0], getattr(model, name)[k], shape, f"step {i} {name} {k}")
         getattr(model, name)[k] = np.repeat(got[:1].astype(np.float64), DEVICES, axis=0)
     rounds += model.step == 0
   assert rounds == 2
@@ -163,48 +179,63 @@ def test_averaging_the_inner_state_starts_every_round_from_the_devices_mean_mome
 
 def test_two_levels_average_the_inner_state_over_the_nodes():
   """On a 2 x 4 mesh each node trains as one: at a round's end every device holds the
-  two nodes' mean moments (the model fed each node's mean gradient), to the code."""
+  two nodes' mean moments (the model fed each node's mean gradient), exactly for
+  small leaves and to the code for a large one."""
   mesh = jax.make_mesh((2, 4), ("node", "local"))
   tx = topka2a_jax.local_steps(optax.adam(LR, b1=B1, b2=B2, eps=EPS), 2, optax.sgd(1.0),
                                algorithm="dense", axis_name=("node", "local"),
                                average_inner_state=True)
-  steps = [random_grads(seed) for seed in range(2)]
+  shapes = WITH_MOMENTS_IN_CODE
+  steps = [random_grads(seed, shapes) for seed in range(2)]
   node_means = [{k: np.repeat(g.reshape(2, 4, *g.shape[1:]).mean(1), 4, axis=0)
                  for k, g in grads.items()} for grads in steps]
-  model = NumpyLocalSteps(SHAPES, 2, "dense", None)
+  model = NumpyLocalSteps(shapes, 2, "dense", None)
   for grads in node_means:
     model.update(grads)
-  params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
+  params = {k: jnp.zeros(s) for k, s in shapes.items()}
   _, state = _steps(tx, mesh, steps, params, ("node", "local"))[-1]
-  for k in SHAPES:
+  for k, shape in shapes.items():
     for name in ("mu", "nu"):
       got = np.asarray(getattr(state.inner[0], name)[k])
       assert (got == got[0]).all(), f"{name} {k}: one state on every device"
-      _within_the_code(got[0], getattr(model, name)[k][::4], f"{name} {k}")
+      _averaged_like_the_model(got[0], getattr(model, name)[k][::4], shape, f"{name} {k}")
+
+
+CONSTANTS = {
+    "inject_hyperparams(adamw)": (
+        lambda: optax.inject_hyperparams(optax.adamw)(
+            learning_rate=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4),
+        lambda inner: inner.hyperparams, lambda inner: inner.inner_state[0].mu["w"]),
+    "muon": (
+        lambda: optax.contrib.muon(1e-3),
+        lambda inner: {"ns_coeffs": inner.inner_states["muon"].inner_state[0].ns_coeffs},
+        lambda inner: inner.inner_states["muon"].inner_state[0].mu["w"]),
+}
+"""Optimizers that keep constants in their state: how to make one, its constants, a moment."""
 
 
 @pytest.mark.parametrize("devices", [8, 3])
-def test_averaging_the_inner_state_keeps_injected_hyperparameters_as_set(devices):
-  """``optax.inject_hyperparams(optax.adamw)`` keeps its hyperparameters in its
-  state as float scalars: after four rounds through ``train_step`` they are the
-  values the user set, to the bit, on 8 devices and on 3 (where a mean of three
-  equal floats can be an ulp off), while the moments are averaged."""
+@pytest.mark.parametrize("name", sorted(CONSTANTS))
+def test_averaging_the_inner_state_keeps_the_optimizers_constants_as_set(name, devices):
+  """``optax.inject_hyperparams`` keeps its hyperparameters in its state as float
+  scalars, Muon its Newton-Schulz coefficients as a small array: after four
+  rounds through ``train_step`` they are what ``init`` set, to the bit, on 8
+  devices and on 3 (where a mean of equal floats can be an ulp off), while the
+  moments are averaged."""
+  make, constants, moment = CONSTANTS[name]
   mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
-  hyperparameters = {"learning_rate": 1e-3, "b1": 0.9, "b2": 0.999, "eps": 1e-8,
-                     "weight_decay": 1e-4}
-  inner = optax.inject_hyperparams(optax.adamw)(**hyperparameters)
-  tx = topka2a_jax.local_steps(inner, 2, algorithm="dense", mesh=mesh,
+  tx = topka2a_jax.local_steps(make(), 2, algorithm="dense", mesh=mesh,
                                average_inner_state=True)
   step = topka2a_jax.train_step(_least_squares, tx, mesh)
   rng = np.random.default_rng(0)
   batch = tuple(rng.normal(size=(devices * 16, n)).astype(np.float32) for n in (12, 3))
   params, state = {"w": jnp.zeros((12, 3))}, tx.init({"w": jnp.zeros((12, 3))})
+  want = jax.tree.map(np.array, constants(state.inner))
   for _ in range(8):
     params, state, _ = step(params, state, batch)
-  for name, value in hyperparameters.items():
-    got = np.asarray(state.inner.hyperparams[name])
-    np.testing.assert_array_equal(got, np.full(devices, value, np.float32), err_msg=name)
-  mu = np.asarray(state.inner.inner_state[0].mu["w"])
+  for key, value in constants(state.inner).items():
+    np.testing.assert_array_equal(np.asarray(value), want[key], err_msg=key)
+  mu = np.asarray(moment(state.inner))
   assert (mu == mu[0]).all() and np.abs(mu).max() > 0, "the moments are averaged"
 
 

@@ -19,7 +19,7 @@ round of ``every`` steps:
 4. with ``average_inner_state=True``, every device's ``inner`` state (Adam's
    moments) also becomes the devices' mean, in 8 bits an entry with
    relative precision (:func:`topka2a_jax.collectives.relative_mean`); its
-   floating scalars (an injected hyperparameter) exactly.
+   leaves under 512 entries (an injected hyperparameter) exactly.
 
 Over a pair of data axes, ``axis_name=("node", "local")`` (hosts of several
 devices on a slower link between them), the devices of a node train as one:
@@ -73,7 +73,7 @@ from topka2a_jax._src.axis import (
   is_bound,
   per_device_blocks,
 )
-from topka2a_jax._src.collectives.relative import relative_mean
+from topka2a_jax._src.collectives.relative import CHUNK, relative_mean
 from topka2a_jax._src.options import Options
 from topka2a_jax._src.planner.forms import LOCAL_STEPS_FORM
 from topka2a_jax._src.states import LocalStepsState
@@ -153,11 +153,12 @@ def local_steps(inner: optax.GradientTransformation, every: int = DEFAULT_EVERY,
       it never reached ``benchmarks/network_training.py``'s first target.
     density: fraction of every bucket sent where a top-k is chosen.
     average_inner_state: at every round's end, also replace each device's
-      ``inner`` state (Adam's moments) by the devices' mean, every floating
-      array in 8 bits with relative precision
-      (:func:`topka2a_jax.collectives.relative_mean`), every floating
-      scalar exactly (so the hyperparameters of
-      ``optax.inject_hyperparams`` stay as set); its counts are kept.
+      ``inner`` state (Adam's moments) by the devices' mean: floating
+      leaves of 512 entries or more in 8 bits with relative precision
+      (:func:`topka2a_jax.collectives.relative_mean`), smaller ones exactly,
+      each entry on which every device agrees kept as it is (so the
+      hyperparameters of ``optax.inject_hyperparams`` and Muon's
+      coefficients stay as set); its counts are kept.
       Local Adam's state averaging: every device starts each round from the
       same moments, those of all the devices' gradients. It closes most of
       the rounds' cost where many windows a device make it show
@@ -288,17 +289,19 @@ def _update(options: Options, inner: optax.GradientTransformationExtraArgs,
 def _averaged(inner_state: Any, axis: Any) -> Any:
   """Every device's ``inner_state`` replaced by the devices' mean, its counts kept.
 
-  The floating arrays go as one buffer through :func:`relative_mean` (one
-  exchange, not one a leaf). The floating scalars (hyperparameters of
-  ``optax.inject_hyperparams``, a loss scale) go exactly: a scalar on
-  which every device agrees stays as it is, where the code would round a
-  ``b2`` of 0.999 by up to 13%. The other leaves (step counts) are the same
-  on every device and stay.
+  The floating leaves of at least :data:`CHUNK` entries (moments) go as one
+  buffer through :func:`relative_mean` (one exchange, not one a leaf). The
+  smaller ones go exactly, as one float32 buffer: they cost little, and
+  among them are the state's constants, the same on every device, which
+  must stay as they are (``optax.inject_hyperparams``' ``b2`` of 0.999,
+  which the code would round by up to 13%, or Muon's Newton-Schulz
+  coefficients). The other leaves (step counts) are the same on every
+  device and stay.
   """
   leaves, structure = jax.tree.flatten(inner_state)
   floating = [i for i, leaf in enumerate(leaves) if jnp.issubdtype(leaf.dtype, jnp.floating)]
-  for group, mean_of in (([i for i in floating if leaves[i].size > 1], relative_mean),
-                         ([i for i in floating if leaves[i].size == 1], _exact_mean)):
+  for group, mean_of in (([i for i in floating if leaves[i].size >= CHUNK], relative_mean),
+                         ([i for i in floating if leaves[i].size < CHUNK], _exact_mean)):
     if not group:
       continue
     mean = mean_of(jnp.concatenate([leaves[i].astype(jnp.float32).reshape(-1)
