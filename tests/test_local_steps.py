@@ -425,6 +425,30 @@ def test_bytes_per_step_are_the_exchanges_over_the_round(mesh):
   assert not any(row.in_branch for row in reports["dense"].collectives)
 
 
+@pytest.mark.parametrize("inner", [
+    optax.contrib.schedule_free_adamw(1e-3), optax.contrib.prodigy(),
+    optax.contrib.dog(), optax.contrib.mechanize(optax.adam(1e-3))],
+    ids=["schedule_free", "prodigy", "dog", "mechanize"])
+def test_averaging_a_state_that_keeps_the_parameters_is_refused_at_init(mesh, inner):
+  """Schedule-free keeps its iterate ``z`` in its state, Prodigy, DoG and Mechanic
+  the initial parameters: the 8-bit code would round them, so ``init`` refuses,
+  naming the leaf and the fix."""
+  params = {"w": jax.random.normal(jax.random.key(0), (32, 32)), "b": jnp.ones(8)}
+  tx = topka2a_jax.local_steps(inner, 4, mesh=mesh, average_inner_state=True)
+  with pytest.raises(ValueError, match=r"keeps at .*\['w'\].*Leave average_inner_state off"):
+    tx.init(params)
+  topka2a_jax.local_steps(inner, 4, mesh=mesh).init(params)  # without it, no question
+
+
+@pytest.mark.parametrize("inner", [optax.adagrad(0.1), optax.rprop(1e-3), optax.adam(1e-3)],
+                         ids=["adagrad", "rprop", "adam"])
+def test_a_state_of_moments_that_starts_above_zero_is_averaged(mesh, inner):
+  """Adagrad's accumulator and Rprop's step sizes start above zero, as no moment of
+  Adam's does, yet are no copy of the parameters: ``init`` takes them."""
+  params = {"w": jax.random.normal(jax.random.key(0), (32, 32))}
+  topka2a_jax.local_steps(inner, 4, mesh=mesh, average_inner_state=True).init(params)
+
+
 @pytest.mark.parametrize("call, error, match", [
     (lambda: topka2a_jax.local_steps(optax.adam(1e-3), 0), ValueError,
      "every must be at least 1"),

@@ -70,6 +70,7 @@ from topka2a_jax._src.axis import (
   DataAxis,
   as_varying,
   bound_axis_size,
+  holds_tracer,
   is_bound,
   per_device_blocks,
 )
@@ -158,7 +159,10 @@ def local_steps(inner: optax.GradientTransformation, every: int = DEFAULT_EVERY,
       (:func:`topka2a_jax.collectives.relative_mean`), smaller ones exactly,
       each entry on which every device agrees kept as it is (so the
       hyperparameters of ``optax.inject_hyperparams`` and Muon's
-      coefficients stay as set); its counts are kept.
+      coefficients stay as set); its counts are kept. An ``inner`` whose
+      state keeps a copy of the parameters (schedule-free's ``z``,
+      Prodigy's initial parameters), which the code would round, is refused
+      at ``init``.
       Local Adam's state averaging: every device starts each round from the
       same moments, those of all the devices' gradients. It closes most of
       the rounds' cost where many windows a device make it show
@@ -212,6 +216,8 @@ def local_steps(inner: optax.GradientTransformation, every: int = DEFAULT_EVERY,
         length)
     if not is_bound(checked.axis_name):
       warn_if_a_zero_step_is_not_finite(inner, params, "local_steps")
+    if average_inner_state and not holds_tracer((params, state.inner)):
+      _refuse_kept_parameters(state.inner, params)
     return state
 
   def update_fn(updates: optax.Updates, state: LocalStepsState,
@@ -284,6 +290,39 @@ def _update(options: Options, inner: optax.GradientTransformationExtraArgs,
   return moved, LocalStepsState(exchange, per_device_blocks(new_inner, axis),
                                 per_device_blocks(new_offset, axis), new_outer, step,
                                 state.every)
+
+
+def _refuse_kept_parameters(inner_state: Any, params: optax.Params) -> None:
+  """Refuses an ``inner`` whose state keeps a copy of the parameters (at init).
+
+  Schedule-free's ``z``, Prodigy's and DoG's initial parameters: the 8-bit
+  code is for moments, and would round parameters by up to 13% a round.
+  Only leaves of at least :data:`CHUNK` entries are checked, the ones the
+  code sends, each on the first device that holds it: its copy there
+  against the parameter's piece on that device. Moments start at zero and
+  are passed over in one reduction.
+
+  Raises:
+    ValueError: naming the state's leaf and the fix.
+  """
+  pieces: dict[tuple[Any, tuple[int, ...]], list[jax.Array]] = {}
+  for leaf in jax.tree.leaves(params):
+    for shard in getattr(leaf, "addressable_shards", ()):
+      pieces.setdefault((shard.device, tuple(shard.data.shape)), []).append(shard.data)
+  for path, leaf in jax.tree_util.tree_leaves_with_path(inner_state):
+    if (not jnp.issubdtype(leaf.dtype, jnp.floating) or leaf.ndim == 0
+        or leaf.size // leaf.shape[0] < CHUNK or not getattr(leaf, "addressable_shards", ())):
+      continue
+    shard = leaf.addressable_shards[0]
+    copy = shard.data[0]  # this device's copy; all are equal at init
+    candidates = pieces.get((shard.device, tuple(copy.shape)), [])
+    if candidates and bool(jnp.any(copy != 0)) and any(
+        bool(jnp.array_equal(copy, piece)) for piece in candidates):
+      raise ValueError(
+          f"average_inner_state=True would send the parameters that inner's state keeps "
+          f"at {jax.tree_util.keystr(path)} in 8 bits, rounding each by up to 13% every "
+          "round: the code is for states of moments (Adam's, Lion's, momentum). Leave "
+          "average_inner_state off with this inner optimizer.")
 
 
 def _averaged(inner_state: Any, axis: Any) -> Any:
