@@ -167,7 +167,7 @@ def local_steps(inner: optax.GradientTransformation, every: int = DEFAULT_EVERY,
       same moments, those of all the devices' gradients. It closes most of
       the rounds' cost where many windows a device make it show
       (``benchmarks/network_training.py``, 8 windows, ``inner``'s peak
-      tuned: -0.5% / +2.2% / -0.9% against dense on three seeds, +3.9% /
+      tuned: -0.5% / +2.3% / -0.6% against dense on three seeds, +3.9% /
       +3.8% / +2.8% without), and sends 8 bits each way for every float of
       the state (Adam: twice the parameters) each round, 3.7x the default
       pseudo-gradient's bytes there; so it is off by default. The round's
