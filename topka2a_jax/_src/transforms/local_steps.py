@@ -355,9 +355,9 @@ def _averaged(inner_state: Any, axis: Any) -> Any:
 def _exact_mean(buffer: jax.Array, axis: Any) -> jax.Array:
   """The devices' float32 mean of ``buffer``, each entry on which they all agree kept.
 
-  A mean of equal values need not return them (eight equal float32 values
-  summed in order and divided by eight came back an ulp off), and every
-  round would move them again.
+  A mean of equal values need not return them (``lax.pmean`` of eight equal
+  float32 values on the CPU backend came back an ulp off), and every round
+  would move them again.
   """
   highest = lax.pmax(jnp.concatenate([buffer, -buffer]), axis)
   agreed = highest[:buffer.size] == -highest[buffer.size:]
