@@ -9,7 +9,10 @@ device's arguments (parameters, optimizer state, batch) and temporaries
   8-bit form every step;
 - ``local_steps(optax.adam(...), 4)``, the defaults;
 - the same with ``average_inner_state=True``, whose round's end holds the
-  inner state as one buffer and its mean.
+  inner state as one buffer and its mean;
+- ``collectives.relative_mean`` alone, on a buffer of Adam's moments' size:
+  whether XLA decodes the devices' rows into the mean without holding them
+  all (its temporaries against the buffer's size).
 
 The steps are compiled, not run: the figures are XLA's CPU plan, and a
 GPU's differs by its fusions.
@@ -35,6 +38,8 @@ def measure(leaves: int, width: int) -> list[dict[str, float | str]]:
   import jax
   import jax.numpy as jnp
   import optax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
 
   import topka2a_jax
 
@@ -57,10 +62,21 @@ def measure(leaves: int, width: int) -> list[dict[str, float | str]]:
   for name, tx in configurations.items():
     state = tx.init(params)
     step = topka2a_jax.train_step(loss, tx, mesh)
-    memory = step.lower(params, state, batch).compile().memory_analysis()
-    rows.append({"run": name, "arguments_mb": memory.argument_size_in_bytes / MB,
-                 "temporaries_mb": memory.temp_size_in_bytes / MB})
+    rows.append(_row(name, step.lower(params, state, batch)))
+  moments = jax.ShapeDtypeStruct((mesh.size, 2 * leaves * width * width), jnp.float32,
+                                 sharding=NamedSharding(mesh, P("data")))
+  mean = jax.jit(jax.shard_map(
+      lambda row: topka2a_jax.collectives.relative_mean(row[0], "data")[None], mesh=mesh,
+      in_specs=P("data"), out_specs=P("data")))
+  rows.append(_row("collectives.relative_mean of the moments' size", mean.lower(moments)))
   return rows
+
+
+def _row(name: str, lowered) -> dict[str, float | str]:
+  """One device's MB of arguments and temporaries in ``lowered``'s compiled program."""
+  memory = lowered.compile().memory_analysis()
+  return {"run": name, "arguments_mb": memory.argument_size_in_bytes / MB,
+          "temporaries_mb": memory.temp_size_in_bytes / MB}
 
 
 def main() -> int:
