@@ -123,7 +123,11 @@ RUNS = {
            (", inner state averaged in few bits", {"inner_mean": ((None, 1),),
                                                    "inner_mean_coded": True}),
            (", inner state averaged in few bits every 3 rounds", {
-               "inner_mean": ((None, 3),), "inner_mean_coded": True}))},
+               "inner_mean": ((None, 3),), "inner_mean_coded": True}),
+           # no bytes: the round's mean step, in each device's own second moment
+           (", momentum from the round's mean step", {"fold_momentum": True}),
+           (", rotated_4_8, momentum from the round's mean step",
+            {"algorithm": "rotated_4_8", "fold_momentum": True}))},
 }
 """Configurations: name -> options of ``topka2a`` besides the density.
 
@@ -195,6 +199,7 @@ def optimizer(name: str, density: float, mesh, schedule, b1: float,
              }[options.pop("outer", None)]
     options.pop("inner_mean", None)  # applied by the training loop
     options.pop("inner_mean_coded", None)
+    options.pop("fold_momentum", None)
     return topka2a_jax.local_steps(optax.adam(schedule, b1=b1), options.pop("every"), outer,
                                    density, mesh=mesh, **options)
   if form == "updates":
@@ -296,6 +301,7 @@ def worker(args: argparse.Namespace) -> None:
   if not args.local:
     topka2a_jax.distributed.initialize()
   import jax
+  import jax.numpy as jnp
   import numpy as np
   import optax
   from jax.experimental import multihost_utils
@@ -339,6 +345,8 @@ def worker(args: argparse.Namespace) -> None:
           donate_argnums=0, out_shardings=jax.tree.map(lambda leaf: leaf.sharding, state))
       means.append((averaged, every * rounds))
       sent += topka2a_jax.comm_report(averaged.lower(state)).step_bytes() / (every * rounds)
+    folded = jax.jit(momentum_from_mean_step, donate_argnums=0,
+                     out_shardings=jax.tree.map(lambda leaf: leaf.sharding, state))
     params, state, _ = step(params, state, batches[0])  # compiles
     jax.block_until_ready(params)
     params = jax.tree.map(lambda v: jax.make_array_from_callback(
@@ -349,7 +357,12 @@ def worker(args: argparse.Namespace) -> None:
     for i, batch in enumerate(batches, 1):
       multihost_utils.sync_global_devices(f"{name} {i}")
       start = time.perf_counter()
+      fold = options.get("fold_momentum") and i % every == 0
+      before = jax.tree.map(jnp.copy, params) if fold else None  # the step donates them
       params, state, _ = step(params, state, batch)
+      if fold:
+        lengths = sum(float(schedule(count)) for count in range(i - every, i))
+        state = folded(state, before, params, lengths)
       for averaged, period in means:
         if i % period == 0:
           state = averaged(state)
@@ -412,6 +425,39 @@ def average_inner_state(state, only: str | None = None, mesh=None, coded: bool =
       lambda tree: jax.tree_util.tree_map_with_path(coded_mean, tree), mesh=mesh,
       in_specs=P("data"), out_specs=P("data"))(state.inner)
   return state._replace(inner=inner)
+
+
+def momentum_from_mean_step(state, before, after, lengths: float, b1: float = 0.9,
+                            b2: float = 0.999, eps: float = 1e-8):
+  """``local_steps``' state with each device's Adam momentum set to the round's mean step.
+
+  The shared parameters moved by ``after - before``, minus the sum over the
+  round of Adam's learning rate (``lengths``) times the devices' mean step
+  ``m_hat / (sqrt(v_hat) + eps)``; each device's first moment becomes that
+  mean step in its own second moment's units, so that its next step is the
+  devices' mean step, and decays as its own gradients come in. Nothing is
+  exchanged beyond the pseudo-gradient.
+  """
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  def fold(inner):
+    if not isinstance(inner, optax.ScaleByAdamState):
+      return inner
+    t = inner.count.astype(jnp.float32)  # (devices,)
+
+    def moment(nu, a, b):
+      shape = (-1,) + (1,) * (nu.ndim - 1)
+      v_hat = nu / (1 - b2 ** t).reshape(shape)
+      step = (a - b).astype(jnp.float32) / -lengths
+      return ((1 - b1 ** t).reshape(shape) * step[None] * (jnp.sqrt(v_hat) + eps)
+              ).astype(nu.dtype)
+
+    return inner._replace(mu=jax.tree.map(moment, inner.nu, after, before))
+
+  return state._replace(inner=jax.tree.map(
+      fold, state.inner, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState)))
 
 
 def seconds_a_step(name: str, seconds: list[float]) -> float:
