@@ -127,7 +127,10 @@ RUNS = {
            # no bytes: the round's mean step, in each device's own second moment
            (", momentum from the round's mean step", {"fold_momentum": True}),
            (", rotated_4_8, momentum from the round's mean step",
-            {"algorithm": "rotated_4_8", "fold_momentum": True}))},
+            {"algorithm": "rotated_4_8", "fold_momentum": True}),
+           (", rotated_4_4", {"algorithm": "rotated_4_4"}),
+           (", rotated_4_4, momentum from the round's mean step",
+            {"algorithm": "rotated_4_4", "fold_momentum": True}))},
 }
 """Configurations: name -> options of ``topka2a`` besides the density.
 
