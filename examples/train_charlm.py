@@ -159,6 +159,7 @@ RUNS = {
     "local 2": {"every": 2, "algorithm": "quantized_8_8_fine"},
     "local 4": {"every": 4, "algorithm": "quantized_8_8_fine"},
     "local 4, rotated_4_8": {"every": 4},  # local_steps' default form
+    "local 4, rotated_4_4": {"every": 4, "algorithm": "rotated_4_4"},
 }
 QUICK_RUNS = ("dense (pmean)", "topka2a 1%", "updates 1%")
 
