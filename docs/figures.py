@@ -61,7 +61,8 @@ LEGENDS = {
         'frozen_variance_adam(lr, freeze_after=30, algorithm="onebit")',
     "local 2": 'local_steps(adam, every=2, algorithm="quantized_8_8_fine")',
     "local 4": 'local_steps(adam, every=4, algorithm="quantized_8_8_fine")',
-    "local 4, rotated_4_8": "local_steps(adam, every=4)",
+    "local 4, rotated_4_8": 'local_steps(adam, every=4, algorithm="rotated_4_8")',
+    "local 4, rotated_4_4": "local_steps(adam, every=4)",
 }
 """What a user writes for each run of ``benchmarks/network_training.py`` and
 ``examples/train_charlm.py`` (``adam`` is the run's ``optax.adam``); the

@@ -9,9 +9,10 @@ Python versions; the table records the version.) Data-parallel over 8
 emulated CPU devices, from the same seed: dense ``lax.pmean``, TopKA2A at 1%
 and 5% density, TopKA2A without error feedback, the TopkA allgather
 baseline, and Adam's updates compressed at 1% with the defaults
-(:func:`topka2a_jax.compress_updates`); ``--runs "local 4, rotated_4_8"``
+(:func:`topka2a_jax.compress_updates`); ``--runs "local 4, rotated_4_4"``
 trains with local steps as they come (:func:`topka2a_jax.local_steps`, the
-shared parameters evaluated), ``"local 4"`` with an 8-bit pseudo-gradient.
+shared parameters evaluated), ``"local 4, rotated_4_8"`` with 8 bits back,
+``"local 4"`` with an 8-bit pseudo-gradient.
 Prints final validation loss (nats per byte), bytes per step and time;
 writes a PNG of validation and training loss against step, and JSON.
 
@@ -158,8 +159,8 @@ RUNS = {
     "rotated_4_4": {"algorithm": "rotated_4_4"},
     "local 2": {"every": 2, "algorithm": "quantized_8_8_fine"},
     "local 4": {"every": 4, "algorithm": "quantized_8_8_fine"},
-    "local 4, rotated_4_8": {"every": 4},  # local_steps' default form
-    "local 4, rotated_4_4": {"every": 4, "algorithm": "rotated_4_4"},
+    "local 4, rotated_4_8": {"every": 4, "algorithm": "rotated_4_8"},
+    "local 4, rotated_4_4": {"every": 4},  # local_steps' default form
 }
 QUICK_RUNS = ("dense (pmean)", "topka2a 1%", "updates 1%")
 

@@ -416,7 +416,7 @@ def test_bytes_per_step_are_the_exchanges_over_the_round(mesh):
     reports[name] = topka2a_jax.comm_report(step.lower(params, tx.init(params), x))
   local = reports["local"]
   in_branch = sum(row.bytes for row in local.collectives if row.in_branch)
-  wanted = exchange_cost("rotated_4_8", 256 * 64, DEVICES, 1.0).bytes
+  wanted = exchange_cost("rotated_4_4", 256 * 64, DEVICES, 1.0).bytes
   flag = 2 * (DEVICES - 1) / DEVICES * 4  # one int32 all-reduce: is the round finite?
   assert in_branch == wanted + flag  # the default code of the whole model, once a round
   every_step = local.total_bytes - in_branch  # the loss's mean, a flag or two

@@ -269,15 +269,15 @@ def test_the_readmes_planner_table_is_what_the_planner_prints(capsys):
 
 def test_local_steps_are_planned_as_a_rounds_exchange_over_its_steps(capsys):
   # Hand-computed from the printed figures: the round's exchange, in the
-  # default rotated 4 / 8-bit pseudo-gradient, after the last step; a step
+  # default rotated 4-bit pseudo-gradient, after the last step; a step
   # pays an H-th of it besides its compute (1.5x the backward pass given).
   out = run(capsys, "--params", "25000000", "--devices", "8", "--network", "eth10",
             "--optimizer", "adam", "--backward-ms", "40", "--local-steps", "8")
-  found = re.search(r"local steps, every 8 .* in rotated_4_8 once a round, "
+  found = re.search(r"local steps, every 8 .* in rotated_4_4 once a round, "
                     r"([0-9.]+) MB per device \(([0-9.]+) MB a step\), ([0-9.]+) ms", out)
   round_mb, step_mb, round_ms = map(float, found.groups())
-  # 4 bits up and 8 back, each phase with a 4-byte scale per 512 entries, 7/8 of it:
-  assert round_mb == pytest.approx(25e6 * (0.5 + 1 + 2 * 4 / 512) * 7 / 8 / 1e6, rel=1e-3)
+  # 4 bits up and 4 back, each phase with a 4-byte scale per 512 entries, 7/8 of it:
+  assert round_mb == pytest.approx(25e6 * (0.5 + 0.5 + 2 * 4 / 512) * 7 / 8 / 1e6, rel=1e-3)
   assert step_mb == pytest.approx(round_mb / 8, abs=1e-3)
   step = re.search(r"= ([0-9.]+) ms, ([0-9.]+)x compute alone", out)
   assert float(step[1]) == pytest.approx(60 + round_ms / 8, abs=2e-3)

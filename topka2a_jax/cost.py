@@ -75,7 +75,7 @@ if TYPE_CHECKING:  # the namespace; at run time each name is imported on first u
 
   LOCAL_STEPS_FORM = _forms.LOCAL_STEPS_FORM
   """The pseudo-gradient's exchange of :func:`topka2a_jax.local_steps` by
-  default: ``"rotated_4_8"``."""
+  default: ``"rotated_4_4"``."""
 
   FLAT = _cost.FLAT
   """The route of an exchange over a cluster's devices as one axis."""

@@ -26,14 +26,14 @@ CODED_FORM = "quantized_8_8_fine"
 per 256 entries, both phases' rounding fed back (training evidence page:
 within 1.5% of dense on every run of the link benchmark)."""
 
-LOCAL_STEPS_FORM = "rotated_4_8"
+LOCAL_STEPS_FORM = "rotated_4_4"
 """The pseudo-gradient's form of :func:`topka2a_jax.local_steps` by default:
 each 512 entries rotated by a random-sign Walsh-Hadamard transform, 4 bits to
-the owners and their means back in 8, both phases' rounding fed back. A
-quarter fewer bytes than :data:`CODED_FORM`; on the link benchmark's task and
-the character model it ends where the 8-bit code and the exact mean end
-(``benchmarks/network_training.py``'s ``local 4`` runs compare it with 8 bits,
-a top-k and dense; training evidence page)."""
+the owners and their means back in 4, both phases' rounding fed back. Half
+the bytes of :data:`CODED_FORM`; on the link benchmark's task and the
+character model it ends where the 8-bit code, ``rotated_4_8`` and the exact
+mean end (``benchmarks/network_training.py``'s ``local 4`` runs compare them
+with a top-k and dense; training evidence page)."""
 
 MOMENTUM_FORM = "quantized_4_8"
 """The form before momentum SGD: 4 bits to the owners, their means back in 8

@@ -11,7 +11,7 @@ round of ``every`` steps:
 2. at the end of the round each device's pseudo-gradient, the shared
    parameters minus its local ones, goes through one of the library's
    exchanges with error feedback (by default every entry in 4 bits after a
-   rotation, the means back in 8);
+   rotation, the means back in 4);
 3. the mean pseudo-gradient goes to ``outer`` (by default ``optax.sgd(1.0)``:
    the shared parameters move to the mean of the local ones, to the code's
    rounding), which updates the shared parameters, from which every device
@@ -116,7 +116,7 @@ def default_outer() -> optax.GradientTransformation:
 @takes_options(CompressUpdatesOptions, defaults={"algorithm": LOCAL_STEPS_FORM}, docs={
     "algorithm": (
         f"the pseudo-gradient's exchange: by default ``{LOCAL_STEPS_FORM!r}`` (every "
-        "entry in 4 bits after a rotation, the means back in 8); any name of "
+        "entry in 4 bits after a rotation, the means back in 4); any name of "
         ":data:`topka2a_jax.collectives.ALGORITHMS` "
         "(a top-k needs ``density``), ``\"powersgd\"``, or ``\"auto\"``, whose forms "
         "then follow ``outer`` as :func:`topka2a_jax.topka2a`'s follow the optimizer "
@@ -169,7 +169,7 @@ def local_steps(inner: optax.GradientTransformation, every: int = DEFAULT_EVERY,
       (``benchmarks/network_training.py``, 8 windows, ``inner``'s peak
       tuned: -0.5% / +2.3% / -0.6% against dense on three seeds, +3.9% /
       +3.8% / +2.8% without), and sends 8 bits each way for every float of
-      the state (Adam: twice the parameters) each round, 3.7x the default
+      the state (Adam: twice the parameters) each round, 4.0x the default
       pseudo-gradient's bytes there; so it is off by default. The round's
       end then also needs temporary memory of about twice the state's
       floating size (the state as one buffer, and its mean;
