@@ -125,12 +125,9 @@ RUNS = {
            (", inner state averaged in few bits every 3 rounds", {
                "inner_mean": ((None, 3),), "inner_mean_coded": True}),
            # no bytes: the round's mean step, in each device's own second moment
-           (", momentum from the round's mean step", {"fold_momentum": True}),
            (", rotated_4_8, momentum from the round's mean step",
             {"algorithm": "rotated_4_8", "fold_momentum": True}),
-           (", rotated_4_4", {"algorithm": "rotated_4_4"}),
-           (", rotated_4_4, momentum from the round's mean step",
-            {"algorithm": "rotated_4_4", "fold_momentum": True}))},
+           (", rotated_4_4", {"algorithm": "rotated_4_4"}))},
 }
 """Configurations: name -> options of ``topka2a`` besides the density.
 
@@ -348,7 +345,7 @@ def worker(args: argparse.Namespace) -> None:
           donate_argnums=0, out_shardings=jax.tree.map(lambda leaf: leaf.sharding, state))
       means.append((averaged, every * rounds))
       sent += topka2a_jax.comm_report(averaged.lower(state)).step_bytes() / (every * rounds)
-    folded = jax.jit(momentum_from_mean_step, donate_argnums=0,
+    folded = jax.jit(functools.partial(momentum_from_mean_step, b1=args.b1), donate_argnums=0,
                      out_shardings=jax.tree.map(lambda leaf: leaf.sharding, state))
     params, state, _ = step(params, state, batches[0])  # compiles
     jax.block_until_ready(params)
