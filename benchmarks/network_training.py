@@ -98,15 +98,19 @@ RUNS = {
         "quantized_8_8_fine", "rotated_4_8", "rotated_4_4")},
     "defaults, buckets split to overlap the backward pass": {
         "backward_seconds": "estimated"},
-    **{f"local {every}{name}": {"form": "local", "every": every, **options}
+    # A run that names no code sends what local_steps sent by default when it
+    # was measured: rotated_4_8 (8 bits for the two outer momenta, earlier).
+    **{f"local {every}{name}": {"form": "local", "every": every,
+                                "algorithm": "rotated_4_8", **options}
        for every in (2, 4, 8)
        for name, options in (
            ("", {"algorithm": "quantized_8_8_fine"}),  # 8 bits, outer SGD at 1
            (", exact mean", {"algorithm": "dense"}),
            (", rotated_4_8", {"algorithm": "rotated_4_8"}),
            (", top-k 3%", {"algorithm": "topka2a_sparse", "density": 0.03}),
-           (", nesterov", {"outer": "nesterov"}),
-           (", outer 0.5 momentum 0.5", {"outer": "half momentum"}),
+           (", nesterov", {"outer": "nesterov", "algorithm": "quantized_8_8_fine"}),
+           (", outer 0.5 momentum 0.5", {"outer": "half momentum",
+                                         "algorithm": "quantized_8_8_fine"}),
            (", outer 0.75", {"outer": "0.75"}),
            (", outer 1.25", {"outer": "1.25"}),
            (", outer 1.5", {"outer": "1.5"}),
@@ -126,7 +130,7 @@ RUNS = {
                "inner_mean": ((None, 3),), "inner_mean_coded": True}),
            # no bytes: the round's mean step, in each device's own second moment
            (", rotated_4_8, momentum from the round's mean step",
-            {"algorithm": "rotated_4_8", "fold_momentum": True}),
+            {"fold_momentum": True}),
            (", rotated_4_4", {"algorithm": "rotated_4_4"}))},
 }
 """Configurations: name -> options of ``topka2a`` besides the density.
