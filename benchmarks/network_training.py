@@ -131,7 +131,9 @@ RUNS = {
            # no bytes: the round's mean step, in each device's own second moment
            (", rotated_4_8, momentum from the round's mean step",
             {"fold_momentum": True}),
-           (", rotated_4_4", {"algorithm": "rotated_4_4"}))},
+           (", rotated_4_4", {"algorithm": "rotated_4_4"}),
+           (", rotated_4_4, inner state averaged in 8 bits",
+            {"algorithm": "rotated_4_4", "average_inner_state": True}))},
 }
 """Configurations: name -> options of ``topka2a`` besides the density.
 
