@@ -31,8 +31,9 @@ warm-up (2e-3; the warm-up is a quarter of the steps, at most 30, and a
 cosine takes it to 0 at the last step), dense's and local steps' inner one
 alike. The ``local N...`` runs train with
 ``local_steps(optax.adam(...), N, ...)``: rounds of N steps, their
-pseudo-gradients in 8 bits (or as named: ``", rotated_4_8"`` is
-``local_steps``' default), outer SGD at 1 (or at 0.75, 1.25 or 1.5, DiLoCo's
+pseudo-gradients in 8 bits (``"local N"``), as named (``", rotated_4_4"``
+is ``local_steps``' default), or else in ``rotated_4_8``, the default when
+those runs were measured; outer SGD at 1 (or at 0.75, 1.25 or 1.5, DiLoCo's
 Nesterov, or Nesterov at 0.5 with momentum 0.5); their bytes are a round's
 over its N steps, and the validation loss is the shared parameters', which
 move once a round. ``", inner state averaged"`` (Local Adam's state
@@ -47,6 +48,9 @@ for each, DES-LOC's schedule), exactly, in float32:
 same in codes, a first try: the first moments in ``local_steps``' rotated
 4-bit code, the second in ``collectives.relative_mean``. ``", inner state averaged
 in 8 bits"`` is the library's own, ``local_steps(..., average_inner_state=True)``.
+``", rotated_4_8, momentum from the round's mean step"`` sends nothing more:
+after each round each device's Adam momentum becomes the devices' mean step
+in its own second moment's units (:func:`momentum_from_mean_step`).
 
 Run:
   python benchmarks/network_training.py [--rate 1gbit] [--processes 4]
