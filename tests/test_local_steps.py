@@ -38,7 +38,11 @@ class NumpyLocalSteps:
   """The algorithm in float64: Adam per device, rounds of ``every``, EF exchange, outer momentum."""
 
   def __init__(self, shapes, every, algorithm, density):
-    self.every, self.algorithm, self.density = every, algorithm, density
+    # every: an int, or {starting step: length}; a round takes the length of
+    # the stretch its first step falls in
+    self.every = every if isinstance(every, dict) else {0: every}
+    self.algorithm, self.density = algorithm, density
+    self.round_start, self.rounds = 0, 0
     self.params = {k: np.zeros(s) for k, s in shapes.items()}
     self.mu = {k: np.zeros((DEVICES, *s)) for k, s in shapes.items()}
     self.nu = {k: np.zeros((DEVICES, *s)) for k, s in shapes.items()}
@@ -56,9 +60,12 @@ class NumpyLocalSteps:
       v = self.nu[k] / (1 - B2 ** self.count)
       self.offset[k] = self.offset[k] - LR * m / (np.sqrt(v) + EPS)
     self.step += 1
-    if self.step < self.every:
+    length = self.every[max(s for s in self.every if s <= self.round_start)]
+    if self.step < length:
       return {k: np.zeros_like(p) for k, p in self.params.items()}
+    self.round_start += self.step
     self.step = 0
+    self.rounds += 1
     for k, o in self.offset.items():
       self.travelled[k] = self.travelled[k] + o.mean(0)
     pseudo = {k: -o for k, o in self.offset.items()}
@@ -93,19 +100,22 @@ def _steps(tx, mesh, grads_per_step, params, axis="data"):
   return history
 
 
-@pytest.mark.parametrize("every", [3, 1])
+@pytest.mark.parametrize("every", [3, 1, {0: 2, 4: 1, 6: 3}])
 def test_rounds_match_the_numpy_model(mesh, every):
-  """The exact mean (dense): every update, offset, moment and count as the model's."""
+  """The exact mean (dense): every update, offset, moment and count as the model's.
+
+  A dict of round lengths: two rounds of 2 steps, two of 1, then rounds of 3.
+  """
   tx = topka2a_jax.local_steps(
       optax.adam(LR, b1=B1, b2=B2, eps=EPS), every,
       optax.sgd(OUTER_LR, momentum=OUTER_MOMENTUM), algorithm="dense")
-  steps = [random_grads(seed) for seed in range(7)]
+  steps = [random_grads(seed) for seed in range(7 if isinstance(every, int) else 10)]
   model = NumpyLocalSteps(SHAPES, every, "dense", None)
   params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
   for i, (grads, (updates, state)) in enumerate(zip(steps, _steps(tx, mesh, steps, params))):
     want = model.update(grads)
     assert int(state.step) == model.step, f"step {i}"
-    assert int(state.exchange.count) == (i + 1) // every, f"step {i}"
+    assert int(state.exchange.count) == model.rounds, f"step {i}"
     for k in SHAPES:
       _close(updates[k], want[k], f"step {i} {k}")
       _close(np.asarray(state.offset[k]), model.offset[k], f"step {i} offset {k}")
@@ -330,7 +340,7 @@ def test_a_compressed_round_delivers_the_mean_pseudo_gradient_or_owes_it(
   tx = topka2a_jax.local_steps(optax.adam(LR, b1=B1, b2=B2, eps=EPS), every,
                                optax.sgd(1.0), density, algorithm=algorithm, min_size=0,
                                fusion=1)
-  steps = [random_grads(seed) for seed in range(7)]
+  steps = [random_grads(seed) for seed in range(7 if isinstance(every, int) else 10)]
   model = NumpyLocalSteps(SHAPES, every, "dense", None)  # its offsets: Adam's alone
   params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
   moved = {k: np.zeros(s) for k, s in SHAPES.items()}
@@ -462,7 +472,16 @@ def test_a_state_of_moments_that_starts_above_zero_is_taken(mesh, inner):
      "local_steps takes no follows="),
     (lambda: topka2a_jax.local_steps(optax.adam(1e-3), 4, average_inner_state="mu"),
      TypeError, "average_inner_state must be True or False"),
-], ids=["every-0", "every-float", "inner-factory", "outer-string", "follows", "average-str"])
+    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), {0: 4, 6: 2}), ValueError,
+     r"rounds of 4 steps from step 0 end at steps 4 and 8, not at 6"),
+    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), {8: 2}), ValueError,
+     "nothing of the rounds before step 8: give their length at key 0"),
+    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), {0: 4, 96: 0}), ValueError,
+     r"every\[96\] must be at least 1"),
+    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), "4"), TypeError,
+     "every must be an int, or a dict from the step"),
+], ids=["every-0", "every-float", "inner-factory", "outer-string", "follows", "average-str",
+        "stretch-inside-a-round", "no-stretch-from-0", "length-0", "every-str"])
 def test_bad_arguments_are_refused_naming_the_fix(call, error, match):
   with pytest.raises(error, match=match):
     call()

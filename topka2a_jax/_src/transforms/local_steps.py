@@ -58,6 +58,7 @@ References:
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -65,7 +66,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from topka2a_jax._src.arguments import checked_count, checked_optimizer
+from topka2a_jax._src.arguments import checked_optimizer
 from topka2a_jax._src.axis import (
   DataAxis,
   as_varying,
@@ -95,6 +96,7 @@ from topka2a_jax._src.transforms.per_device import (
   warn_if_a_zero_step_is_not_finite,
   zeros_in_float32,
 )
+from topka2a_jax._src.transforms.round_lengths import RoundLengths, round_lengths
 from topka2a_jax._src.transforms.signatures import (
   CompressUpdatesOptions,
   Unpack,
@@ -128,7 +130,8 @@ def default_outer() -> optax.GradientTransformation:
         "the shared parameters kept."),
     "warmup_steps": "exchange the first this many rounds' pseudo-gradients densely.",
 })
-def local_steps(inner: optax.GradientTransformation, every: int = DEFAULT_EVERY,
+def local_steps(inner: optax.GradientTransformation,
+                every: int | Mapping[int, int] = DEFAULT_EVERY,
                 outer: optax.GradientTransformation | None = None,
                 density: float | None = None, *, average_inner_state: bool = False,
                 **options: Unpack[CompressUpdatesOptions]
@@ -145,7 +148,15 @@ def local_steps(inner: optax.GradientTransformation, every: int = DEFAULT_EVERY,
       be a per-step run's (Adam's best peak in
       ``benchmarks/network_training.py --peak-lr`` was 1.25x to 1.5x
       dense's at 8 windows a device, and no higher than dense's at 2).
-    every: inner steps per round, at least 1.
+    every: inner steps per round, at least 1; or a dict from the step where
+      a stretch of rounds starts to their length, ``{0: 8, 96: 2}``, each
+      stretch starting at a round's end of the one before. Its steps are
+      counted in rounds taken: a round dropped as not finite moves the
+      later stretches on by its length. Longer rounds first reach a loss
+      sooner on a slow link, shorter ones later end closer to a per-step
+      exchange (``benchmarks/network_training.py``'s ``"local 8,
+      rotated_4_4, every 2 from step 96"``). A checkpoint restores into a
+      state whose first length is the one it was saved with.
     outer: the optimizer of the shared parameters, given the mean
       pseudo-gradient (shared minus local parameters) once a round; by
       default ``optax.sgd(1.0)``, which moves them to the local ones' mean.
@@ -192,7 +203,7 @@ def local_steps(inner: optax.GradientTransformation, every: int = DEFAULT_EVERY,
   """
   refuse_options("local_steps", options, {
       "follows": "its exchange's form follows outer, which it runs itself"})
-  every = checked_count("every", every, 1)
+  lengths = round_lengths(every)
   if not isinstance(average_inner_state, bool):
     raise TypeError(f"average_inner_state must be True or False, got "
                     f"{average_inner_state!r}")
@@ -206,7 +217,7 @@ def local_steps(inner: optax.GradientTransformation, every: int = DEFAULT_EVERY,
   def init_fn(params: optax.Params) -> LocalStepsState:
     exchange = init_state(checked, params)
     mesh = layout_mesh(checked, jax.tree.leaves(params))
-    step, length = counters(every, mesh, jax.tree.leaves(params))
+    step, length = counters(lengths.first, mesh, jax.tree.leaves(params))
     state = LocalStepsState(
         exchange,
         per_device_state(checked, inner.init, params, mesh, "local_steps"),
@@ -223,14 +234,14 @@ def local_steps(inner: optax.GradientTransformation, every: int = DEFAULT_EVERY,
   def update_fn(updates: optax.Updates, state: LocalStepsState,
                 params: optax.Params | None = None,
                 **extra_args: Any) -> tuple[optax.Updates, LocalStepsState]:
-    return _update(checked, inner, outer, every, average_inner_state, updates, state,
+    return _update(checked, inner, outer, lengths, average_inner_state, updates, state,
                    params, extra_args)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _update(options: Options, inner: optax.GradientTransformationExtraArgs,
-            outer: optax.GradientTransformationExtraArgs, every: int,
+            outer: optax.GradientTransformationExtraArgs, lengths: RoundLengths,
             average_inner_state: bool, grads: optax.Updates, state: LocalStepsState,
             params: optax.Params | None, extra_args: dict[str, Any]
             ) -> tuple[optax.Updates, LocalStepsState]:
@@ -282,10 +293,11 @@ def _update(options: Options, inner: optax.GradientTransformationExtraArgs,
   def round_goes_on(new_offset: Any, new_inner: Any) -> tuple[Any, ...]:
     return zeros, state.exchange, state.outer, new_offset, new_inner, step
 
-  if every == 1 and bad is None:
+  if lengths.constant == 1 and bad is None:
     result = round_ends(new_offset, new_inner)
   else:
-    result = lax.cond(step >= every, round_ends, round_goes_on, new_offset, new_inner)
+    result = lax.cond(step >= lengths.at(state.exchange.count), round_ends, round_goes_on,
+                      new_offset, new_inner)
   moved, exchange, new_outer, new_offset, new_inner, step = result
   return moved, LocalStepsState(exchange, per_device_blocks(new_inner, axis),
                                 per_device_blocks(new_offset, axis), new_outer, step,
