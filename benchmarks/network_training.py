@@ -51,6 +51,12 @@ in 8 bits"`` is the library's own, ``local_steps(..., average_inner_state=True)`
 ``", rotated_4_8, momentum from the round's mean step"`` sends nothing more:
 after each round each device's Adam momentum becomes the devices' mean step
 in its own second moment's units (:func:`momentum_from_mean_step`).
+``", rotated_4_4, small leaves' state averaged"`` averages only the state of
+the embeddings, the head and the norms, exactly (3% of the entries).
+``"local N, rotated_4_4, every M from step S"`` shortens the rounds to M
+steps from step S (``local_steps(..., every={0: N, S: M})``); on the link
+(``--link-seconds``) its later steps take the time of the run ``"local M,
+rotated_4_4"``, which that JSON must hold.
 
 Run:
   python benchmarks/network_training.py [--rate 1gbit] [--processes 4]
@@ -63,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import sys
@@ -74,6 +81,7 @@ import link  # benchmarks/link.py: the shaped namespace, its workers, the timer
 
 ROOT = Path(__file__).resolve().parent.parent
 WIDTH, LAYERS, HEADS, CONTEXT, BATCH_PER_DEVICE = 384, 4, 6, 64, 2
+SMALL_LEAVES = ("embed", "position", "head", "norm1", "norm2")
 RUNS = {
     "dense": {"algorithm": "dense"},
     "defaults": {},
@@ -137,7 +145,15 @@ RUNS = {
             {"fold_momentum": True}),
            (", rotated_4_4", {"algorithm": "rotated_4_4"}),
            (", rotated_4_4, inner state averaged in 8 bits",
-            {"algorithm": "rotated_4_4", "average_inner_state": True}))},
+            {"algorithm": "rotated_4_4", "average_inner_state": True}),
+           # the state of the leaves every byte meets (embeddings, head, norms):
+           # 3% of the entries
+           (", rotated_4_4, small leaves' state averaged",
+            {"algorithm": "rotated_4_4", "inner_mean": ((SMALL_LEAVES, 1),)}))},
+    # shorter rounds once the targets are behind (AdaComm's schedule)
+    **{f"local {first}, rotated_4_4, every {later} from step {start}": {
+        "form": "local", "every": {0: first, start: later}, "algorithm": "rotated_4_4"}
+       for first, start, later in ((4, 100, 2), (4, 100, 1), (8, 96, 2))},
 }
 """Configurations: name -> options of ``topka2a`` besides the density.
 
@@ -340,13 +356,14 @@ def worker(args: argparse.Namespace) -> None:
                                                   max(args.steps, warmup + 1))
     tx = optimizer(name, args.density, mesh, schedule, args.b1, backward)
     options = run_options(name)
-    every = options.get("every", 1)
+    every = first_length(options.get("every", 1))
     params = jax.tree.map(lambda v: jax.make_array_from_callback(
         v.shape, NamedSharding(mesh, P()), lambda index, v=v: np.asarray(v)[index]),
         init(jax.random.key(args.seed)))
     state, step = tx.init(params), topka2a_jax.train_step(loss, tx, mesh)
     # local_steps' program holds its round's exchange in a branch, taken one step in `every`.
     sent = topka2a_jax.comm_report(step.lower(params, state, batches[0])).step_bytes(every)
+    sent *= every * rounds_in(options.get("every", 1), args.steps) / args.steps
     means = []  # (a program of its own, the steps between two runs of it)
     for only, rounds in options.get("inner_mean", ()):
       averaged = jax.jit(
@@ -387,14 +404,16 @@ def worker(args: argparse.Namespace) -> None:
       Path(args.worker).write_text(json.dumps(rows))  # each run kept as it ends
 
 
-def average_inner_state(state, only: str | None = None, mesh=None, coded: bool = False):
+def average_inner_state(state, only: str | tuple[str, ...] | None = None, mesh=None,
+                        coded: bool = False):
   """``local_steps``' state with every device's inner state replaced by the devices' mean.
 
   The inner state's leaves are global ``(devices, ...)`` arrays split along
   the data axis: the mean over dimension 0 is one all-reduce of each
   floating leaf (Adam's moments; with ``only``, the leaves under that field,
   ``"mu"`` or ``"nu"``: Adam's first or second moments); the step counts are
-  kept. With ``coded`` (and the ``mesh``), the means go in few bits instead:
+  kept. ``only`` may also name several: the leaves under any of them
+  (``SMALL_LEAVES``). With ``coded`` (and the ``mesh``), the means go in few bits instead:
   the first moments through the rotated 4-bit code of ``local_steps``' own
   pseudo-gradient (``"rotated_4_8"``), the second moments through
   :func:`topka2a_jax.collectives.relative_mean`; what the codes round off
@@ -406,8 +425,9 @@ def average_inner_state(state, only: str | None = None, mesh=None, coded: bool =
 
   import topka2a_jax
 
-  def named(path, name):
-    return any(getattr(key, "name", None) == name for key in path)
+  def named(path, names):
+    names = (names,) if isinstance(names, str) else names
+    return any(getattr(key, "name", getattr(key, "key", None)) in names for key in path)
 
   def averaged(path, leaf):
     return (only is None or named(path, only)) and jnp.issubdtype(leaf.dtype, jnp.floating)
@@ -470,6 +490,20 @@ def momentum_from_mean_step(state, before, after, lengths: float, b1: float = 0.
       fold, state.inner, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState)))
 
 
+def first_length(every: int | dict) -> int:
+  """The first round's length of ``local_steps(..., every)``."""
+  return every if isinstance(every, int) else every[0]
+
+
+def rounds_in(every: int | dict, steps: int) -> float:
+  """The rounds of ``local_steps(..., every)`` in ``steps`` steps (the last one in part)."""
+  if isinstance(every, int):
+    return steps / every
+  stretches = [*sorted(every.items()), (steps, None)]
+  return sum((min(end, steps) - start) / length
+             for (start, length), (end, _) in itertools.pairwise(stretches) if start < steps)
+
+
 def seconds_a_step(name: str, seconds: list[float]) -> float:
   """The run's typical step: its median, or for local steps its median round over its steps.
 
@@ -479,7 +513,7 @@ def seconds_a_step(name: str, seconds: list[float]) -> float:
   import numpy as np
 
   try:
-    every = run_options(name).get("every", 1)
+    every = first_length(run_options(name).get("every", 1))
   except ValueError:  # a saved row of a run no longer in RUNS: one exchange a step
     every = 1
   rounds = len(seconds) // every
@@ -597,6 +631,15 @@ def main() -> int:
         step = seconds_a_step(row["run"], timed[row["run"]]["seconds"])
         row.update(seconds=[step] * len(row["seconds"]),
                    bytes=timed[row["run"]]["bytes"])
+        options = run_options(row["run"])
+        if isinstance(options.get("every"), dict):  # timed in its first stretch's rounds
+          for start, length in sorted(options["every"].items())[1:]:
+            shorter = f"local {length}, {options['algorithm']}"
+            if shorter not in timed:
+              parser.error(f"{args.link_seconds} has no run {shorter!r}, whose rounds "
+                           f"{row['run']!r} takes from step {start}")
+            row["seconds"][start:] = [seconds_a_step(shorter, timed[shorter]["seconds"])] * (
+                len(row["seconds"]) - start)
       print(f"steps and losses from {', '.join(args.from_json)}; each step timed at "
             f"its run's median on the link ({args.link_seconds}, "
             f"{len(link['rows'][0]['seconds'])} steps a run, {link['rate']})")
