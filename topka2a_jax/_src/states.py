@@ -90,8 +90,8 @@ class LocalStepsState(NamedTuple):
       as ``inner``: zero at the start of each round.
     outer: the outer optimizer's state, replicated.
     step: the inner steps taken in this round so far (int32, replicated).
-    every: the round's length the state was made for (int32, replicated):
-      a restore into a state made for another refuses it.
+    every: the (first) round's length the state was made for (int32,
+      replicated): a restore into a state made for another refuses it.
   """
 
   exchange: TopKA2AState
