@@ -154,6 +154,7 @@ RUNS = {
     **{f"local {first}, rotated_4_4, every {later} from step {start}": {
         "form": "local", "every": {0: first, start: later}, "algorithm": "rotated_4_4"}
        for first, start, later in ((4, 100, 2), (4, 100, 1), (8, 96, 2))},
+    "local 1, rotated_4_4": {"form": "local", "every": 1, "algorithm": "rotated_4_4"},
 }
 """Configurations: name -> options of ``topka2a`` besides the density.
 
