@@ -505,6 +505,27 @@ def rounds_in(every: int | dict, steps: int) -> float:
              for (start, length), (end, _) in itertools.pairwise(stretches) if start < steps)
 
 
+def linked_seconds(name: str, steps: int, timed: dict[str, dict]) -> list[float] | None:
+  """Each of a run's ``steps`` steps, timed at its run's median on the link.
+
+  ``timed`` holds the link's rows by run. A run whose rounds change length
+  takes, in each stretch, the median of any timed run of that round length
+  and code (itself for its first). None where the link timed none.
+  """
+  every = RUNS.get(name, {}).get("every")
+  if not isinstance(every, dict):
+    return [seconds_a_step(name, timed[name]["seconds"])] * steps if name in timed else None
+  seconds = []
+  for (start, length), (end, _) in itertools.pairwise([*sorted(every.items()), (steps, None)]):
+    alike = [run for run in ([name] if start == 0 else []) + list(timed)
+             if run in timed and RUNS.get(run, {}).get("algorithm") == RUNS[name]["algorithm"]
+             and first_length(RUNS[run].get("every", 1)) == length]
+    if not alike:
+      return None
+    seconds += [seconds_a_step(alike[0], timed[alike[0]]["seconds"])] * max(0, end - start)
+  return seconds[:steps]
+
+
 def seconds_a_step(name: str, seconds: list[float]) -> float:
   """The run's typical step: its median, or for local steps its median round over its steps.
 
@@ -527,7 +548,9 @@ def seconds_a_step(name: str, seconds: list[float]) -> float:
 def report(rows: list[dict], targets: list[float]) -> list[dict]:
   """Prints the table; returns the rows with their summary figures.
 
-  For every target, and for the first row's final loss plus 2%: the steps
+  A step's seconds are the run's typical step (:func:`seconds_a_step`), or
+  their mean where the rounds change length. For every target, and for the
+  first row's final loss plus 2%: the steps
   and the training time (the steps' seconds summed up to the first
   evaluation at or below it) to reach it, and that time as a share of the
   first row's.
@@ -538,7 +561,9 @@ def report(rows: list[dict], targets: list[float]) -> list[dict]:
   targets = [*targets, round(dense["evals"][-1][1] * 1.02, 4)]
   for row in rows:
     seconds = np.asarray(row["seconds"])
-    row.update(step_s=seconds_a_step(row["run"], seconds), final=row["evals"][-1][1],
+    changing = isinstance(RUNS.get(row["run"], {}).get("every"), dict)  # rounds: their mean
+    row.update(step_s=float(seconds.mean()) if changing else seconds_a_step(row["run"], seconds),
+               final=row["evals"][-1][1],
                highest=max(value for _, value in row["evals"]), targets={})
     for target in targets:
       reached = next((i for i, value in row["evals"] if value <= target), None)
@@ -622,25 +647,18 @@ def main() -> int:
     if args.link_seconds:
       link = json.loads(Path(args.link_seconds).read_text())
       timed = {row["run"]: row for row in link["rows"]}
-      missing = [row["run"] for row in rows if row["run"] not in timed]
-      if rows[0]["run"] in missing:
+      if rows[0]["run"] not in timed:
         parser.error(f"{args.link_seconds} has no run {rows[0]['run']!r}, the baseline")
+      missing = []
+      for row in rows:
+        row["seconds"] = linked_seconds(row["run"], len(row["seconds"]), timed)
+        if row["seconds"] is None:
+          missing.append(row["run"])
+        elif row["run"] in timed and not isinstance(run_options(row["run"]).get("every"), dict):
+          row["bytes"] = timed[row["run"]]["bytes"]  # (a changing round's: its whole run's)
       if missing:
         print(f"left out, not timed on the link: {', '.join(missing)}")
-      rows = [row for row in rows if row["run"] in timed]
-      for row in rows:
-        step = seconds_a_step(row["run"], timed[row["run"]]["seconds"])
-        row.update(seconds=[step] * len(row["seconds"]),
-                   bytes=timed[row["run"]]["bytes"])
-        options = run_options(row["run"])
-        if isinstance(options.get("every"), dict):  # timed in its first stretch's rounds
-          for start, length in sorted(options["every"].items())[1:]:
-            shorter = f"local {length}, {options['algorithm']}"
-            if shorter not in timed:
-              parser.error(f"{args.link_seconds} has no run {shorter!r}, whose rounds "
-                           f"{row['run']!r} takes from step {start}")
-            row["seconds"][start:] = [seconds_a_step(shorter, timed[shorter]["seconds"])] * (
-                len(row["seconds"]) - start)
+      rows = [row for row in rows if row["seconds"] is not None]
       print(f"steps and losses from {', '.join(args.from_json)}; each step timed at "
             f"its run's median on the link ({args.link_seconds}, "
             f"{len(link['rows'][0]['seconds'])} steps a run, {link['rate']})")
