@@ -1,16 +1,15 @@
 """How many inner steps each of :func:`topka2a_jax.local_steps`' rounds takes.
 
 One length for the whole run (``every=4``), or a length for each stretch of
-training, from the step where it starts (``every={0: 8, 96: 2}``: rounds of
-8 steps, then of 2 from step 96). Long rounds early reach a loss in the
-least time on a slow link; shorter ones later bring the final loss closer
-to a per-step exchange's (AdaComm's schedule, which shortens the rounds as
-the loss falls).
+training, from the step where it starts (``every={0: 4, 100: 2}``: rounds
+of 4 steps, then of 2 from step 100). Shorter rounds later bring the final
+loss closer to a per-step exchange's, for their bytes (AdaComm's schedule,
+which shortens the rounds as the loss falls).
 
 Example:
-  >>> lengths = round_lengths({0: 8, 96: 2})
-  >>> lengths.first, [int(lengths.at(jnp.asarray(r))) for r in (0, 11, 12)]
-  (8, [8, 8, 2])
+  >>> lengths = round_lengths({0: 4, 100: 2})
+  >>> lengths.first, [int(lengths.at(jnp.asarray(r))) for r in (0, 24, 25)]
+  (4, [4, 4, 2])
 
 References:
   Wang and Joshi. "Adaptive Communication Strategies to Achieve the Best
@@ -71,7 +70,7 @@ def round_lengths(every: Any) -> RoundLengths:
     return RoundLengths((0,), (checked_count("every", every, 1),))
   if not isinstance(every, Mapping) or not every:
     raise TypeError("every must be an int, or a dict from the step where a stretch of rounds "
-                    f"starts to its rounds' length, e.g. {{0: 8, 96: 2}}; got {every!r}")
+                    f"starts to its rounds' length, e.g. {{0: 4, 100: 2}}; got {every!r}")
   for start, length in every.items():
     if not isinstance(start, numbers.Integral) or isinstance(start, bool):
       raise TypeError(f"every's keys are the steps where a stretch starts (ints); got "
