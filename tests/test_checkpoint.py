@@ -820,3 +820,23 @@ def test_a_local_steps_checkpoint_restored_into_another_round_length_is_refused(
       manager.restore(resumable.fresh(mesh, other))
     restored = manager.restore(resumable.fresh(mesh, saved_by))  # the right one still loads
   assert int(restored["opt_state"].step) == 2 and int(restored["opt_state"].every) == 4
+
+
+def test_rounds_that_shorten_go_on_shortened_after_a_restore(tmp_path):
+  """``every={0: 2, 4: 1}``, saved after 5 steps (into the rounds of one step) and
+  restored into a fresh state: two more steps end two rounds, as in the run that was
+  not interrupted (five rounds in seven steps; rounds of 2 throughout would make three),
+  and land on its shared parameters."""
+  tx = topka2a_jax.local_steps(optax.sgd(0.1), {0: 2, 4: 1}, algorithm="dense")
+  mesh = sub_mesh(8)
+  whole = resumable.train(resumable.fresh(mesh, tx), mesh, range(7), tx)
+  saved = resumable.train(resumable.fresh(mesh, tx), mesh, range(5), tx)
+  topka2a_jax.save(tmp_path / "ckpt", saved, mesh)
+  restored = topka2a_jax.restore(tmp_path / "ckpt", resumable.fresh(mesh, tx), mesh)
+  resumed = resumable.train(restored, mesh, range(5, 7), tx)
+  assert int(whole["opt_state"].exchange.count) == 5
+  assert int(resumed["opt_state"].exchange.count) == 5
+  for k, want in whole["params"].items():
+    want = np.asarray(want, np.float64)
+    np.testing.assert_allclose(np.asarray(resumed["params"][k], np.float64), want, rtol=0,
+                               atol=8 * np.finfo(np.float32).eps * max(1.0, np.abs(want).max()))
