@@ -55,8 +55,8 @@ in its own second moment's units (:func:`momentum_from_mean_step`).
 the embeddings, the head and the norms, exactly (3% of the entries).
 ``"local N, rotated_4_4, every M from step S"`` shortens the rounds to M
 steps from step S (``local_steps(..., every={0: N, S: M})``); on the link
-(``--link-seconds``) its later steps take the time of the run ``"local M,
-rotated_4_4"``, which that JSON must hold.
+(``--link-seconds``) its later steps take the time of a timed run of rounds
+of M in the same code (``"local M, rotated_4_4"``), which that JSON must hold.
 
 Run:
   python benchmarks/network_training.py [--rate 1gbit] [--processes 4]
