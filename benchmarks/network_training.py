@@ -509,8 +509,9 @@ def linked_seconds(name: str, steps: int, timed: dict[str, dict]) -> list[float]
   """Each of a run's ``steps`` steps, timed at its run's median on the link.
 
   ``timed`` holds the link's rows by run. A run whose rounds change length
-  takes, in each stretch, the median of any timed run of that round length
-  and code (itself for its first). None where the link timed none.
+  takes, in each stretch, the median of a timed run of that round length
+  and code and nothing else (itself for its first): a run that also
+  averages the state, say, has a longer step. None where the link timed none.
   """
   every = RUNS.get(name, {}).get("every")
   if not isinstance(every, dict):
@@ -518,7 +519,8 @@ def linked_seconds(name: str, steps: int, timed: dict[str, dict]) -> list[float]
   seconds = []
   for (start, length), (end, _) in itertools.pairwise([*sorted(every.items()), (steps, None)]):
     alike = [run for run in ([name] if start == 0 else []) + list(timed)
-             if run in timed and RUNS.get(run, {}).get("algorithm") == RUNS[name]["algorithm"]
+             if run in timed and set(RUNS.get(run, {"": None})) <= {"form", "every", "algorithm"}
+             and RUNS[run].get("algorithm") == RUNS[name]["algorithm"]
              and first_length(RUNS[run].get("every", 1)) == length]
     if not alike:
       return None
