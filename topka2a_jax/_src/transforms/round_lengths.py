@@ -2,9 +2,9 @@
 
 One length for the whole run (``every=4``), or a length for each stretch of
 training, from the step where it starts (``every={0: 4, 100: 2}``: rounds
-of 4 steps, then of 2 from step 100). Shorter rounds later bring the final
-loss closer to a per-step exchange's, for their bytes (AdaComm's schedule,
-which shortens the rounds as the loss falls).
+of 4 steps, then of 2 from step 100): AdaComm's schedule, which shortens
+the rounds as the loss falls, to spend bytes where shorter rounds may
+still gain (``benchmarks/network_training.py`` measures it).
 
 Example:
   >>> lengths = round_lengths({0: 4, 100: 2})
