@@ -155,6 +155,11 @@ RUNS = {
         "form": "local", "every": {0: first, start: later}, "algorithm": "rotated_4_4"}
        for first, start, later in ((4, 100, 2), (4, 100, 1), (8, 96, 2))},
     "local 1, rotated_4_4": {"form": "local", "every": 1, "algorithm": "rotated_4_4"},
+    # the pseudo-gradient's rotated signs both ways: a quarter of rotated_4_4's bytes
+    **{f"local {every}, rotated_1_1": {"form": "local", "every": every,
+                                       "algorithm": "rotated_1_1"} for every in (1, 4)},
+    "local 4, rotated_1_1, every 1 from step 100": {
+        "form": "local", "every": {0: 4, 100: 1}, "algorithm": "rotated_1_1"},
 }
 """Configurations: name -> options of ``topka2a`` besides the density.
 

@@ -270,7 +270,9 @@ ALGORITHMS = {"dense": dense, "allgather": allgather, "topka2a": topka2a,
                                                       chunk=256),
               **{f"rotated_4_{back}": functools.partial(few_bit, bits=4, gather_bits=back,
                                                         chunk=512, rotated=True)
-                 for back in (8, 4)}}
+                 for back in (8, 4)},
+              "rotated_1_1": functools.partial(few_bit, bits=1, gather_bits=1, chunk=512,
+                                               rotated=True)}
 
 
 def leafwise(algorithm, grads, residuals, density):

@@ -158,7 +158,8 @@ def test_an_explicit_top_k_before_adam_is_kept_and_warned_once(mesh):
 
 
 BURSTS_BEFORE_ADAM = {"allgather": "top-k", "topka2a": "top-k", "topka2a_sparse": "top-k",
-                      "onebit": "signs", "onebit_4": "signs", "onebit_1": "signs"}
+                      "onebit": "signs", "onebit_4": "signs", "onebit_1": "signs",
+                      "rotated_1_1": "signs"}
 """The exchanges whose error feedback hands Adam bursts, and what each sends: a
 top-k, or the signs. The codes of 2 bits and more send every entry's size."""
 

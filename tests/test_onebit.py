@@ -21,7 +21,8 @@ WIDTHS = {"onebit": (1, 8, 4096), "onebit_4": (1, 4, 4096), "onebit_1": (1, 1, 4
           "quantized_4_8": (4, 8, 4096), "quantized_4_4": (4, 4, 4096),
           "quantized_2_8": (2, 8, 4096), "quantized_8_8": (8, 8, 4096),
           "quantized_8_4": (8, 4, 4096), "quantized_8_8_fine": (8, 8, 256),
-          "rotated_4_8": (4, 8, 512), "rotated_4_4": (4, 4, 512)}
+          "rotated_4_8": (4, 8, 512), "rotated_4_4": (4, 4, 512),
+          "rotated_1_1": (1, 1, 512)}
 """Bits per entry to the owners and back, and entries per scale, by exchange."""
 
 

@@ -373,11 +373,15 @@ FEW_BIT = (*(_quantized(bits, back)
                       how=", one scale per 256 entries"),
            *(_quantized(4, back, name=f"rotated_4_{back}", chunk=512, rotated=True,
                         how=", each 512 entries rotated, one scale each")
-             for back in (8, 4)))
+             for back in (8, 4)),
+           _quantized(1, 1, name="rotated_1_1", chunk=512, rotated=True,
+                      how=", each 512 entries rotated, one scale each"))
 """Codes of 2 to 8 bits to the owners, 4 or 8 back: the gradient at a few bits;
 ``quantized_8_8_fine`` with one scale per 256 entries instead of 4,096;
 ``rotated_4_8`` and ``rotated_4_4`` rotate each 512 entries by a random-sign
-Walsh-Hadamard transform before their 4-bit code (``rotation.py``)."""
+Walsh-Hadamard transform before their 4-bit code (``rotation.py``);
+and ``rotated_1_1``, a 1-bit code, sends the rotated entries' signs both
+ways, each 512 with their mean magnitude."""
 
 ALGORITHMS: dict[str, Algorithm] = {
     algorithm.name: algorithm for algorithm in (
