@@ -308,8 +308,7 @@ def _quantized(bits: int, gather_bits: int, *, name: str | None = None,
   if name is None:
     name = ("onebit" if gather_bits == 8 else f"onebit_{gather_bits}") if bits == 1 else (
         f"quantized_{bits}_{gather_bits}")
-  what = ("every entry's sign" if bits == 1 else
-          f"every entry in {bits} bits{how}")
+  what = f"every entry's sign{how}" if bits == 1 else f"every entry in {bits} bits{how}"
   return Algorithm(
       name=name, title=f"{bits}-bit A2A, {gather_bits}-bit AllGather{how}",
       summary=(f"{what} to its shard's owner by AlltoAll, the owners' means back "
