@@ -65,13 +65,13 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+from jax.extend import core as jax_core
 
 from topka2a_jax._src.arguments import checked_optimizer
 from topka2a_jax._src.axis import (
   DataAxis,
   as_varying,
   bound_axis_size,
-  holds_tracer,
   is_bound,
   per_device_blocks,
 )
@@ -229,8 +229,8 @@ def local_steps(inner: optax.GradientTransformation,
         length)
     if not is_bound(checked.axis_name):
       warn_if_a_zero_step_is_not_finite(inner, params, "local_steps")
-    if average_inner_state and not holds_tracer((params, state.inner)):
-      _refuse_kept_parameters(state.inner, params)
+    if average_inner_state:
+      _refuse_kept_parameters(inner.init, params)
     return state
 
   def update_fn(updates: optax.Updates, state: LocalStepsState,
@@ -306,32 +306,34 @@ def _update(options: Options, inner: optax.GradientTransformationExtraArgs,
                                 state.every)
 
 
-def _refuse_kept_parameters(inner_state: Any, params: optax.Params) -> None:
+_COPYING = frozenset({"copy", "copy_p", "convert_element_type"})
+"""Primitives whose output is their input, as a state that keeps it would hold it."""
+
+
+def _refuse_kept_parameters(init: Any, params: optax.Params) -> None:
   """Refuses an ``inner`` whose state keeps a copy of the parameters (at init).
 
-  Schedule-free's ``z``, Prodigy's and DoG's initial parameters: the 8-bit
-  code is for moments, and would round parameters by up to 13% a round.
-  Only leaves of at least :data:`CHUNK` entries are checked, the ones the
-  code sends, each on the first device that holds it: its copy there
-  against the parameter's piece on that device. Moments start at zero and
-  are passed over in one reduction.
+  Schedule-free's ``z``, Prodigy's, DoG's and Mechanic's initial parameters:
+  the 8-bit code is for moments, and would round parameters by up to 13% a
+  round. The check reads ``init``'s program on the parameters' shapes, not
+  their values, so it holds also where ``init`` is traced (under
+  ``jax.jit``): a state leaf that is a parameter as it came in, or its copy
+  or cast, is one. Only leaves of at least :data:`CHUNK` entries are
+  refused, the ones the code sends; smaller ones go exactly.
 
   Raises:
     ValueError: naming the state's leaf and the fix.
   """
-  pieces: dict[tuple[Any, tuple[int, ...]], list[jax.Array]] = {}
-  for leaf in jax.tree.leaves(params):
-    for shard in getattr(leaf, "addressable_shards", ()):
-      pieces.setdefault((shard.device, tuple(shard.data.shape)), []).append(shard.data)
-  for path, leaf in jax.tree_util.tree_leaves_with_path(inner_state):
-    if (not jnp.issubdtype(leaf.dtype, jnp.floating) or leaf.ndim == 0
-        or leaf.size // leaf.shape[0] < CHUNK or not getattr(leaf, "addressable_shards", ())):
-      continue
-    shard = leaf.addressable_shards[0]
-    copy = shard.data[0]  # this device's copy; all are equal at init
-    candidates = pieces.get((shard.device, tuple(copy.shape)), [])
-    if candidates and bool(jnp.any(copy != 0)) and any(
-        bool(jnp.array_equal(copy, piece)) for piece in candidates):
+  shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)),
+                        params)
+  program = jax.make_jaxpr(init)(shapes).jaxpr
+  given = set(program.invars)
+  copied = given | {eqn.outvars[0] for eqn in program.eqns
+                    if eqn.primitive.name in _COPYING
+                    and isinstance(eqn.invars[0], jax_core.Var) and eqn.invars[0] in given}
+  leaves = jax.tree_util.tree_leaves_with_path(jax.eval_shape(init, shapes))
+  for (path, leaf), var in zip(leaves, program.outvars, strict=True):
+    if isinstance(var, jax_core.Var) and var in copied and leaf.size >= CHUNK:
       raise ValueError(
           f"average_inner_state=True would send the parameters that inner's state keeps "
           f"at {jax.tree_util.keystr(path)} in 8 bits, rounding each by up to 13% every "
