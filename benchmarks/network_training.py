@@ -367,9 +367,9 @@ def worker(args: argparse.Namespace) -> None:
         v.shape, NamedSharding(mesh, P()), lambda index, v=v: np.asarray(v)[index]),
         init(jax.random.key(args.seed)))
     state, step = tx.init(params), topka2a_jax.train_step(loss, tx, mesh)
-    # local_steps' program holds its round's exchange in a branch, taken one step in `every`.
-    sent = topka2a_jax.comm_report(step.lower(params, state, batches[0])).step_bytes(every)
-    sent *= every * rounds_in(options.get("every", 1), args.steps) / args.steps
+    # local_steps' program holds its round's exchange in a branch, taken once a round.
+    sent = topka2a_jax.comm_report(step.lower(params, state, batches[0])).step_bytes(
+        options.get("every", 1), steps=args.steps)
     means = []  # (a program of its own, the steps between two runs of it)
     for only, rounds in options.get("inner_mean", ()):
       averaged = jax.jit(
@@ -499,15 +499,6 @@ def momentum_from_mean_step(state, before, after, lengths: float, b1: float = 0.
 def first_length(every: int | dict) -> int:
   """The first round's length of ``local_steps(..., every)``."""
   return every if isinstance(every, int) else every[0]
-
-
-def rounds_in(every: int | dict, steps: int) -> float:
-  """The rounds of ``local_steps(..., every)`` in ``steps`` steps (the last one in part)."""
-  if isinstance(every, int):
-    return steps / every
-  stretches = [*sorted(every.items()), (steps, None)]
-  return sum((min(end, steps) - start) / length
-             for (start, length), (end, _) in itertools.pairwise(stretches) if start < steps)
 
 
 def linked_seconds(name: str, steps: int, timed: dict[str, dict]) -> list[float] | None:

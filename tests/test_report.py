@@ -113,6 +113,27 @@ def test_collectives_in_a_branch_are_told_apart_and_spread_over_a_round():
     report.step_bytes(0)
 
 
+@pytest.mark.parametrize("steps, rounds", [(300, 100 / 4 + 200 / 2), (50, 50 / 4),
+                                           (150, 100 / 4 + 50 / 2), (101, 25 + 0.5)])
+def test_rounds_that_shorten_are_spread_over_the_run(steps, rounds):
+  # Hand-counted rounds of local_steps(every={0: 4, 100: 2}) in the first
+  # `steps` steps, a round cut short counted in part; 300 bytes each.
+  report = topka2a_jax.comm_report(BRANCHED_HLO)
+  got = report.step_bytes({0: 4, 100: 2}, steps=steps)
+  assert got == pytest.approx(6.0 + 300.0 * rounds / steps, rel=1e-12)
+  assert report.step_bytes({0: 4}, steps=steps) == pytest.approx(6.0 + 300.0 / 4, rel=1e-12)
+
+
+def test_rounds_that_shorten_without_the_runs_length_are_refused():
+  report = topka2a_jax.comm_report(BRANCHED_HLO)
+  with pytest.raises(ValueError, match=r"give its length, step_bytes\(every, steps=300\)"):
+    report.step_bytes({0: 4, 100: 2})
+  with pytest.raises(ValueError, match="start it at one of those"):
+    report.step_bytes({0: 4, 6: 2}, steps=300)
+  with pytest.raises(ValueError, match="steps must be at least 1"):
+    report.step_bytes({0: 4, 100: 2}, steps=0)
+
+
 @pytest.mark.parametrize("algorithm", ["allgather", "topka2a", "topka2a_sparse"])
 @pytest.mark.parametrize("length", [4096, 600_000])  # uint16, then uint32 indices
 def test_narrow_wire_formats_send_fewer_bytes(mesh, algorithm, length):

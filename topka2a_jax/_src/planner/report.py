@@ -38,12 +38,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
-from topka2a_jax._src.arguments import checked_count
+from topka2a_jax._src.transforms.round_lengths import round_lengths
 
 KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter",
          "collective-permute")
@@ -146,23 +147,34 @@ class CommReport:
     """How many collectives of ``kind`` spanning ``axis`` the program runs."""
     return sum(row.count for row in self._rows(kind, axis))
 
-  def step_bytes(self, every: int = 1) -> float:
+  def step_bytes(self, every: int | Mapping[int, int] = 1, steps: int | None = None) -> float:
     """Bytes each device sends a step where the branches run once in ``every`` steps.
 
     For a :func:`topka2a_jax.local_steps` step, ``every`` is its round's
     length (for :func:`topka2a_jax.accumulate_gradients`, its ``every``): the
     exchange (in a branch) is spread over those steps, what runs every step
-    (the loss's mean, say) is not.
+    (the loss's mean, say) is not. Rounds whose length changes,
+    ``every={0: 4, 100: 2}`` as :func:`topka2a_jax.local_steps` takes it,
+    are spread over the run's ``steps``.
+
+    Raises:
+      ValueError, TypeError: a bad ``every`` (as ``local_steps`` says), or
+        ``every`` a dict of several lengths and no ``steps``.
 
     Example:
       >>> report = CommReport((CollectiveTotal("all-reduce", 1, 8.0),
       ...                      CollectiveTotal("all-to-all", 1, 400.0, in_branch=True)))
       >>> report.step_bytes(4)  # 8 every step, 400 once in 4
       108.0
+      >>> round(report.step_bytes({0: 4, 100: 2}, steps=300), 2)  # 25 rounds of 4, 100 of 2
+      174.67
     """
-    every = checked_count("every", every, 1)
-    return sum(row.bytes / every if row.in_branch else row.bytes
-               for row in self.collectives)
+    lengths = round_lengths(every)
+    if lengths.constant is None and steps is None:
+      raise ValueError(f"step_bytes(every={every!r}) spreads rounds of several lengths over "
+                       "a run: give its length, step_bytes(every, steps=300)")
+    share = 1 / lengths.constant if steps is None else lengths.per_step(steps)
+    return sum(row.bytes * share if row.in_branch else row.bytes for row in self.collectives)
 
   def __str__(self) -> str:
     forms = any(row.form for row in self.collectives)  # a column where an exchange ran

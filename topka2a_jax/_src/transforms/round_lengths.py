@@ -50,6 +50,24 @@ class RoundLengths(NamedTuple):
     """The one length of every round, or None where the stretches differ."""
     return self.lengths[0] if len(set(self.lengths)) == 1 else None
 
+  def per_step(self, steps: int) -> float:
+    """Rounds a step over the first ``steps`` steps, a round cut short counted in part.
+
+    So one length ``every`` gives ``1 / every`` whatever ``steps``.
+
+    Example:
+      >>> round(round_lengths({0: 4, 100: 2}).per_step(300) * 300)  # 25 rounds, then 100
+      125
+    """
+    steps = checked_count("steps", steps, 1)
+    rounds, start = 0.0, 0
+    for i, length in enumerate(self.lengths):
+      end = (start + (self.rounds[i + 1] - self.rounds[i]) * length
+             if i + 1 < len(self.rounds) else steps)
+      rounds += max(0, min(end, steps) - start) / length
+      start = end
+    return rounds / steps
+
   def at(self, rounds: jax.Array) -> jax.Array:
     """The length (int32) of the round that follows ``rounds`` rounds taken."""
     if self.constant is not None:
