@@ -230,7 +230,7 @@ def local_steps(inner: optax.GradientTransformation,
     if not is_bound(checked.axis_name):
       warn_if_a_zero_step_is_not_finite(inner, params, "local_steps")
     if average_inner_state:
-      _refuse_kept_parameters(inner.init, params)
+      _refuse_kept_parameters(inner.init, params, state.inner)
     return state
 
   def update_fn(updates: optax.Updates, state: LocalStepsState,
@@ -310,7 +310,7 @@ _COPYING = frozenset({"copy", "copy_p", "convert_element_type"})
 """Primitives whose output is their input, as a state that keeps it would hold it."""
 
 
-def _refuse_kept_parameters(init: Any, params: optax.Params) -> None:
+def _refuse_kept_parameters(init: Any, params: optax.Params, per_device: Any) -> None:
   """Refuses an ``inner`` whose state keeps a copy of the parameters (at init).
 
   Schedule-free's ``z``, Prodigy's, DoG's and Mechanic's initial parameters:
@@ -318,8 +318,10 @@ def _refuse_kept_parameters(init: Any, params: optax.Params) -> None:
   round. The check reads ``init``'s program on the parameters' shapes, not
   their values, so it holds also where ``init`` is traced (under
   ``jax.jit``): a state leaf that is a parameter as it came in, or its copy
-  or cast, is one. Only leaves of at least :data:`CHUNK` entries are
-  refused, the ones the code sends; smaller ones go exactly.
+  or cast, is one. Only leaves of at least :data:`CHUNK` entries on each
+  device (in ``per_device``, the state made from ``init`` with a leading
+  axis of devices) are refused, the ones the code sends; smaller ones go
+  exactly.
 
   Raises:
     ValueError: naming the state's leaf and the fix.
@@ -331,9 +333,9 @@ def _refuse_kept_parameters(init: Any, params: optax.Params) -> None:
   copied = given | {eqn.outvars[0] for eqn in program.eqns
                     if eqn.primitive.name in _COPYING
                     and isinstance(eqn.invars[0], jax_core.Var) and eqn.invars[0] in given}
-  leaves = jax.tree_util.tree_leaves_with_path(jax.eval_shape(init, shapes))
+  leaves = jax.tree_util.tree_leaves_with_path(per_device)
   for (path, leaf), var in zip(leaves, program.outvars, strict=True):
-    if isinstance(var, jax_core.Var) and var in copied and leaf.size >= CHUNK:
+    if isinstance(var, jax_core.Var) and var in copied and leaf.size // leaf.shape[0] >= CHUNK:
       raise ValueError(
           f"average_inner_state=True would send the parameters that inner's state keeps "
           f"at {jax.tree_util.keystr(path)} in 8 bits, rounding each by up to 13% every "
