@@ -9,6 +9,8 @@ on per-device least squares with the gradient taken at each device's own
 parameters, the rounds ended by the exact mean.
 """
 
+import contextlib
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -440,20 +442,22 @@ def test_bytes_per_step_are_the_exchanges_over_the_round(mesh):
     optax.contrib.schedule_free_adamw(1e-3), optax.contrib.prodigy(),
     optax.contrib.dog(), optax.contrib.mechanize(optax.adam(1e-3))],
     ids=["schedule_free", "prodigy", "dog", "mechanize"])
-@pytest.mark.parametrize("traced", [False, True], ids=["init", "jitted init"])
-def test_averaging_a_state_that_keeps_the_parameters_is_refused_at_init(mesh, inner, traced):
+@pytest.mark.parametrize("traced, in_mesh", [(False, False), (False, True), (True, True)],
+                         ids=["init", "init under set_mesh", "jitted init under set_mesh"])
+def test_averaging_a_state_that_keeps_the_parameters_is_refused_at_init(mesh, inner, traced,
+                                                                        in_mesh):
   """Schedule-free keeps its iterate ``z`` in its state, Prodigy, DoG and Mechanic
   the initial parameters: the 8-bit code would round them, so ``init`` refuses,
   naming the leaf and the fix, also where a user jits it."""
   params = {"w": jax.random.normal(jax.random.key(0), (32, 32)), "b": jnp.ones(8)}
   tx = topka2a_jax.local_steps(inner, 4, mesh=mesh, average_inner_state=True)
-  init = jax.jit(tx.init) if traced else tx.init
-  with jax.set_mesh(mesh):
+  plain = topka2a_jax.local_steps(inner, 4, mesh=mesh).init
+  init, plain = (jax.jit(tx.init), jax.jit(plain)) if traced else (tx.init, plain)
+  with jax.set_mesh(mesh) if in_mesh else contextlib.nullcontext():
     with pytest.raises(ValueError,
                        match=r"keeps at .*\['w'\].*Leave average_inner_state off"):
       init(params)
-    plain = topka2a_jax.local_steps(inner, 4, mesh=mesh).init
-    (jax.jit(plain) if traced else plain)(params)  # without it, no question
+    plain(params)  # without it, no question
 
 
 @pytest.mark.parametrize("inner", [optax.adagrad(0.1), optax.rprop(1e-3), optax.adam(1e-3)],
