@@ -78,6 +78,7 @@ from topka2a_jax._src.axis import (
 from topka2a_jax._src.collectives.relative import CHUNK, relative_mean
 from topka2a_jax._src.options import Options
 from topka2a_jax._src.planner.forms import LOCAL_STEPS_FORM
+from topka2a_jax._src.planner.round_lengths import RoundLengths, round_lengths
 from topka2a_jax._src.states import LocalStepsState
 from topka2a_jax._src.transforms.exchange_state import (
   checked_residuals,
@@ -96,7 +97,6 @@ from topka2a_jax._src.transforms.per_device import (
   warn_if_a_zero_step_is_not_finite,
   zeros_in_float32,
 )
-from topka2a_jax._src.transforms.round_lengths import RoundLengths, round_lengths
 from topka2a_jax._src.transforms.signatures import (
   CompressUpdatesOptions,
   Unpack,
