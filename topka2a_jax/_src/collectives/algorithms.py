@@ -375,7 +375,8 @@ FEW_BIT = (*(_quantized(bits, back)
              for back in (8, 4)),
            _quantized(1, 1, name="rotated_1_1", chunk=512, rotated=True,
                       how=", each 512 entries rotated, one scale each"))
-"""Codes of 2 to 8 bits to the owners, 4 or 8 back: the gradient at a few bits;
+"""Codes of 2 to 8 bits to the owners, 4 or 8 back (and one of 1 bit both ways,
+last): the gradient at a few bits;
 ``quantized_8_8_fine`` with one scale per 256 entries instead of 4,096;
 ``rotated_4_8`` and ``rotated_4_4`` rotate each 512 entries by a random-sign
 Walsh-Hadamard transform before their 4-bit code (``rotation.py``);
