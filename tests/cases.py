@@ -1,5 +1,7 @@
-"""Gradients for the tests, and reading residuals back per device."""
+"""Gradients for the tests, reading residuals back per device, a killed job's step claim."""
 
+import subprocess
+import sys
 
 import numpy as np
 import optax
@@ -21,3 +23,16 @@ def residuals_of(state, devices=8):
   return {k: np.asarray(v).reshape(devices, -1)
           for k, v in state[0].residuals.items()
           if not isinstance(v, optax.MaskedNode)}
+
+
+def claimed_by_a_process_that_ended(root, step=1):
+  """The claim on ``step`` that a job killed during its save leaves, made by its own process.
+
+  Returns:
+    The claim's path, ``root/.topka2a_claims/<step>``.
+  """
+  program = ("import sys; from pathlib import Path; "
+             "from topka2a_jax._src.checkpointing import step_claims; "
+             f"assert step_claims.claim(Path(sys.argv[1]), {step}, 'killed') is None")
+  subprocess.run([sys.executable, "-c", program, str(root)], check=True)
+  return root / ".topka2a_claims" / str(step)

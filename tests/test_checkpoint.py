@@ -1,10 +1,9 @@
 """Checkpoints: bitwise resume in a fresh process, restarts on other device counts."""
 
+import errno
 import functools
-import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ import numpy as np
 import optax
 import pytest
 import resumable
-from cases import LAUNCHER
+from cases import LAUNCHER, claimed_by_a_process_that_ended
 
 import topka2a_jax
 from topka2a_jax._src.checkpointing import checkpoint, integrity, step_claims
@@ -550,17 +549,109 @@ def test_a_step_claimed_by_a_job_killed_before_writing_it_is_taken_over_later(tm
     assert fresh.all_steps() == [1, 2]
 
 
-def test_a_restart_after_a_kill_between_claim_and_save_saves_at_once(tmp_path, mesh):
-  """The killed job's process is gone from this host: its claim is taken, no two-minute wait."""
+def test_a_restart_after_a_kill_during_a_save_saves_at_once(tmp_path, mesh):
+  """The killed job's process is gone from this host: its claim and its partial step are
+  taken over, no two-minute wait."""
   state = resumable.fresh(mesh)
-  ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                         capture_output=True, text=True, check=True)
-  claims = tmp_path / step_claims.CLAIMS
-  claims.mkdir()
-  (claims / "1").write_text(json.dumps({"token": "killed", "host": socket.gethostname(),
-                                        "pid": int(ended.stdout), "time": time.time()}))
+  claimed_by_a_process_that_ended(tmp_path)
+  (tmp_path / "1.orbax-checkpoint-tmp" / "state").mkdir(parents=True)  # cut short
   with topka2a_jax.CheckpointManager(tmp_path, mesh) as restarted:
     assert restarted.save(1, state)
+  with topka2a_jax.CheckpointManager(tmp_path, mesh, read_only=True) as fresh:
+    assert fresh.all_steps() == [1]
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, fresh.restore(state)),
+                                jax.tree.map(np.asarray, state))
+  assert sorted(os.listdir(tmp_path)) == [".topka2a_claims", "1"]
+
+
+def test_a_full_disk_at_the_claim_is_named_and_the_same_jobs_retry_saves(
+    tmp_path, mesh, monkeypatch):
+  state = resumable.fresh(mesh)
+  written = os.write
+
+  def full(descriptor, data):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+  with topka2a_jax.CheckpointManager(tmp_path, mesh, async_save=False) as manager:
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(OSError, match="its file system is full .* no claim is left"):
+      manager.save(1, state)
+    monkeypatch.setattr(os, "write", written)  # space freed
+    assert manager.save(1, state)
+  with topka2a_jax.CheckpointManager(tmp_path, mesh, read_only=True) as fresh:
+    assert fresh.all_steps() == [1]
+
+
+READER = Path(__file__).with_name("checkpoint_reader.py")
+
+
+@pytest.mark.parametrize("async_save, read_only", [(True, False), (False, False),
+                                                   (True, True)],
+                         ids=["async, plain reader", "sync, plain reader",
+                              "async, read-only reader"])
+def test_an_evaluation_job_polling_the_root_leaves_every_save_restorable(
+    tmp_path, mesh, async_save, read_only):
+  """Another process builds a manager on the root every 0.2 s while this job saves 6 steps."""
+  root, stop = tmp_path / "ckpt", tmp_path / "stop"
+  reader = subprocess.Popen(
+      [sys.executable, str(READER), str(root), str(stop), *(["read-only"] * read_only)],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.monotonic() + 120
+    while not Path(f"{root}.ready").exists():
+      assert reader.poll() is None and time.monotonic() < deadline, reader.communicate()
+      time.sleep(0.1)
+    def saved(step):
+      return {"w": np.random.default_rng(step).normal(size=1 << 20).astype(np.float32)}
+    with topka2a_jax.CheckpointManager(root, mesh, async_save=async_save) as manager:
+      returned = [manager.save(step, jax.tree.map(jnp.asarray, saved(step)))
+                  for step in range(1, 7)]
+  finally:
+    stop.touch()
+    out, err = reader.communicate(timeout=120)
+  assert returned == [True] * 6
+  assert reader.returncode == 0, err[-3000:]
+  assert int(out.split()[-1]) >= 2, out  # it polled while the job saved
+  like = {"w": jnp.zeros((1 << 20,), jnp.float32)}
+  with topka2a_jax.CheckpointManager(root, mesh, read_only=True) as fresh:
+    assert fresh.all_steps() == [1, 2, 3, 4, 5, 6]
+    for step in range(1, 7):
+      np.testing.assert_array_equal(np.asarray(fresh.restore(like, step)["w"]),
+                                    saved(step)["w"])
+
+
+def test_a_read_only_manager_writes_nothing_and_sees_steps_completed_since(tmp_path, mesh):
+  state = resumable.fresh(mesh)
+  missing = tmp_path / "not yet"
+  with topka2a_jax.CheckpointManager(missing, mesh, read_only=True) as reader:
+    assert reader.latest_step() is None and not missing.exists()  # nothing created
+  partial = tmp_path / "2.orbax-checkpoint-tmp"  # a save of another job, in flight
+  partial.mkdir()
+  (partial / "state").mkdir()
+  with topka2a_jax.CheckpointManager(tmp_path, mesh, read_only=True) as reader, \
+       topka2a_jax.CheckpointManager(tmp_path, mesh, async_save=False) as writer:
+    assert reader.latest_step() is None
+    writer.save(1, state)
+    assert reader.latest_step() == 1 and reader.all_steps() == [1]  # read anew
+    with pytest.raises(PermissionError, match="read_only=True: it never writes. "
+                                              "Nothing was written"):
+      reader.save(3, state)
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, reader.restore(state)),
+                                jax.tree.map(np.asarray, state))
+  assert partial.is_dir() and sorted(os.listdir(tmp_path)) == [
+      ".topka2a_claims", "1", "2.orbax-checkpoint-tmp"]
+
+
+def test_orbax_clean_up_on_building_is_refused_naming_why(tmp_path, mesh):
+  import orbax.checkpoint as ocp
+
+  with pytest.raises(ValueError, match="cleanup_tmp_directories=True removes every step "
+                                       "being written .* another live job's save"):
+    topka2a_jax.CheckpointManager(tmp_path, mesh, options=ocp.CheckpointManagerOptions(
+        cleanup_tmp_directories=True))
+  with pytest.raises(ValueError, match="read_only=True and options.read_only=True both"):
+    topka2a_jax.CheckpointManager(tmp_path, mesh, read_only=True,
+                                  options=ocp.CheckpointManagerOptions(read_only=True))
 
 
 def test_the_claims_of_steps_the_manager_removed_are_removed(tmp_path, mesh):

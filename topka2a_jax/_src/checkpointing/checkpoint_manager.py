@@ -58,32 +58,48 @@ STATE, LAYOUT = "state", "layout"
 layout description (JSON)."""
 
 
-def _merged(options: Any, *, max_to_keep: int | None, async_save: bool) -> Any:
-  """Orbax's manager options: the user's, with this manager's settings and clean-up.
+def _merged(options: Any, *, max_to_keep: int | None, async_save: bool,
+            read_only: bool) -> Any:
+  """Orbax's manager options: the user's, with this manager's settings.
+
+  Orbax's own clean-up of temporary directories is never turned on: it
+  removes every step being written, another live job's too, whenever a
+  manager is built on the root. A writing manager removes only those that
+  no live job writes (``step_claims.py``).
 
   Raises:
     TypeError: ``options`` is not an ``ocp.CheckpointManagerOptions``.
-    ValueError: a setting given both here and in ``options``.
+    ValueError: a setting given both here and in ``options``, or Orbax's
+      ``cleanup_tmp_directories=True``.
   """
   import orbax.checkpoint as ocp
 
   if options is None:
-    return ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
-        cleanup_tmp_directories=True)
-  if not isinstance(options, ocp.CheckpointManagerOptions):
+    options = ocp.CheckpointManagerOptions()
+  elif not isinstance(options, ocp.CheckpointManagerOptions):
     raise TypeError(f"options must be an orbax.checkpoint.CheckpointManagerOptions, "
                     f"got {type(options).__name__}")
+  if options.cleanup_tmp_directories:
+    raise ValueError(
+        "options.cleanup_tmp_directories=True removes every step being written in the "
+        "root whenever a manager is built there, another live job's save included. "
+        "Leave it False: a writing manager removes the temporary directories that no "
+        "live job writes by itself")
   default = ocp.CheckpointManagerOptions()
   for name, value, field in (("max_to_keep", max_to_keep, "max_to_keep"),
-                             ("async_save", async_save, "enable_async_checkpointing")):
-    ours = {"max_to_keep": None, "async_save": True}[name]
+                             ("async_save", async_save, "enable_async_checkpointing"),
+                             ("read_only", read_only, "read_only")):
+    ours = {"max_to_keep": None, "async_save": True, "read_only": False}[name]
     if value != ours and getattr(options, field) != getattr(default, field):
       raise ValueError(f"{name}={value!r} and options.{field}="
                        f"{getattr(options, field)!r} both set it; give it once")
+  read_only = read_only or options.read_only
+  if read_only:
+    return dataclasses.replace(
+        options, read_only=True, create=False, max_to_keep=None,
+        save_interval_steps=0, enable_async_checkpointing=False)
   return dataclasses.replace(
-      options, cleanup_tmp_directories=True,
-      max_to_keep=max_to_keep if max_to_keep is not None else options.max_to_keep,
+      options, max_to_keep=max_to_keep if max_to_keep is not None else options.max_to_keep,
       enable_async_checkpointing=async_save and options.enable_async_checkpointing)
 
 
@@ -97,23 +113,39 @@ class CheckpointManager:
     max_to_keep: how many of the latest steps to keep (None: all).
     async_save: write in the background (Orbax's asynchronous checkpointing);
       :meth:`wait_until_finished` or closing waits for it.
+    read_only: open the root to read it alone, as an evaluation job does
+      while the training job saves there: :meth:`save` is refused, nothing
+      is created or removed, and :meth:`latest_step` and :meth:`all_steps`
+      read the root anew at each call, so that a long-lived reader sees the
+      steps completed since.
     options: Orbax's ``ocp.CheckpointManagerOptions``, for its policies
       (``save_interval_steps``, ``keep_period``, ``preservation_policy``, ...);
-      give ``max_to_keep`` and asynchronous saving either there or as the
-      arguments above, not both. A step its policy skips is not saved:
-      :meth:`save` returns False.
+      give ``max_to_keep``, asynchronous saving and ``read_only`` either there
+      or as the arguments above, not both. A step its policy skips is not
+      saved: :meth:`save` returns False.
+
+  Building a manager never removes anything: a job polling another job's
+  root, read-only or not, leaves its saves in flight alone. A writing
+  manager removes Orbax's temporary directory of a step (a save cut short)
+  only once it has won that step's claim from a job that ended, or whose
+  claim and files have not changed for two minutes (``step_claims.py``).
 
   Example:
     >>> manager = CheckpointManager("/ckpt", mesh, max_to_keep=3)  # doctest: +SKIP
     >>> manager.save(step, {"params": params, "opt_state": opt_state})  # doctest: +SKIP
     >>> state = manager.restore(like)  # the latest step  # doctest: +SKIP
+    >>> reader = CheckpointManager("/ckpt", mesh, read_only=True)  # doctest: +SKIP
+    >>> reader.latest_step()  # an evaluation job's poll  # doctest: +SKIP
   """
 
   def __init__(self, directory: str | Path, mesh: Mesh, *,
                axis_name: Hashable = "data", max_to_keep: int | None = None,
-               async_save: bool = True, options: Any = None):
+               async_save: bool = True, read_only: bool = False, options: Any = None):
     import orbax.checkpoint as ocp
 
+    if not isinstance(read_only, bool):
+      raise TypeError(f"read_only={read_only!r}: pass True (read the root alone) or "
+                      "False")
     self._mesh, self._axis = mesh, DataAxis.parse(axis_name)
     self._axis.check_on(mesh)
     if max_to_keep is not None and (isinstance(max_to_keep, bool) or not isinstance(
@@ -127,9 +159,11 @@ class CheckpointManager:
                                "own)")
     self._unsealed: list[int] = []  # steps saved here whose manifest is unwritten
     self._token = step_claims.new_token()  # names this manager's claims on steps
+    merged = _merged(options, max_to_keep=max_to_keep, async_save=async_save,
+                     read_only=read_only)
+    self._read_only = merged.read_only
     self._manager = ocp.CheckpointManager(
-        directory, item_names=(STATE, LAYOUT),
-        options=_merged(options, max_to_keep=max_to_keep, async_save=async_save))
+        directory, item_names=(STATE, LAYOUT), options=merged)
 
   def save(self, step: int, state: Any) -> bool:
     """Saves ``state`` as ``step`` (in the background with ``async_save``).
@@ -146,6 +180,9 @@ class CheckpointManager:
         saves to the same root, or an earlier run left its steps there.
         Nothing is overwritten; save to another root, or restore the
         latest step and go on from there.
+      OSError: the step's claim cannot be written (a full disk, named):
+        nothing is left behind, and the same call works once space is freed.
+      PermissionError: a manager opened with ``read_only=True``.
     """
     import orbax.checkpoint as ocp
 
@@ -154,6 +191,11 @@ class CheckpointManager:
                        "int (the training step's number), which a later manager "
                        "can find")
     step = int(step)
+    if self._read_only:
+      raise PermissionError(
+          f"this manager opened {self._manager.directory} with read_only=True: it "
+          "never writes. Nothing was written; save through a manager built without "
+          "read_only")
     layout = checkpoint.describe(state, self._mesh, self._axis)
     self.wait_until_finished()  # as Orbax would; the previous step is sealed
     self._check_after_latest(step)
@@ -183,6 +225,7 @@ class CheckpointManager:
 
     Raises:
       FileExistsError: another job holds the step, named.
+      OSError: the claim cannot be written (a full disk, no permission), named.
     """
     root = Path(self._manager.directory)
     refused = None
@@ -193,6 +236,8 @@ class CheckpointManager:
       if lost and refused is None:
         refused = (f"step {step} of {root} cannot be claimed (process 0 says why): "
                    "nothing was written")
+    if isinstance(refused, step_claims.Unwritable):
+      raise OSError(refused)
     if refused is not None:
       raise FileExistsError(refused)
 
@@ -220,7 +265,9 @@ class CheckpointManager:
       if step in complete and jax.process_index() == 0:
         integrity.write_manifest(self.step_directory(step))
     if self._unsealed and complete and jax.process_index() == 0:
-      step_claims.remove_claims(Path(self._manager.directory), complete, max(complete))
+      root = Path(self._manager.directory)
+      step_claims.remove_abandoned_partials(root, self._token, max(complete))
+      step_claims.remove_claims(root, complete, max(complete))
     self._unsealed = []
 
   def restore(self, like: Any, step: int | None = None) -> Any:
@@ -267,8 +314,9 @@ class CheckpointManager:
       integrity.listed_files(directory)  # no link, no special file
       warnings.warn(
           f"{directory} has no {integrity.MANIFEST_FILE}: its files cannot be "
-          "checked (an older topka2a_jax wrote it, or the process ended before "
-          "sealing it); its arrays' fingerprints still are", stacklevel=2)
+          "checked (an older topka2a_jax wrote it, the process ended before "
+          "sealing it, or the job saving it seals it at its next save); its "
+          "arrays' fingerprints still are", stacklevel=2)
     read_step = checkpoint.naming_read_errors(directory, self._manager.restore)
     saved = read_step(step, args=ocp.args.Composite(**{
         LAYOUT: ocp.args.JsonRestore()}))[LAYOUT]
@@ -282,10 +330,14 @@ class CheckpointManager:
 
   def latest_step(self) -> int | None:
     """The latest step whose save completed, or None."""
+    if self._read_only:
+      self._manager.reload()  # another job's steps, completed since
     return self._manager.latest_step()
 
   def all_steps(self) -> Sequence[int]:
     """Every step kept whose save completed, in order."""
+    if self._read_only:
+      self._manager.reload()
     return sorted(self._manager.all_steps())
 
   def wait_until_finished(self) -> None:

@@ -12,11 +12,19 @@ outcome before anything is written.
 
 A claim stays after its save. The manager that made it may retry its own
 step (a save that failed). Another manager may take a step over only where
-the claim is abandoned: nothing of the step is on disk, neither the step
-nor Orbax's temporary directory, and either the claim is older than
-:data:`ABANDONED_AFTER_SECONDS` (by the file system's own clock) or the
-process that made it is gone from this host, as after a job killed during a
-save and restarted (its new manager removes Orbax's leftovers).
+the claim is abandoned: the step itself is not on disk, and either the
+process that made the claim has ended (judged only where the claim proves
+it was made on this host, in this boot and this PID namespace, as after a
+job killed during a save and restarted on the same machine), or the claim
+and every file of Orbax's temporary directory for the step are older than
+:data:`ABANDONED_AFTER_SECONDS` (by the file system's own clock), so that a
+live job's save in flight is never taken over.
+
+Only the job that wins a step removes that step's temporary directory
+(:func:`claim`), and a writing manager removes the temporary directories of
+older steps only after winning their claims (:func:`remove_abandoned_partials`):
+nothing that merely opens a root, an evaluation job polling it included,
+ever removes another job's files.
 
 A takeover is exclusive too: it creates the claim's next generation,
 ``<step>~1``, ``<step>~2``..., with ``O_CREAT | O_EXCL``, so of two jobs that
@@ -43,10 +51,12 @@ Example:
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import math
 import os
 import re
+import shutil
 import socket
 import stat
 import time
@@ -65,6 +75,12 @@ _LARGEST_RECORD = 4096
 
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 """A claim is read without following a link and without waiting on a FIFO."""
+
+PARTIAL = ".orbax-checkpoint-tmp"
+"""What Orbax puts after a step's name while the step is being written."""
+
+_LARGEST_PID = 2**31 - 1
+"""Larger pids are no process a host can test: such claims are judged by age."""
 
 
 def new_token() -> str:
@@ -97,7 +113,8 @@ def claim(root: Path, step: int, token: str) -> str | None:
         return problem
       if record is None:
         continue  # taken over and removed since it was listed: list again
-      if record.get("token") == token:
+      if record.get("token") == token:  # a retry: no save of this job is in flight
+        _remove_partials(root, step)
         return None
       why = _abandoned(root, folder, step, held, record)
       if why is None:
@@ -109,14 +126,39 @@ def claim(root: Path, step: int, token: str) -> str | None:
       continue  # another job claimed or took it over first: read its claim
     except OSError as error:
       return _unwritable(folder, error)
-    with os.fdopen(descriptor, "w") as file:
-      json.dump({"token": token, "host": socket.gethostname(), "pid": os.getpid(),
-                 "time": time.time()}, file)
+    problem = _write_record(descriptor, path, token)
+    if problem is not None:
+      return problem
     if latest is not None:
       _remove(folder / _name(step, generation) for generation in generations)
+    _remove_partials(root, step)  # the step is this job's alone now
     return None
   return (f"step {step} of {root}: its claims in {folder} kept changing while this job "
           "read them; another job is saving to this root")
+
+
+def remove_abandoned_partials(root: Path, token: str, below: int) -> None:
+  """Removes the temporary directories of steps under ``below`` that no live job writes.
+
+  A step's temporary directory goes only once this manager has won the
+  step's claim (:func:`claim`), so a live job's save in flight stays; one
+  that no claim names goes once it has not changed for
+  :data:`ABANDONED_AFTER_SECONDS`. The claims won here are removed with it.
+  """
+  folder = root / CLAIMS
+  try:
+    entries = os.listdir(root)
+  except OSError:
+    return
+  steps = {_partial_step(name) for name in entries} - {None}
+  for step in sorted(step for step in steps if step < below):
+    if not _generations_or_empty(folder, step) and not all(
+        _untouched(folder, root / name) for name in entries
+        if _partial_step(name) == step):
+      continue  # no claim names it: a writer other than this library's may be live
+    if claim(root, step, token) is None:
+      _remove(folder / _name(step, generation)
+              for generation in _generations_or_empty(folder, step))
 
 
 def remove_claims(root: Path, keep: Iterable[int], below: int) -> None:
@@ -141,8 +183,12 @@ def _name(step: int, generation: int) -> str:
 
 
 def _parse(name: str) -> tuple[int, int] | None:
-  """``(step, generation)`` of a claim's file name, or None for another name."""
-  match = re.fullmatch(r"(\d+)(?:~(\d+))?", name)
+  """``(step, generation)`` of a claim's file name, or None for another name.
+
+  Only the names :func:`_name` writes count (no leading zero, no generation
+  0 written out): any other name is no claim, and is ignored.
+  """
+  match = re.fullmatch(r"(0|[1-9]\d*)(?:~([1-9]\d*))?", name)
   return None if match is None else (int(match[1]), int(match[2] or 0))
 
 
@@ -150,6 +196,54 @@ def _generations(folder: Path, step: int) -> list[int]:
   """The generations of ``step``'s claim in ``folder``."""
   return [parsed[1] for parsed in map(_parse, os.listdir(folder))
           if parsed is not None and parsed[0] == step]
+
+
+def _generations_or_empty(folder: Path, step: int) -> list[int]:
+  try:
+    return _generations(folder, step)
+  except OSError:
+    return []
+
+
+def _partial_step(name: str) -> int | None:
+  """The step whose temporary directory Orbax names ``name``, or None."""
+  match = re.fullmatch(r"(0|[1-9]\d*)" + re.escape(PARTIAL) + r".*", name)
+  return None if match is None else int(match[1])
+
+
+def _partials(root: Path, step: int) -> list[Path]:
+  """Orbax's temporary directories of ``step`` in ``root``."""
+  return [root / name for name in os.listdir(root) if _partial_step(name) == step]
+
+
+def _remove_partials(root: Path, step: int) -> None:
+  """Removes ``step``'s temporary directories (never following a link)."""
+  for path in _partials(root, step):
+    if path.is_symlink() or not path.is_dir():
+      _remove([path])
+    else:
+      shutil.rmtree(path, ignore_errors=True)
+
+
+def _write_record(descriptor: int, path: Path, token: str) -> str | None:
+  """Writes this job's claim record into the new claim ``path``; None, or why not.
+
+  A claim that cannot be written whole (a full disk) is removed, so that
+  the same job's retry finds the step unclaimed.
+  """
+  record = json.dumps({"token": token, "host": socket.gethostname(), "pid": os.getpid(),
+                       "boot": _boot_id(), "pid_namespace": _pid_namespace(),
+                       "time": time.time()}).encode()
+  try:
+    try:
+      while record:
+        record = record[os.write(descriptor, record):]
+    finally:
+      os.close(descriptor)
+  except OSError as error:
+    _remove([path])
+    return _unwritable(path.parent, error)
+  return None
 
 
 def _folder_problem(folder: Path) -> str | None:
@@ -209,43 +303,102 @@ def _read(path: Path) -> tuple[dict | None, str | None]:
 
 
 def _odd(path: Path) -> str:
-  return (f"{path} is {_kind(path)}, not a claim file: something other than topka2a_jax "
+  kind = _kind(path)
+  remove = f"rm -r {path}" if kind == "a directory" else f"rm {path}"
+  return (f"{path} is {kind}, not a claim file: something other than topka2a_jax "
           "put it there, and it is neither read nor followed. Nothing was written; "
-          f"remove it (rm {path}) and save again")
+          f"remove it ({remove}) and save again")
 
 
-def _unwritable(folder: Path, error: OSError) -> str:
-  return (f"cannot write a step claim in {folder} ({error.strerror}). Nothing was "
-          "written; give the job write access to the checkpoint root, or save to "
-          "another root")
+class Unwritable(str):
+  """Why no claim could be written: the file system refused, no other job."""
+
+
+def _unwritable(folder: Path, error: OSError) -> Unwritable:
+  if error.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+    return Unwritable(
+        f"cannot write a step claim in {folder}: its file system is full "
+        f"({error.strerror}). Nothing was written and no claim is left; free space "
+        "(or save to another root), then save again")
+  return Unwritable(
+      f"cannot write a step claim in {folder} ({error.strerror}). Nothing was written; "
+      "give the job write access to the checkpoint root, or save to another root")
 
 
 def _abandoned(root: Path, folder: Path, step: int, path: Path, record: dict) -> str | None:
   """Why ``step``'s claim at ``path`` may be taken over, or None where it may not."""
-  on_disk = any(entry.name == str(step) or entry.name.startswith(f"{step}.orbax-checkpoint-tmp")
-                for entry in root.iterdir())
-  if on_disk:
-    return None
-  if (record.get("host") == socket.gethostname() and _is_int(record.get("pid"))
-      and not _alive(record["pid"])):
+  if (root / str(step)).exists() or (root / str(step)).is_symlink():
+    return None  # the step itself: never replaced
+  if _process_ended(record):
     return "its process has ended"
   age = _age(folder, path)
-  if age is not None and abs(age) > ABANDONED_AFTER_SECONDS:
-    return "it is old"
-  return None
+  if age is None or abs(age) <= ABANDONED_AFTER_SECONDS:
+    return None
+  if not all(_untouched(folder, partial) for partial in _partials(root, step)):
+    return None  # a save in flight: its job is writing the step now
+  return "it is old"
+
+
+def _process_ended(record: dict) -> bool:
+  """Whether the claim proves that its process has ended.
+
+  Only a claim made on this host, in this boot and in this PID namespace
+  names a pid this process can test; containers that share a host name
+  have PID namespaces of their own.
+  """
+  return (record.get("host") == socket.gethostname() and _is_int(record.get("pid"))
+          and record.get("boot") == _boot_id()
+          and record.get("pid_namespace") == _pid_namespace()
+          and not _alive(record["pid"]))
+
+
+@functools.cache
+def _boot_id() -> str | None:
+  """This host's boot, where the system names it (Linux), else None."""
+  try:
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+  except OSError:
+    return None
+
+
+def _pid_namespace() -> str | None:
+  """This process's PID namespace, where the system names it (Linux), else None."""
+  try:
+    return os.readlink("/proc/self/ns/pid")
+  except OSError:
+    return None
 
 
 def _alive(pid: int) -> bool:
-  """Whether a process ``pid`` runs on this host."""
-  if pid <= 0:
+  """Whether a process ``pid`` runs on this host (True where it cannot be tested)."""
+  if not 0 < pid <= _LARGEST_PID:
     return True  # not a process this host can test: judged by its age
   try:
     os.kill(pid, 0)
   except ProcessLookupError:
     return False
-  except OSError:
+  except (OSError, OverflowError):
     return True  # another user's process
   return True
+
+
+def _untouched(folder: Path, partial: Path) -> bool:
+  """Whether nothing under ``partial`` changed for :data:`ABANDONED_AFTER_SECONDS`."""
+  newest = None
+  try:
+    for directory, names, files in os.walk(partial):
+      for name in [directory, *(os.path.join(directory, n) for n in names + files)]:
+        changed = os.lstat(name).st_mtime
+        newest = changed if newest is None else max(newest, changed)
+  except OSError:
+    return False
+  if newest is None:  # a link, or gone: judged by the entry itself
+    try:
+      newest = os.lstat(partial).st_mtime
+    except OSError:
+      return True
+  now = _now(folder)
+  return now is not None and abs(now - newest) > ABANDONED_AFTER_SECONDS
 
 
 def _age(folder: Path, path: Path) -> float | None:
@@ -254,15 +407,23 @@ def _age(folder: Path, path: Path) -> float | None:
   The claim's modification time against that of a file made here now, so
   that a file server's clock is compared with itself, not with this host's.
   """
+  now = _now(folder)
+  try:
+    return None if now is None else now - os.lstat(path).st_mtime
+  except OSError:
+    return None
+
+
+def _now(folder: Path) -> float | None:
+  """The file system's time now: that of a file made in ``folder``."""
   probe = folder / f".now-{uuid.uuid4().hex}"
   try:
     descriptor = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     try:
-      now = os.fstat(descriptor).st_mtime
+      return os.fstat(descriptor).st_mtime
     finally:
       os.close(descriptor)
       os.unlink(probe)
-    return now - os.lstat(path).st_mtime
   except OSError:
     return None
 
@@ -277,7 +438,7 @@ def _refusal(step: int, root: Path, path: Path, record: dict) -> str:
   when = "" if age is None else f", {max(age, 0):.0f} s ago"
   return (f"step {step} of {root} is claimed by {who}{when} ({path}): another job saves "
           "to this root. Nothing was written, and nothing of the other job's is "
-          "removed. A claim with nothing of its step on disk is taken over once it is "
+          "removed. A claim is taken over once it and its step's temporary files are "
           f"{ABANDONED_AFTER_SECONDS:.0f} s old, or at once where its process has ended "
           "on this host; if no other job runs, remove it (rm "
           f"{path}) and save again. Else save to another root, or restore the latest "
