@@ -220,6 +220,7 @@ def optimizer(name: str, density: float, mesh, schedule, b1: float,
   if options.get("backward_seconds") == "estimated":
     options["backward_seconds"] = backward_seconds
   form = options.pop("form", "gradient")
+  density_given = "density" in options  # a code takes none: local_steps refuses one
   density = options.pop("density", density)
   if form == "local":
     outer = {None: None,
@@ -233,7 +234,7 @@ def optimizer(name: str, density: float, mesh, schedule, b1: float,
     options.pop("inner_mean_coded", None)
     options.pop("fold_momentum", None)
     return topka2a_jax.local_steps(optax.adam(schedule, b1=b1), options.pop("every"), outer,
-                                   density, mesh=mesh, **options)
+                                   density if density_given else None, mesh=mesh, **options)
   if form == "updates":
     return topka2a_jax.compress_updates(optax.adam(schedule, b1=b1), density,
                                         mesh=mesh, **options)

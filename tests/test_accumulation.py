@@ -342,3 +342,23 @@ def resumable_mesh(devices):
 def test_bad_arguments_are_refused_naming_the_fix(mesh, call, error, match):
   with pytest.raises(error, match=match):
     call(mesh)
+
+
+@pytest.mark.parametrize("wrapper", ["accumulate_gradients", "local_steps"])
+def test_an_optimizer_after_a_whole_optimizer_is_refused_naming_the_fix(mesh, wrapper):
+  """``chain(local_steps(adam), adam)`` diverged and ``chain(accumulate_gradients(topka2a),
+  adam)`` stepped Adam on every call's zeros, both in silence: the README program refuses
+  them at ``init`` and, where ``init`` went another way, at the step."""
+  loss_fn, params, batch = readme_problem()
+  whole = {"accumulate_gradients": lambda: topka2a_jax.accumulate_gradients(
+               topka2a_jax.topka2a(0.01, mesh=mesh), EVERY),
+           "local_steps": lambda: topka2a_jax.local_steps(optax.adam(1e-2), mesh=mesh)}
+  fix = {"accumulate_gradients": r"accumulate_gradients\(optax.chain\(topka2a_jax.topka2a",
+         "local_steps": r"local_steps\(optax.adam\(...\), outer=...\), and use it alone"}
+  tx = optax.chain(whole[wrapper](), optax.adam(1e-2))
+  match = rf"{wrapper}\(...\) must be the whole optimizer, yet its chain runs scale_by_adam .*"
+  with pytest.raises(ValueError, match=match + fix[wrapper]):
+    tx.init(params)
+  state = (whole[wrapper]().init(params), optax.adam(1e-2).init(params))
+  with pytest.raises(ValueError, match=match + fix[wrapper]):
+    topka2a_jax.train_step(loss_fn, tx, mesh)(copy(params), state, batch)

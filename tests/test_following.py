@@ -301,6 +301,22 @@ def test_follows_says_what_the_chain_cannot(mesh, follows, like):
   assert sent == _sent(optax.chain(topka2a_jax.topka2a(0.01, mesh=mesh), like), mesh)
 
 
+@pytest.mark.parametrize("follows", ["sgd", optax.sgd(0.1)], ids=["'sgd'", "optax.sgd"])
+@pytest.mark.parametrize("after, read", [
+    (optax.adam(1e-2), "an adaptive optimizer"), (optax.sgd(0.1, momentum=0.9), "momentum SGD")],
+    ids=["adam", "momentum"])
+def test_follows_sgd_that_the_chain_contradicts_warns_naming_both(mesh, follows, after, read):
+  """``follows='sgd'`` before Adam sent a top-k to Adam in silence (75x dense's loss)."""
+  tx = optax.chain(topka2a_jax.topka2a(0.01, mesh=mesh, follows=follows), after)
+  with pytest.warns(UserWarning, match=r"topka2a\(follows=.*\) says plain SGD follows, but its "
+                                       f"chain runs {read}.*Leave follows= out"):
+    _sent(tx, mesh)
+  with warnings.catch_warnings():  # what follows is plain SGD: nothing to say
+    warnings.simplefilter("error")
+    _sent(optax.chain(topka2a_jax.topka2a(0.01, mesh=mesh, follows=follows),
+                      optax.sgd(0.1)), mesh)
+
+
 @pytest.mark.parametrize("follows, error, match", [
     ("adamw", ValueError, r"follows='adamw' names no optimizer kind.*'adam', 'momentum', 'sgd'"),
     (0.1, TypeError, r"follows= takes the optimizer after the exchange.*got float"),

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import topka2a_jax
 from topka2a_jax._src.planner.cost import exchange_cost
+from topka2a_jax._src.transforms.local_steps import SKIPPED_IN_A_ROW
 
 DEVICES = 8
 B1, B2, EPS, LR = 0.9, 0.999, 0.5, 0.1
@@ -415,6 +416,58 @@ def test_a_non_finite_gradient_skips_the_step_and_the_round_waits(mesh):
   assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(history[1][1]))
 
 
+def test_skipped_inner_steps_are_counted_and_a_round_that_cannot_finish_is_dropped(mesh):
+  """One huge but finite first inner step puts the local parameters where every later
+  gradient overflows: each skipped step is counted, the round is dropped after
+  SKIPPED_IN_A_ROW of them, and training goes on from the shared parameters as a
+  clean run of plain SGD from the start does (the exact mean)."""
+  rng = np.random.default_rng(0)
+  batches = [(rng.normal(size=(DEVICES * 4, 12)).astype(np.float32),
+              rng.normal(size=(DEVICES * 4, 3)).astype(np.float32)) for _ in range(4)]
+  fresh = lambda: {"w": jnp.zeros((12, 3))}  # the step donates what it is given
+  loss = lambda p, batch: _least_squares(p, batch) + jnp.mean(p["w"] ** 4)  # overflows far out
+  rate = lambda count: jnp.where(count < 1, 1e30, 1e-2)  # the first step only: huge
+  stuck = topka2a_jax.local_steps(optax.inject_hyperparams(optax.sgd)(learning_rate=rate),
+                                  4, algorithm="dense", mesh=mesh)
+  step, state = topka2a_jax.train_step(loss, stuck, mesh), stuck.init(fresh())
+  limit = SKIPPED_IN_A_ROW
+  shared = fresh()
+  for taken in range(1 + limit):
+    shared, state, _ = step(shared, state, batches[0])
+    if taken < limit:  # the round waits on its second step, each skip counted
+      assert (int(state.step), int(state.exchange.nonfinite_steps)) == (1, taken)
+  # The round is dropped: counted once more, the next one starts afresh.
+  assert (int(state.step), int(state.exchange.nonfinite_steps)) == (0, limit + 1)
+  assert int(state.exchange.count) == 0
+  np.testing.assert_array_equal(np.asarray(shared["w"]), 0)
+  clean = topka2a_jax.local_steps(optax.sgd(1e-2), 4, algorithm="dense", mesh=mesh)
+  clean_step, clean_state, want = topka2a_jax.train_step(loss, clean, mesh), \
+      clean.init(fresh()), fresh()
+  for batch in batches:
+    shared, state, _ = step(shared, state, batch)
+    want, clean_state, _ = clean_step(want, clean_state, batch)
+  assert int(state.exchange.count) == 1
+  np.testing.assert_array_equal(np.asarray(shared["w"]), np.asarray(want["w"]))
+
+
+@pytest.mark.parametrize("outer", [None, optax.sgd(0.5)], ids=["default", "sgd 0.5"])
+def test_auto_before_an_sgd_outer_plans_the_coded_forms_not_a_top_k(mesh, outer, caplog):
+  """A top-k of the pseudo-gradient left most of each round's progress in the residuals
+  (6x the exact mean's loss) while the log said it kept its quality."""
+  params = {"w": jnp.zeros((256, 64))}
+  x = np.ones((DEVICES * 4, 256), np.float32)
+  loss = lambda p, x: jnp.mean((x @ p["w"]) ** 2)
+  sent = {}
+  for name in ("auto", "rotated_4_4"):
+    tx = topka2a_jax.local_steps(optax.adam(1e-3), 4, outer, algorithm=name, mesh=mesh)
+    step = topka2a_jax.train_step(loss, tx, mesh)
+    with caplog.at_level("INFO", logger="topka2a_jax"):
+      sent[name] = topka2a_jax.comm_report(step.lower(params, tx.init(params), x)).total_bytes
+  assert sent["auto"] == sent["rotated_4_4"]
+  assert "plans each bucket among rotated_4_4, dense: local_steps' outer step" in caplog.text
+  assert "keeps its quality" not in caplog.text
+
+
 def test_bytes_per_step_are_the_exchanges_over_the_round(mesh):
   """The compiled step holds the round's exchange once, in the branch a round's end takes."""
   params = {"w": jnp.zeros((256, 64))}
@@ -489,8 +542,14 @@ def test_a_state_of_moments_that_starts_above_zero_is_taken(mesh, inner):
      r"every\[96\] must be at least 1"),
     (lambda: topka2a_jax.local_steps(optax.adam(1e-3), "4"), TypeError,
      "every must be an int, or a dict from the step"),
+    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), 4, density=0.01), ValueError,
+     (r"local_steps\(density=0.01\) would be unused: its exchange, "
+      r"algorithm='rotated_4_4', sends every entry. Leave density out")),
+    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), 4, density=0.01, algorithm="auto"),
+     ValueError, r"before local_steps' outer step \"auto\" plans only such codes"),
 ], ids=["every-0", "every-float", "inner-factory", "outer-string", "follows", "average-str",
-        "stretch-inside-a-round", "no-stretch-from-0", "length-0", "every-str"])
+        "stretch-inside-a-round", "no-stretch-from-0", "length-0", "every-str",
+        "density-with-a-code", "density-with-auto"])
 def test_bad_arguments_are_refused_naming_the_fix(call, error, match):
   with pytest.raises(error, match=match):
     call()

@@ -92,6 +92,9 @@ class LocalStepsState(NamedTuple):
     step: the inner steps taken in this round so far (int32, replicated).
     every: the (first) round's length the state was made for (int32,
       replicated): a restore into a state made for another refuses it.
+    skipped: the inner steps skipped in a row, as not finite, up to now
+      (int32, replicated); after 8 in a row the round is dropped, and the
+      next starts from the shared parameters.
   """
 
   exchange: TopKA2AState
@@ -100,6 +103,7 @@ class LocalStepsState(NamedTuple):
   outer: optax.OptState
   step: jax.Array
   every: jax.Array
+  skipped: jax.Array
 
 
 class AccumulatedGradientsState(NamedTuple):

@@ -21,6 +21,11 @@ from topka2a_jax._src.collectives import algorithms
 ADAPTIVE, MOMENTUM, PLAIN, UNKNOWN = "adaptive", "momentum", "plain", "unknown"
 """The kinds of optimizer that can follow the exchange."""
 
+ROUNDS = "rounds"
+"""Plain SGD as :func:`topka2a_jax.local_steps`' outer step: every round starts
+the local parameters again from the shared ones, so what a top-k leaves in the
+residuals never reaches them that round."""
+
 CODED_FORM = "quantized_8_8_fine"
 """The form that keeps quality before Adam: every entry in 8 bits, one scale
 per 256 entries, both phases' rounding fed back (training evidence page:
@@ -48,6 +53,7 @@ FORMS: dict[str, tuple[str, ...]] = {
     UNKNOWN: (CODED_FORM, algorithms.DENSE.name),
     PLAIN: tuple(entry.name for entry in (algorithms.DENSE, algorithms.ALLGATHER,
                                           algorithms.TOPKA2A, algorithms.TOPKA2A_SPARSE)),
+    ROUNDS: (LOCAL_STEPS_FORM, algorithms.DENSE.name),
 }
 """For each kind of optimizer after the exchange, the exchanges ``"auto"`` may
 plan a bucket with (the cheapest under the cost model wins). An unknown
@@ -64,5 +70,8 @@ WHY: dict[str, str] = {
            "quality",
     UNKNOWN: "the optimizer after it is not one the library knows: the few-bit "
              "code, safe before both SGD and Adam",
+    ROUNDS: "local_steps' outer step follows: each round restarts the local "
+            "parameters from the shared ones, so a top-k would hold most of every "
+            "round's progress back in the residuals; a few-bit code sends every entry",
 }
 """Why each kind gets its forms, for the plan's line and the planner's table."""

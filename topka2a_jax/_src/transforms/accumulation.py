@@ -51,12 +51,16 @@ from topka2a_jax._src.axis import (
 from topka2a_jax._src.options import DEFAULT_AXIS, Options
 from topka2a_jax._src.states import AccumulatedGradientsState, holds_exchange
 from topka2a_jax._src.transforms.exchange_state import layout_mesh
+from topka2a_jax._src.transforms.following import follower, refuse_followers
 from topka2a_jax._src.transforms.leaves import check_per_device, leaves_of
 from topka2a_jax._src.transforms.per_device import (
   counters,
   per_device_state,
   zeros_in_float32,
 )
+
+_AROUND = ("Wrap the whole optimizer in it, exchange first: accumulate_gradients("
+           "optax.chain(topka2a_jax.topka2a(...), optax.adam(...)), every=N).")
 
 
 def accumulate_gradients(tx: optax.GradientTransformation, every: int, *,
@@ -101,6 +105,7 @@ def accumulate_gradients(tx: optax.GradientTransformation, every: int, *,
   options = Options.create(None, algorithm="dense", axis_name=axis_name)
 
   def init_fn(params: optax.Params) -> AccumulatedGradientsState:
+    refuse_followers(follower(init_fn), "accumulate_gradients(...)", _AROUND)
     inner = tx.init(params)
     if not holds_exchange(inner):
       raise ValueError(
@@ -125,6 +130,7 @@ def accumulate_gradients(tx: optax.GradientTransformation, every: int, *,
   def update_fn(updates: optax.Updates, state: AccumulatedGradientsState,
                 params: optax.Params | None = None,
                 **extra_args: Any) -> tuple[optax.Updates, AccumulatedGradientsState]:
+    refuse_followers(follower(update_fn), "accumulate_gradients(...)", _AROUND)
     return _update(tx, every, options.axis_name, updates, state, params, extra_args)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

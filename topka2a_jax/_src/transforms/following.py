@@ -47,13 +47,14 @@ import optax
 
 from topka2a_jax._src.caller import user_stacklevel
 from topka2a_jax._src.collectives import algorithms
-from topka2a_jax._src.options import Options
+from topka2a_jax._src.options import FOLLOWS_KINDS, Options
 from topka2a_jax._src.planner.forms import (
   ADAPTIVE,
   CODED_FORM,
   FORMS,
   MOMENTUM,
   PLAIN,
+  ROUNDS,
   UNKNOWN,
   WHY,
 )
@@ -215,7 +216,39 @@ def unrecognised(followed: Followers | None) -> str:
 
 
 
+def refuse_followers(followed: Followers | None, transform: str, fix: str) -> None:
+  """Refuses a transform that must be the whole optimizer but has something after it.
+
+  Args:
+    followed: :func:`follower` of the transform's init or update.
+    transform: the call the user made, e.g. ``"local_steps(...)"``.
+    fix: what to write instead, in a sentence.
+
+  Raises:
+    ValueError: naming what follows it, and ``fix``.
+  """
+  if followed is None or not followed.functions:
+    return
+  found = _factories(followed.functions, updates_only=False)
+  names = sorted(found - _NEUTRAL_NAMES - {"init_empty_state"}) or sorted(found) or sorted(
+      type(fn).__name__ for fn in followed.functions)
+  raise ValueError(
+      f"{transform} must be the whole optimizer, yet its chain runs {', '.join(names)} "
+      f"after it, which would step again on what it returns. {fix}")
+
+
 _LOG = logging.getLogger("topka2a_jax")
+
+
+WHY_SHORT = {ADAPTIVE: "an adaptive optimizer (Adam's family)", MOMENTUM: "momentum SGD"}
+"""The kinds a top-k harms, as a warning names them."""
+
+
+def _spelled(follows: Any) -> str:
+  """``follows=`` as the user wrote it, near enough: a kind's name, or the transform."""
+  if isinstance(follows, str):
+    return repr({value: name for name, value in FOLLOWS_KINDS.items()}.get(follows, follows))
+  return "<a transform of plain SGD>"
 
 
 def _named_kind(follows: Any) -> tuple[str, str]:
@@ -228,7 +261,7 @@ def _named_kind(follows: Any) -> tuple[str, str]:
 
 
 def for_follower(options: Options, followed: Followers | None,
-                 said: set[str], at_init: bool = False) -> Options:
+                 said: set[str], at_init: bool = False, rounds: bool = False) -> Options:
   """``options`` with ``"auto"``'s forms set for the optimizer after the exchange.
 
   The optimizer is ``follows=`` where given, else what :func:`follower`
@@ -249,6 +282,8 @@ def for_follower(options: Options, followed: Followers | None,
     said: what this transform has said already; updated.
     at_init: whether this is the transform's init (which decides nothing:
       it remembers the kind it read, and the update decides).
+    rounds: whether ``followed`` is :func:`topka2a_jax.local_steps`' outer
+      step, where plain SGD gets the coded forms (:data:`ROUNDS`).
 
   Returns:
     The options the exchange runs with.
@@ -258,6 +293,15 @@ def for_follower(options: Options, followed: Followers | None,
   """
   if options.follows is not None:
     kind, missing = _named_kind(options.follows)
+    read = kind_of(followed)
+    if kind == PLAIN and read in (ADAPTIVE, MOMENTUM) and "contradicted" not in said:
+      said.add("contradicted")
+      warnings.warn(
+          f"topka2a(follows={_spelled(options.follows)}) says plain SGD follows, but its "
+          f"chain runs {WHY_SHORT[read]} after it: a top-k with error feedback hands it "
+          "each entry as a burst of many steps' gradients, which it does not train "
+          "well on. Leave follows= out (the chain is read), or make it name the "
+          "optimizer the chain runs.", UserWarning, stacklevel=user_stacklevel())
   else:
     kind, missing = kind_of(followed), ""
     if kind == UNKNOWN:
@@ -284,6 +328,8 @@ def for_follower(options: Options, followed: Followers | None,
           "sends every entry in 8 bits (algorithm='quantized_8_8_fine', within 1.5% "
           "of dense), or dense where that is cheaper.", UserWarning, stacklevel=user_stacklevel())
     return options
+  if rounds and kind == PLAIN:
+    kind = ROUNDS
   if options.value_dtype is not None or (options.density_given and options.density >= 1.0):
     kind, missing = PLAIN, ""  # a narrow top-k was asked for, or one that sends every entry
   if kind == PLAIN and not options.density_given:

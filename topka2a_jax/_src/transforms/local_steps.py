@@ -75,6 +75,7 @@ from topka2a_jax._src.axis import (
   is_bound,
   per_device_blocks,
 )
+from topka2a_jax._src.collectives.algorithms import AUTO, ignores_density
 from topka2a_jax._src.collectives.relative import CHUNK, relative_mean
 from topka2a_jax._src.options import Options
 from topka2a_jax._src.planner.forms import LOCAL_STEPS_FORM
@@ -88,9 +89,14 @@ from topka2a_jax._src.transforms.exchange_state import (
 )
 from topka2a_jax._src.transforms.exchange_step import held_where
 from topka2a_jax._src.transforms.extra_args import NONFINITE, PARAM_SPECS
-from topka2a_jax._src.transforms.following import Followers, for_follower
+from topka2a_jax._src.transforms.following import (
+  Followers,
+  follower,
+  for_follower,
+  refuse_followers,
+)
 from topka2a_jax._src.transforms.leaves import check_per_device, given_specs, leaves_of
-from topka2a_jax._src.transforms.nonfinite import nonfinite_on_any_device
+from topka2a_jax._src.transforms.nonfinite import counted, nonfinite_on_any_device
 from topka2a_jax._src.transforms.per_device import (
   counters,
   per_device_state,
@@ -109,6 +115,15 @@ DEFAULT_EVERY = 4
 ``local`` runs chose it)."""
 
 
+_WHOLE = ("Give local_steps the optimizers it runs, local_steps(optax.adam(...), "
+          "outer=...), and use it alone as the step's optimizer.")
+
+SKIPPED_IN_A_ROW = 8
+"""Inner steps skipped in a row (not finite on some device) after which a round
+is dropped: its local parameters are where every gradient overflows, and no
+later step of the round could be taken."""
+
+
 def default_outer() -> optax.GradientTransformation:
   """The outer optimizer by default: ``optax.sgd(1.0)``, the mean of the local
   parameters (``benchmarks/network_training.py`` compares it with DiLoCo's Nesterov)."""
@@ -122,12 +137,17 @@ def default_outer() -> optax.GradientTransformation:
         ":data:`topka2a_jax.collectives.ALGORITHMS` "
         "(a top-k needs ``density``), ``\"powersgd\"``, or ``\"auto\"``, whose forms "
         "then follow ``outer`` as :func:`topka2a_jax.topka2a`'s follow the optimizer "
-        "after it."),
+        "after it, but for plain SGD: each round restarts the local parameters from "
+        "the shared ones, so a top-k would hold most of every round's progress back "
+        "in the residuals, and the coded forms go out there too."),
     "skip_nonfinite": (
         "a non-finite gradient or inner step on any device skips that step "
         "everywhere (local parameters and ``inner``'s state as they were, the round "
-        "one step longer); a round whose pseudo-gradient is not finite is dropped, "
-        "the shared parameters kept."),
+        "one step longer), counted in ``state.exchange.nonfinite_steps``; after "
+        f"{SKIPPED_IN_A_ROW} skipped in a row (local parameters where every "
+        "gradient overflows) the round is dropped and the next starts from the "
+        "shared parameters; a round whose pseudo-gradient is not finite is dropped "
+        "too, the shared parameters kept. Each drop is counted as well."),
     "warmup_steps": "exchange the first this many rounds' pseudo-gradients densely.",
 })
 def local_steps(inner: optax.GradientTransformation,
@@ -213,10 +233,21 @@ def local_steps(inner: optax.GradientTransformation,
   outer = optax.with_extra_args_support(
       checked_optimizer("outer", default_outer() if outer is None else outer))
   options.setdefault("algorithm", LOCAL_STEPS_FORM)
+  algorithm = options["algorithm"]
+  if density is not None and (ignores_density(algorithm) or (
+      algorithm == AUTO and options.get("value_dtype") is None)):
+    raise ValueError(
+        f"local_steps(density={density!r}) would be unused: its exchange, "
+        f"algorithm={algorithm!r}, sends every entry"
+        + (" (before local_steps' outer step \"auto\" plans only such codes)"
+           if algorithm == AUTO else "")
+        + ". Leave density out, or name a top-k exchange with it, "
+        "local_steps(..., density=0.01, algorithm='topka2a').")
   checked = for_follower(Options.create(density, forms_follow=True, **options),
-                         Followers((outer.update,), True), set())
+                         Followers((outer.update,), True), set(), rounds=True)
 
   def init_fn(params: optax.Params) -> LocalStepsState:
+    refuse_followers(follower(init_fn), "local_steps(...)", _WHOLE)
     exchange = init_state(checked, params)
     mesh = layout_mesh(checked, jax.tree.leaves(params))
     step, length = counters(lengths.first, mesh, jax.tree.leaves(params))
@@ -226,7 +257,8 @@ def local_steps(inner: optax.GradientTransformation,
         per_device_state(checked, zeros_in_float32, params, mesh, "local_steps"),
         outer.init(params),
         step,
-        length)
+        length,
+        jnp.zeros_like(step))
     if not is_bound(checked.axis_name):
       warn_if_a_zero_step_is_not_finite(inner, params, "local_steps")
     if average_inner_state:
@@ -236,6 +268,7 @@ def local_steps(inner: optax.GradientTransformation,
   def update_fn(updates: optax.Updates, state: LocalStepsState,
                 params: optax.Params | None = None,
                 **extra_args: Any) -> tuple[optax.Updates, LocalStepsState]:
+    refuse_followers(follower(update_fn), "local_steps(...)", _WHOLE)
     return _update(checked, inner, outer, lengths, average_inner_state, updates, state,
                    params, extra_args)
 
@@ -278,6 +311,8 @@ def _update(options: Options, inner: optax.GradientTransformationExtraArgs,
     new_inner = held_where(bad, own_inner, new_inner)
     new_offset = held_where(bad, offset, new_offset)
   step = state.step + (1 if bad is None else (~bad).astype(jnp.int32))
+  skipped = jnp.zeros_like(state.skipped) if bad is None else jnp.where(
+      bad, state.skipped + 1, 0)
   zeros = jax.tree.map(jnp.zeros_like, params)
   exchange_args = {key: value for key, value in extra_args.items() if key != NONFINITE}
 
@@ -293,7 +328,13 @@ def _update(options: Options, inner: optax.GradientTransformationExtraArgs,
     return moved, exchange, new_outer, restart, new_inner, jnp.zeros_like(step)
 
   def round_goes_on(new_offset: Any, new_inner: Any) -> tuple[Any, ...]:
-    return zeros, state.exchange, state.outer, new_offset, new_inner, step
+    if bad is None:
+      return zeros, state.exchange, state.outer, new_offset, new_inner, step
+    stuck = skipped >= SKIPPED_IN_A_ROW  # dropped: the next round starts afresh
+    exchange = state.exchange._replace(nonfinite_steps=counted(
+        counted(state.exchange.nonfinite_steps, bad), stuck))
+    new_offset = jax.tree.map(lambda o: jnp.where(stuck, jnp.zeros_like(o), o), new_offset)
+    return zeros, exchange, state.outer, new_offset, new_inner, jnp.where(stuck, 0, step)
 
   if lengths.constant == 1 and bad is None:
     result = round_ends(new_offset, new_inner)
@@ -303,7 +344,7 @@ def _update(options: Options, inner: optax.GradientTransformationExtraArgs,
   moved, exchange, new_outer, new_offset, new_inner, step = result
   return moved, LocalStepsState(exchange, per_device_blocks(new_inner, axis),
                                 per_device_blocks(new_offset, axis), new_outer, step,
-                                state.every)
+                                state.every, jnp.where(skipped >= SKIPPED_IN_A_ROW, 0, skipped))
 
 
 _COPYING = frozenset({"copy", "copy_p", "convert_element_type"})
