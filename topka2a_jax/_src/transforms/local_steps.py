@@ -63,9 +63,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
-from jax.extend import core as jax_core
 
 from topka2a_jax._src.arguments import checked_optimizer
 from topka2a_jax._src.axis import (
@@ -195,7 +195,9 @@ def local_steps(inner: optax.GradientTransformation,
       coefficients stay as set); its counts are kept. An ``inner`` whose
       state keeps a copy of the parameters (schedule-free's ``z``,
       Prodigy's initial parameters), which the code would round, is refused
-      at ``init``.
+      at ``init``: ``init`` runs once more, on random parameters, and a
+      state leaf holding their values (however it was computed) is one. A
+      state that takes the parameters only in its ``update`` is not seen.
       Local Adam's state averaging: every device starts each round from the
       same moments, those of all the devices' gradients. It closes most of
       the rounds' cost where many windows a device make it show
@@ -347,41 +349,52 @@ def _update(options: Options, inner: optax.GradientTransformationExtraArgs,
                                 state.every, jnp.where(skipped >= SKIPPED_IN_A_ROW, 0, skipped))
 
 
-_COPYING = frozenset({"copy", "copy_p", "convert_element_type"})
-"""Primitives whose output is their input, as a state that keeps it would hold it."""
-
-
 def _refuse_kept_parameters(init: Any, params: optax.Params, per_device: Any) -> None:
   """Refuses an ``inner`` whose state keeps a copy of the parameters (at init).
 
   Schedule-free's ``z``, Prodigy's, DoG's and Mechanic's initial parameters:
   the 8-bit code is for moments, and would round parameters by up to 13% a
-  round. The check reads ``init``'s program on the parameters' shapes, not
-  their values, so it holds also where ``init`` is traced (under
-  ``jax.jit``): a state leaf that is a parameter as it came in, or its copy
-  or cast, is one. Only leaves of at least :data:`CHUNK` entries on each
-  device (in ``per_device``, the state made from ``init`` with a leading
-  axis of devices) are refused, the ones the code sends; smaller ones go
-  exactly.
+  round. The check runs ``init`` on random parameters of the same shapes
+  and dtypes (so it holds also where the user's ``init`` is traced, under
+  ``jax.jit``, and never mistakes a parameter of zeros for Adam's zero
+  moments): a state leaf whose values are a parameter's, to the leaf's
+  dtype's rounding, is a kept copy however ``init`` made it (``p``,
+  ``jnp.copy(p)``, ``p * 1.0``, ``p + 0``, ``jnp.where``, a reshape, a cast,
+  ``stop_gradient``). It cannot see a state that takes the parameters only
+  in its ``update`` (zeros at ``init``), nor one that keeps something
+  computed from them other than their values (``0.5 * p``). Only leaves of at
+  least :data:`CHUNK` entries on each device (in ``per_device``, the state
+  made from ``init`` with a leading axis of devices) are refused, the ones
+  the code sends; smaller ones go exactly. It needs the memory of one more
+  copy of the parameters and of ``inner``'s state while ``init`` runs.
 
   Raises:
     ValueError: naming the state's leaf and the fix.
   """
-  shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)),
-                        params)
-  program = jax.make_jaxpr(init)(shapes).jaxpr
-  given = set(program.invars)
-  copied = given | {eqn.outvars[0] for eqn in program.eqns
-                    if eqn.primitive.name in _COPYING
-                    and isinstance(eqn.invars[0], jax_core.Var) and eqn.invars[0] in given}
-  leaves = jax.tree_util.tree_leaves_with_path(per_device)
-  for (path, leaf), var in zip(leaves, program.outvars, strict=True):
-    if isinstance(var, jax_core.Var) and var in copied and leaf.size // leaf.shape[0] >= CHUNK:
-      raise ValueError(
-          f"average_inner_state=True would send the parameters that inner's state keeps "
-          f"at {jax.tree_util.keystr(path)} in 8 bits, rounding each by up to 13% every "
-          "round: the code is for states of moments (Adam's, Lion's, momentum). Leave "
-          "average_inner_state off with this inner optimizer.")
+  with jax.ensure_compile_time_eval():
+    given = jax.tree.leaves(params)
+    keys = jax.random.split(jax.random.key(0), max(len(given), 1))
+    probes = [jax.random.normal(key, jnp.shape(leaf)).astype(jnp.result_type(leaf))
+              if jnp.issubdtype(jnp.result_type(leaf), jnp.floating)
+              else jnp.zeros(jnp.shape(leaf), jnp.result_type(leaf))
+              for key, leaf in zip(keys, given)]
+    state = init(jax.tree.unflatten(jax.tree.structure(params), probes))
+    kept = [np.asarray(probe, np.float32).ravel() for probe in probes
+            if jnp.issubdtype(probe.dtype, jnp.floating)]
+    leaves = jax.tree_util.tree_leaves_with_path(per_device)
+    for (path, leaf), made in zip(leaves, jax.tree.leaves(state), strict=True):
+      if (leaf.size // leaf.shape[0] < CHUNK
+          or not jnp.issubdtype(jnp.result_type(made), jnp.floating)):
+        continue
+      values = np.asarray(made, np.float32).ravel()
+      rounding = float(jnp.finfo(jnp.result_type(made)).eps)
+      if any(probe.size == values.size and np.all(
+          np.abs(values - probe) <= rounding * np.abs(probe)) for probe in kept):
+        raise ValueError(
+            f"average_inner_state=True would send the parameters that inner's state "
+            f"keeps at {jax.tree_util.keystr(path)} in 8 bits, rounding each by up to "
+            "13% every round: the code is for states of moments (Adam's, Lion's, "
+            "momentum). Leave average_inner_state off with this inner optimizer.")
 
 
 def _averaged(inner_state: Any, axis: Any) -> Any:
