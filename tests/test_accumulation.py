@@ -338,7 +338,11 @@ def resumable_mesh(devices):
         0.01, mesh=jax.make_mesh((8,), ("batch",)), axis_name="batch"),
         optax.sgd(0.1)), 2).init({"w": jnp.zeros(4)}), ValueError,
      r"no mesh with the data axis 'data'.*axis_name=<the exchange's>"),
-], ids=["every-0", "every-float", "factory", "no-exchange", "another-axis"])
+    (lambda mesh: topka2a_jax.accumulate_gradients(topka2a_jax.accumulate_gradients(
+        optax.chain(topka2a_jax.topka2a(0.01, mesh=mesh), optax.sgd(0.1)), 2), 2).init(
+        {"w": jnp.zeros(4)}), ValueError,
+     "wraps another accumulate_gradients.*Use one, with every= the product of the two"),
+], ids=["every-0", "every-float", "factory", "no-exchange", "another-axis", "nested"])
 def test_bad_arguments_are_refused_naming_the_fix(mesh, call, error, match):
   with pytest.raises(error, match=match):
     call(mesh)

@@ -281,6 +281,24 @@ def test_a_parameter_of_another_shape_than_its_state_is_named(mesh, make):
     step({"w": jnp.ones((64, 16)), "b": PARAMS["b"]}, state, jnp.ones((8, 4)))
 
 
+@pytest.mark.parametrize("other, given", [
+    (lambda mesh: optax.chain(topka2a_jax.topka2a(0.1, min_size=0, mesh=mesh), optax.sgd(0.1)),
+     r"\(TopKA2AState, \(EmptyState, EmptyState\)\)"),
+    (lambda mesh: topka2a_jax.local_steps(optax.adam(1e-3), mesh=mesh), "LocalStepsState")],
+    ids=["another optimizer's", "local_steps'"])
+def test_a_train_step_given_another_optimizers_state_names_both(mesh, other, given):
+  """It failed inside optax: "'EmptyState' object has no attribute 'mu'", or "The number
+  of updates and states has to be the same in chain!"."""
+  tx = TRANSFORMS_WITH_A_STATE["chain"]()
+  state = other(mesh).init(PARAMS)
+  step = topka2a_jax.train_step(lambda p, x: (jnp.sum(p["w"]) + jnp.sum(p["b"])) * jnp.mean(x),
+                                tx, mesh)
+  with pytest.raises(TypeError, match=r"opt_state is not the state of the optimizer this step "
+                     r"was built with: tx.init\(params\) makes \(TopKA2AState, "
+                     rf"\(ScaleByAdamState, EmptyState\)\), the step was given {given}"):
+    step(PARAMS, state, jnp.ones((8, 4)))
+
+
 def test_state_made_with_other_options(mesh):
   first = topka2a_jax.topka2a(0.1, min_size=0)
   used = topka2a_jax.topka2a(0.1, min_size=100)

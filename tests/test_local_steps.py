@@ -89,7 +89,8 @@ def _steps(tx, mesh, grads_per_step, params, axis="data"):
   specs = topka2a_jax.state_specs(state, axis_name=axis)
 
   def step(grads, state, params):
-    updates, state = tx.update(jax.tree.map(lambda g: g[0], grads), state, params)
+    updates, state = tx.update(jax.tree.map(lambda g: g[0], grads), state, params,
+                               topka2a_gradient_at="local_params")
     return updates, state, optax.apply_updates(params, updates)
 
   run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(axis), specs, P()),
@@ -390,6 +391,42 @@ def test_train_step_takes_each_devices_gradient_at_its_own_parameters(mesh):
   assert int(state.exchange.count) == 2
 
 
+def test_a_hand_written_step_says_where_it_took_the_gradient_or_is_refused(mesh):
+  """A step that took the gradient at the shared parameters ran another algorithm in
+  silence; one that takes it at ``local_params`` and says so trains as ``train_step``."""
+  rng = np.random.default_rng(0)
+  rows = NamedSharding(mesh, P("data"))
+  x = jax.device_put(rng.normal(size=(DEVICES * 16, 12)).astype(np.float32), rows)
+  y = jax.device_put(rng.normal(size=(DEVICES * 16, 3)).astype(np.float32), rows)
+  tx = topka2a_jax.local_steps(optax.sgd(0.05), 3, algorithm="dense", mesh=mesh)
+  fresh = lambda: jax.device_put({"w": jnp.zeros((12, 3))}, NamedSharding(mesh, P()))
+  specs = topka2a_jax.state_specs(tx.init(fresh()))
+
+  def hand_written(say):
+    def step(params, state, x, y):
+      at = topka2a_jax.local_params(jax.lax.pcast(params, "data", to="varying"), state)
+      grads = jax.grad(_least_squares)(at, (x, y))
+      said = {"topka2a_gradient_at": "local_params"} if say else {}
+      updates, state = tx.update(grads, state, params, **said)
+      return optax.apply_updates(params, updates), state
+    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
+                                 out_specs=(P(), specs)))
+
+  with pytest.raises(ValueError, match=r"gradient taken at its own local parameters, "
+                     r"topka2a_jax.local_params\(params, state\).*"
+                     r"topka2a_gradient_at='local_params'"):
+    hand_written(say=False)(fresh(), tx.init(fresh()), x, y)
+  mine, mine_state = fresh(), tx.init(fresh())
+  theirs, theirs_state = fresh(), tx.init(fresh())
+  library = topka2a_jax.train_step(_least_squares, tx, mesh)
+  run = hand_written(say=True)
+  for _ in range(6):
+    mine, mine_state = run(mine, mine_state, x, y)
+    theirs, theirs_state, _ = library(theirs, theirs_state, (x, y))
+  assert int(mine_state.exchange.count) == 2
+  np.testing.assert_array_equal(np.asarray(mine["w"]), np.asarray(theirs["w"]))
+
+
 def test_every_one_with_outer_sgd_one_is_compress_updates(mesh):
   """One inner step a round, the mean applied as it is: compress_updates' step."""
   grads = [random_grads(seed) for seed in range(4)]
@@ -522,7 +559,8 @@ def keeping(copy):
 
 
 @pytest.mark.parametrize("copy", [
-    lambda p: p * 1.0, lambda p: p + 0.0, lambda p: -(-p), lambda p: jnp.where(True, p, 0.0),
+    lambda p: p * 1.0, lambda p: p + 0.0, lambda p: jnp.negative(-p),
+    lambda p: jnp.where(True, p, 0.0),
     lambda p: p.reshape(-1).reshape(p.shape), jax.lax.stop_gradient,
     lambda p: p.astype(jnp.bfloat16)],
     ids=["p * 1.0", "p + 0", "-(-p)", "where", "reshape round trip", "stop_gradient",
@@ -571,9 +609,33 @@ def test_a_state_of_moments_that_starts_above_zero_is_taken(mesh, inner):
       r"algorithm='rotated_4_4', sends every entry. Leave density out")),
     (lambda: topka2a_jax.local_steps(optax.adam(1e-3), 4, density=0.01, algorithm="auto"),
      ValueError, r"before local_steps' outer step \"auto\" plans only such codes"),
+    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), 2**31), ValueError,
+     (r"every must be at most 2,147,483,647 \(the state counts it in int32\), got "
+     "2,147,483,648")),
+    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), {0: 1, 2**33: 2}), ValueError,
+     r"every's key 8589934592 must be at most 2,147,483,647"),
+    (lambda: topka2a_jax.accumulate_gradients(optax.adam(1e-3), 2**31), ValueError,
+     r"every must be at most 2,147,483,647"),
 ], ids=["every-0", "every-float", "inner-factory", "outer-string", "follows", "average-str",
         "stretch-inside-a-round", "no-stretch-from-0", "length-0", "every-str",
-        "density-with-a-code", "density-with-auto"])
+        "density-with-a-code", "density-with-auto", "every-2**31", "key-2**33",
+        "accumulate-2**31"])
 def test_bad_arguments_are_refused_naming_the_fix(call, error, match):
   with pytest.raises(error, match=match):
     call()
+
+
+def test_local_params_where_it_cannot_answer_says_why(mesh):
+  """Outside shard_map, with other parameters, or with two local_steps states: named, not
+  a sharding or pytree error from inside JAX."""
+  params = {"w": jnp.ones((4, 4))}
+  state = topka2a_jax.local_steps(optax.adam(1e-2), mesh=mesh).init(params)
+  for given, match in (
+      ((params, state), (r"called outside shard_map: opt_state holds every device's offset "
+                        r"\(8 of them at \['w'\]\).*Call it inside your shard_map step")),
+      ((None, state), r"params are not the parameters opt_state was made for"),
+      (({"w": jnp.ones((3, 4))}, state), (r"parameter \['w'\] has shape \(3, 4\), its "
+                                         r"offset in opt_state \(4, 4\)")),
+      ((params, (state, state)), "found 2 local_steps states in opt_state")):
+    with pytest.raises(ValueError, match=match):
+      topka2a_jax.local_params(*given)

@@ -13,9 +13,13 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
+INT32_MAX = 2**31 - 1
+"""The largest count a state's int32 counter holds."""
 
-def checked_count(name: str, value: Any, minimum: int) -> int:
-  """``value`` as an int of at least ``minimum``: TypeError if not an int, else ValueError.
+
+def checked_count(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
+  """``value`` as an int of at least ``minimum`` (and at most ``maximum``, where given):
+  TypeError if not an int, else ValueError.
 
   Example:
     >>> checked_count("micro_batches", 0, 1)
@@ -26,6 +30,10 @@ def checked_count(name: str, value: Any, minimum: int) -> int:
     raise TypeError(f"{name} must be an int, got {value!r}")
   if value < minimum:
     raise ValueError(f"{name} must be at least {minimum}, got {value}")
+  if maximum is not None and value > maximum:
+    raise ValueError(f"{name} must be at most {maximum:,}"
+                     + (" (the state counts it in int32)" if maximum == INT32_MAX else "")
+                     + f", got {value:,}")
   return int(value)
 
 

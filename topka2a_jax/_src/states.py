@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 import optax
 
 
@@ -208,6 +209,11 @@ def local_params(params: optax.Params, opt_state: Any) -> optax.Params:
   ``opt_state``; ``params`` as they are for any other optimizer. Take the
   gradient there.
 
+  Raises:
+    ValueError: ``params`` are not the parameters the state was made for, the
+      call is outside ``shard_map`` (the state holds every device's offset),
+      or ``opt_state`` holds more than one ``local_steps`` state.
+
   Example:
     >>> local_params({"w": jnp.ones(2)}, (optax.EmptyState(),))["w"]
     Array([1., 1.], dtype=float32)
@@ -216,7 +222,30 @@ def local_params(params: optax.Params, opt_state: Any) -> optax.Params:
   found = [node for node in jax.tree.leaves(opt_state, is_leaf=is_local) if is_local(node)]
   if not found:
     return params
-  return jax.tree.map(lambda p, o: (p + o[0]).astype(p.dtype), params, found[0].offset)
+  if len(found) > 1:
+    raise ValueError(f"local_params found {len(found)} local_steps states in opt_state; "
+                     "local_steps is the whole optimizer, so a state holds one")
+  offset = found[0].offset
+  if jax.tree.structure(params) != jax.tree.structure(offset):
+    raise ValueError(
+        "local_params(params, opt_state): params are not the parameters opt_state was "
+        f"made for (a pytree {jax.tree.structure(params)}, where local_steps' state "
+        f"holds offsets of {jax.tree.structure(offset)}); pass the shared parameters "
+        "the step holds")
+  for path, p, o in zip(jax.tree_util.tree_leaves_with_path(params),
+                        jax.tree.leaves(params), jax.tree.leaves(offset)):
+    if o.shape[1:] != np.shape(p):
+      raise ValueError(f"local_params: parameter {jax.tree_util.keystr(path[0])} has shape "
+                       f"{np.shape(p)}, its offset in opt_state {o.shape[1:]}; pass the "
+                       "shared parameters the state was made for")
+    if o.shape[0] != 1:
+      raise ValueError(
+          f"local_params is called outside shard_map: opt_state holds every device's "
+          f"offset ({o.shape[0]} of them at {jax.tree_util.keystr(path[0])}), and each "
+          "device trains at its own. Call it inside your shard_map step, where the "
+          "state is this device's block (topka2a_jax.state_specs(state) lays it out), "
+          "or use topka2a_jax.train_step, which does")
+  return jax.tree.map(lambda p, o: (p + o[0]).astype(p.dtype), params, offset)
 
 
 def holds_exchange(state: Any) -> bool:

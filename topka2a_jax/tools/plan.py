@@ -83,6 +83,10 @@ OPTIMIZERS = {"adam": "adaptive", "momentum": "momentum", "sgd": "plain",
 """``--optimizer``'s names and the kinds of :data:`topka2a_jax.cost.AUTO_FORMS`: Adam's
 family and the other per-entry adaptive steps plan as ``adam``."""
 
+_LONGEST_ROUND = 2**31 - 1
+"""The most steps a round of ``local_steps`` may take (its state counts them in int32)."""
+
+
 STATE_FORM = "quantized_8_8"
 """How ``--average-inner-state`` prices ``collectives.relative_mean``: the same
 AlltoAll and AllGather of 8-bit codes (its scales, one per 512 entries, add 0.7%)."""
@@ -217,14 +221,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.params < 1:
       _parser().error("--params must be at least 1")
     names, sizes = ["gradient"], [args.params]
-  if args.local_steps is not None and args.local_steps < 1:
-    _parser().error(f"--local-steps is the steps of a round, at least 1; got "
+  if args.local_steps is not None and not 1 <= args.local_steps <= _LONGEST_ROUND:
+    _parser().error(f"--local-steps is the steps of a round, at least 1 and at most "
+                    f"{_LONGEST_ROUND:,} (local_steps counts them in int32); got "
                     f"{args.local_steps}")
   if args.average_inner_state is not None and (
-      args.local_steps is None or not args.average_inner_state > 0):
+      args.local_steps is None or not 0 < args.average_inner_state < math.inf):
     _parser().error(f"--average-inner-state prices the inner state of --local-steps: "
                     f"give --local-steps H and the state's floats per parameter, "
-                    f"above 0 (Adam's: 2); got {args.average_inner_state}")
+                    f"above 0 and finite (Adam's: 2); got {args.average_inner_state}")
   if args.rank is not None and (args.rank < 1 or not args.model or cluster):
     _parser().error("--rank prices PowerSGD on a model's layer shapes over one data "
                     "axis: give a rank of at least 1 and --model, without "

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from topka2a_jax._src.arguments import checked_count
+from topka2a_jax._src.arguments import INT32_MAX, checked_count
 
 
 class RoundLengths(NamedTuple):
@@ -85,7 +85,7 @@ def round_lengths(every: Any) -> RoundLengths:
       starts inside a round of the one before (naming the steps where it could).
   """
   if isinstance(every, numbers.Integral) and not isinstance(every, bool):
-    return RoundLengths((0,), (checked_count("every", every, 1),))
+    return RoundLengths((0,), (checked_count("every", every, 1, INT32_MAX),))
   if not isinstance(every, Mapping) or not every:
     raise TypeError("every must be an int, or a dict from the step where a stretch of rounds "
                     f"starts to its rounds' length, e.g. {{0: 4, 100: 2}}; got {every!r}")
@@ -93,7 +93,8 @@ def round_lengths(every: Any) -> RoundLengths:
     if not isinstance(start, numbers.Integral) or isinstance(start, bool):
       raise TypeError(f"every's keys are the steps where a stretch starts (ints); got "
                       f"{start!r} in {every!r}")
-    checked_count(f"every[{start}]", length, 1)
+    checked_count(f"every's key {start}", start, 0, INT32_MAX)
+    checked_count(f"every[{start}]", length, 1, INT32_MAX)
   starts = sorted(every)
   if starts[0] != 0:
     raise ValueError(f"every={every!r} says nothing of the rounds before step {starts[0]}: "

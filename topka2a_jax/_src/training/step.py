@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -45,7 +46,12 @@ from topka2a_jax._src.runtime import watchdog
 from topka2a_jax._src.states import local_params
 from topka2a_jax._src.training import placement
 from topka2a_jax._src.transforms.clipping import warn_if_clipped_before_exchange
-from topka2a_jax._src.transforms.extra_args import BACKWARD_SECONDS, PARAM_SPECS
+from topka2a_jax._src.transforms.extra_args import (
+  AT_LOCAL_PARAMS,
+  BACKWARD_SECONDS,
+  GRADIENT_AT,
+  PARAM_SPECS,
+)
 from topka2a_jax._src.transforms.leaves import leaves_of
 
 LossFn = Callable[..., Any]
@@ -357,7 +363,8 @@ class DataParallelStep:
         value_and_grad, local, carry, batch, key, self._micro_batches)
     updates, opt_state = optax.with_extra_args_support(tx).update(
         grads, opt_state, params,
-        **{**extra, PARAM_SPECS: specs, BACKWARD_SECONDS: backward})
+        **{**extra, PARAM_SPECS: specs, BACKWARD_SECONDS: backward,
+           GRADIENT_AT: AT_LOCAL_PARAMS})
     out = (optax.apply_updates(params, updates), self._agreed(carry), opt_state,
            lax.pmean(loss, axis))
     return out + (reduce_metrics(aux, axis),) if self._has_aux else out
@@ -440,6 +447,7 @@ class TrainStep(DataParallelStep):
     warn_if_clipped_before_exchange(tx)
     self._warned.append(tx)
     self._loss_fn, self._tx, self._param_specs = loss_fn, tx, param_specs
+    self._states_checked: set[tuple[Any, Any]] = set()
 
   def _value_and_grad(self, params, carry, batch, key):
     args = (batch,) if key is None else (batch, key)
@@ -462,8 +470,37 @@ class TrainStep(DataParallelStep):
     return loss_and_grads, (params, micro) + shape
 
   def _prepare(self, params, opt_state, batch, key, extra_args):
+    self._check_state_is_txs(params, opt_state)
     return self._inputs(None, self._tx, params, None, opt_state, key, batch,
                         self._param_specs, extra_args)
+
+  def _check_state_is_txs(self, params: Any, opt_state: Any) -> None:
+    """Refuses a state that ``tx.init(params)`` would not make (another optimizer's).
+
+    Compares the pytrees' structures (their types and fields), read from
+    ``tx.init`` on the parameters' shapes, once for each structure of inputs.
+
+    Raises:
+      TypeError: naming both structures' first difference and the fix.
+    """
+    seen = (jax.tree.structure(params), jax.tree.structure(opt_state))
+    if seen in self._states_checked:
+      return
+    try:
+      with warnings.catch_warnings(), placement.laid_out_for(self._mesh):
+        warnings.simplefilter("ignore")  # said by the user's own init already
+        made = jax.tree.structure(jax.eval_shape(self._tx.init, params))
+    except Exception:  # the step's own trace says what is wrong
+      return
+    wanted, given = _outline(made), _outline(seen[1])
+    if wanted != given:  # other parameters, same optimizer: the exchange names them
+      shown = lambda text: text if len(text) <= 200 else text[:197] + "..."
+      raise TypeError(
+          "opt_state is not the state of the optimizer this step was built with: "
+          f"tx.init(params) makes {shown(wanted)}, the step was given {shown(given)}. "
+          "Pass the state tx.init(params) returned (or that a restore of it "
+          "returned), or build the step with the optimizer that made it")
+    self._states_checked.add(seen)
 
   def backward_seconds(self, params: Any, batch: Any,
                        key: jax.Array | None = None) -> float:
@@ -514,6 +551,17 @@ def check_extra_args(extra: dict[str, Any]) -> None:
             f"extra argument {name!r} holds a {type(leaf).__name__}; the step "
             "passes extra arguments to tx.update as inputs of its jitted "
             "computation, so they must be arrays or numbers")
+
+
+def _outline(structure: Any) -> str:
+  """An optimizer state's structure in words: the types of its states, outermost
+  first, whatever parameters they hold (the nodes inside a state are not named)."""
+  def named(node: Any) -> str:
+    if isinstance(node, (tuple, list)) and not hasattr(node, "_fields"):
+      return f"({', '.join(map(named, node))})"
+    return type(node).__name__
+
+  return named(jax.tree.unflatten(structure, [0] * structure.num_leaves))
 
 
 def _deleted(leaf: Any) -> bool:

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from topka2a_jax._src.arguments import checked_count, checked_optimizer
+from topka2a_jax._src.arguments import INT32_MAX, checked_count, checked_optimizer
 from topka2a_jax._src.axis import (
   as_varying,
   bound_axis_size,
@@ -101,12 +101,18 @@ def accumulate_gradients(tx: optax.GradientTransformation, every: int, *,
     ...     optax.chain(topka2a_jax.topka2a(0.01, mesh=mesh), optax.sgd(0.1)), every=8)
   """
   tx = optax.with_extra_args_support(checked_optimizer("tx", tx))
-  every = checked_count("every", every, 1)
+  every = checked_count("every", every, 1, INT32_MAX)
   options = Options.create(None, algorithm="dense", axis_name=axis_name)
 
   def init_fn(params: optax.Params) -> AccumulatedGradientsState:
     refuse_followers(follower(init_fn), "accumulate_gradients(...)", _AROUND)
     inner = tx.init(params)
+    nested = lambda node: isinstance(node, AccumulatedGradientsState)
+    if any(map(nested, jax.tree.leaves(inner, is_leaf=nested))):
+      raise ValueError(
+          "accumulate_gradients wraps another accumulate_gradients: the calls would be "
+          "counted twice, each window inside the other's. Use one, with every= the "
+          "product of the two")
     if not holds_exchange(inner):
       raise ValueError(
           "accumulate_gradients wraps an optimizer that holds no topka2a exchange, "

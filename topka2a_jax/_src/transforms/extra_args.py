@@ -30,3 +30,14 @@ NONFINITE = "topka2a_nonfinite_step"
 """Whether some device's gradient is non-finite, decided once by
 :func:`topka2a_jax.skip_nonfinite` (or :func:`topka2a_jax.compress_updates`)
 for the transforms inside, which then do not decide again."""
+
+GRADIENT_AT = "topka2a_gradient_at"
+"""Where the gradient was taken: ``"local_params"`` says at
+:func:`topka2a_jax.local_params` (the shared parameters plus this device's
+offset in :func:`topka2a_jax.local_steps`' state). The training steps pass it;
+``local_steps`` refuses an update without it, since a gradient taken at the
+shared parameters runs another algorithm. A hand-written step passes it
+itself: ``tx.update(grads, state, params, topka2a_gradient_at="local_params")``."""
+
+AT_LOCAL_PARAMS = "local_params"
+"""The value of :data:`GRADIENT_AT` for a gradient taken at ``local_params``."""

@@ -31,7 +31,9 @@ The parameters the caller holds (and evaluates) are the shared ones: they
 move only at the end of a round. Each device's local parameters are those
 plus its ``offset`` in the state (:func:`topka2a_jax.local_params`), where
 :func:`topka2a_jax.train_step` and :func:`topka2a_jax.nnx_train_step` take
-the gradient; a hand-written step does the same. Adam only ever sees dense
+the gradient; a hand-written ``shard_map`` step does the same and says so,
+``tx.update(grads, state, params, topka2a_gradient_at="local_params")`` (an
+update that does not say is refused). Adam only ever sees dense
 local gradients, so the bursts a top-k hands it never arise, and the
 exchange's bytes per step are divided by ``every``.
 
@@ -88,7 +90,12 @@ from topka2a_jax._src.transforms.exchange_state import (
   update_state,
 )
 from topka2a_jax._src.transforms.exchange_step import held_where
-from topka2a_jax._src.transforms.extra_args import NONFINITE, PARAM_SPECS
+from topka2a_jax._src.transforms.extra_args import (
+  AT_LOCAL_PARAMS,
+  GRADIENT_AT,
+  NONFINITE,
+  PARAM_SPECS,
+)
 from topka2a_jax._src.transforms.following import (
   Followers,
   follower,
@@ -214,7 +221,8 @@ def local_steps(inner: optax.GradientTransformation,
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state
     :class:`topka2a_jax.LocalStepsState`; its update needs ``params`` (the
-    shared parameters) and gradients taken at :func:`local_params`.
+    shared parameters) and gradients taken at :func:`local_params`, said with
+    ``topka2a_gradient_at="local_params"`` (the training steps say it).
 
   Raises:
     ValueError, TypeError: ``every`` below 1, ``inner`` or ``outer`` not an
@@ -291,6 +299,13 @@ def _update(options: Options, inner: optax.GradientTransformationExtraArgs,
   if params is None:
     raise ValueError("local_steps needs the shared parameters: call "
                      "tx.update(grads, state, params), as train_step does")
+  if extra_args.get(GRADIENT_AT) != AT_LOCAL_PARAMS:
+    raise ValueError(
+        "local_steps needs each device's gradient taken at its own local parameters, "
+        "topka2a_jax.local_params(params, state): a gradient taken at the shared "
+        "params runs another algorithm. Take it there and say so, "
+        f"tx.update(grads, state, params, {GRADIENT_AT}={AT_LOCAL_PARAMS!r}); "
+        "topka2a_jax.train_step and nnx_train_step do both")
   tree = leaves_of(grads)
   check_per_device(tree.values, tree.paths, axis)
   checked_residuals(options, tree.structure, state.exchange, tree.values, tree.paths,
