@@ -66,6 +66,18 @@ def test_a_misspelt_option_is_named_with_the_one_meant(builder):
     builder(*args, whole_selection=True)  # the library's own setting
 
 
+def test_local_steps_names_its_own_arguments_and_itself():
+  """A misspelt every= was matched against the exchange's options alone, and init
+  without a mesh named topka2a(..., mesh=mesh), which the user never called."""
+  with pytest.raises(TypeError, match=r"unknown option evrey= \(did you mean every=\?\); the "
+                     r"arguments of local_steps are average_inner_state, density, every, inner, "
+                     r"outer, and the options are algorithm, "):
+    topka2a_jax.local_steps(optax.adam(1e-3), evrey=4)
+  with pytest.raises(ValueError, match=r"local_steps does not know the mesh .* Build it with "
+                                       r"local_steps\(\.\.\., mesh=mesh\)"):
+    topka2a_jax.local_steps(optax.adam(1e-3)).init(PARAMS)
+
+
 def test_sharded_optimizer_refuses_the_options_it_has_no_use_for_saying_why():
   for name, value in (("fusion", 1), ("backward_seconds", 0.1), ("rank", 2)):
     with pytest.raises(TypeError, match=f"sharded_optimizer takes no {name}=: "):
@@ -88,7 +100,7 @@ def test_the_signature_defaults_are_the_options_defaults():
   assert inspect.signature(topka2a_jax.compress_updates).parameters[
       "algorithm"].default is None
   own = {f.name for f in dataclasses.fields(Options) if not f.metadata.get("user", True)}
-  assert own == {"whole_selection", "density_given", "auto_forms"}  # the library's own
+  assert own == {"whole_selection", "density_given", "auto_forms", "caller"}  # the library's own
   assert set(fields) - own <= set(
       inspect.signature(topka2a_jax.topka2a).parameters)
 
@@ -378,12 +390,17 @@ def test_state_passed_with_p_instead_of_state_specs_on_explicit_axes(mesh):
     run(params, tx.init(PARAMS))
 
 
-CHAIN_ORDER = r"per-parameter state \(ScaleByAdamState.*before the topka2a exchange"
+CHAIN_ORDER = (r"per-parameter state \((ScaleByAdamState|scale_by_adam)[^)]*\) before the "
+               r"topka2a exchange")
 
 
-def test_exchange_after_adam_is_refused_by_the_step(mesh):
+def test_exchange_after_adam_is_refused_by_tx_init_and_by_the_step(mesh):
   tx = optax.chain(optax.adam(1e-3), topka2a_jax.topka2a(0.1, mesh=mesh))
-  state = tx.init(PARAMS)  # the state can be made; the step refuses it
+  with pytest.raises(ValueError, match=CHAIN_ORDER + r".*Put the exchange first: "
+                                     r"optax.chain\(topka2a_jax.topka2a\(\.\.\.\), <the"):
+    tx.init(PARAMS)  # it was accepted, with a warning advising follows=, which fixed nothing
+  # A state made otherwise (by hand, or by an older version) is refused by the step.
+  state = (optax.adam(1e-3).init(PARAMS), topka2a_jax.topka2a(0.1, mesh=mesh).init(PARAMS))
   step = topka2a_jax.train_step(loss_of, tx, mesh)
   with pytest.raises(ValueError, match=CHAIN_ORDER + r".*topka2a\(\.\.\.\), <the"):
     step(PARAMS, state, jnp.ones((16, 64)))
@@ -392,11 +409,12 @@ def test_exchange_after_adam_is_refused_by_the_step(mesh):
 def test_exchange_after_adam_is_refused_by_init_and_state_specs(mesh):
   # The hand-written route, even with check_vma=False, passes through these.
   tx = optax.chain(optax.sgd(0.1, momentum=0.9), topka2a_jax.topka2a(0.1))
-  with pytest.raises(ValueError, match=r"per-parameter state \(TraceState"):
+  with pytest.raises(ValueError, match=r"per-parameter state \((TraceState|trace)"):
     topka2a_jax.init(tx, PARAMS, mesh)
-  told = optax.chain(optax.adam(1e-3), topka2a_jax.topka2a(0.1, mesh=mesh))
+  made_by_hand = (optax.adam(1e-3).init(PARAMS),
+                  topka2a_jax.topka2a(0.1, mesh=mesh).init(PARAMS))
   with pytest.raises(ValueError, match=CHAIN_ORDER):
-    topka2a_jax.state_specs(told.init(PARAMS))
+    topka2a_jax.state_specs(made_by_hand)
 
 
 def test_decay_before_the_exchange_is_allowed(mesh):
@@ -573,3 +591,19 @@ def test_launch_without_a_command_says_what_it_needs():
   from topka2a_jax.distributed import launch
   with pytest.raises(ValueError, match="launch needs a command to run"):
     launch([], 2, 1)
+
+
+def test_an_axis_name_the_state_was_not_made_over_is_named(mesh):
+  """``state_specs`` and ``skip_nonfinite`` took any axis_name, and the step failed later."""
+  params = {"w": jnp.ones((64, 32))}
+  state = optax.chain(topka2a_jax.topka2a(0.1, min_size=0, mesh=mesh),
+                      optax.adam(1e-3)).init(params)
+  with pytest.raises(ValueError, match=r"state_specs\(..., axis_name='batch'\): the "
+                     r"optimizer state's per-device leaf \['w'\] is laid out over 'data'.*"
+                     r"axis_name='data'"):
+    topka2a_jax.state_specs(state, axis_name="batch")
+  guarded = topka2a_jax.skip_nonfinite(
+      topka2a_jax.compress_updates(optax.adam(1e-3), mesh=mesh), axis_name="batch")
+  with pytest.raises(ValueError, match=r"skip_nonfinite\(..., axis_name='batch'\).*laid out "
+                                       r"over 'data'.*axis_name='data'"):
+    guarded.init(params)

@@ -337,3 +337,29 @@ def inner_specs(inner_state: Any, treedef: Any, leaf_specs: Sequence[P],
     return P(first)
 
   return jax.tree.map(spec_for, inner_state, is_leaf=shaped_like_params)
+
+
+def check_laid_out_over(per_device: Any, axis: DataAxis, call: str) -> None:
+  """Refuses per-device state laid out over another axis than ``axis`` (global arrays only).
+
+  Args:
+    per_device: a pytree of per-device state (residuals, per-device copies).
+    axis: the data axis ``call`` was given.
+    call: the function the user called, for the message.
+
+  Raises:
+    ValueError: naming the axis the state is laid out over, and the fix.
+  """
+  names = axis.names if axis.is_pair else (axis.name,)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(per_device)[0]:
+    sharding = getattr(leaf, "sharding", None)
+    if (isinstance(leaf, jax.core.Tracer) or not isinstance(sharding, NamedSharding)
+        or not sharding.spec):
+      continue
+    first = sharding.spec[0]
+    over = tuple(first) if isinstance(first, (tuple, list)) else (first,)
+    if first is not None and over != tuple(names):
+      raise ValueError(
+          f"{call}(..., axis_name={axis.name!r}): the optimizer state's per-device leaf "
+          f"{jax.tree_util.keystr(path)} is laid out over {first!r}, the axis its exchange "
+          f"was built with; pass that one, axis_name={first!r}")

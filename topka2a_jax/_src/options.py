@@ -413,26 +413,35 @@ class Options:
       "form and dense: set from the optimizer after the exchange in its chain "
       "(``transforms/following.py``).",
       lambda value, given: value, user=False)
+  caller: str = _option(
+      "topka2a",
+      "the factory the user called (``local_steps``, ``compress_updates``...), "
+      "named in messages.",
+      lambda value, given: value, user=False)
 
   @classmethod
-  def create(cls, density: Any, *, forms_follow: bool = False, **options: Any) -> Options:
+  def create(cls, density: Any, *, forms_follow: bool = False, caller: str = "topka2a",
+             arguments: tuple[str, ...] = (), **options: Any) -> Options:
     """Validates the transform's arguments; raises naming the first bad one.
 
     Only the options users pass (:func:`user_options`); the library's own
     settings are set on the record made here (``dataclasses.replace``).
     ``forms_follow``: ``"auto"``'s forms will follow the optimizer after the
     exchange (:func:`topka2a_jax.topka2a`), so ``density`` may be left out
-    until a top-k is chosen.
+    until a top-k is chosen. ``caller`` and its own ``arguments`` (besides
+    the options) name what the user called in messages.
 
     Raises:
       ValueError, TypeError: an argument out of range or of the wrong type.
     """
     fields = {argument_of(field): field for field in user_options()}
     for name in sorted(set(options) - set(fields)):
-      close = difflib.get_close_matches(name, fields, n=1)
+      close = difflib.get_close_matches(name, [*arguments, *fields], n=1)
       raise TypeError(f"unknown option {name}="
                       + (f" (did you mean {close[0]}=?)" if close else "")
-                      + f"; the options are {', '.join(sorted(fields))}")
+                      + (f"; the arguments of {caller} are {', '.join(sorted(arguments))}, "
+                         "and " if arguments else "; ")
+                      + f"the options are {', '.join(sorted(fields))}")
     normalised: dict[str, Any] = {  # the library's own settings, at their defaults
         field.name: field.default for field in dataclasses.fields(cls)
         if field.name != "density" and not field.metadata["user"]}
@@ -441,6 +450,7 @@ class Options:
           options.get(argument, field.default), normalised)
     _check_together(normalised)
     normalised["density_given"] = density is not None
+    normalised["caller"] = caller
     return cls(_density(density, normalised["algorithm"], forms_follow), **normalised)
 
   def cluster(self) -> Cluster | None:

@@ -233,6 +233,14 @@ def state_specs(opt_state: optax.OptState, axis_name: Hashable = "data",
     (P('data', 'model'), P(None, 'model'))
   """
   axis = DataAxis.parse(axis_name)
+  map_per_device(opt_state, lambda kind, value: layout.check_laid_out_over(
+      value, axis, "state_specs"), lambda node: None)
+  return specs_of(opt_state, axis, param_specs)
+
+
+def specs_of(opt_state: optax.OptState, axis: DataAxis, param_specs: Any = None) -> Any:
+  """:func:`state_specs` for the library's own steps, which check the axis themselves
+  (naming the step's axis and the transform's)."""
   check_chain(opt_state)
   _check_param_specs(param_specs, axis)
   params_structure = (None if param_specs is None else

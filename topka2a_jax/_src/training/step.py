@@ -271,7 +271,7 @@ def shardings(mesh: Mesh, axis: DataAxis, params: Any,
   named = lambda spec: NamedSharding(mesh, spec)
   is_spec = lambda node: isinstance(node, P)
   return (jax.tree.map(named, spec_tree, is_leaf=is_spec),
-          jax.tree.map(named, placement.state_specs(opt_state, axis, spec_tree),
+          jax.tree.map(named, placement.specs_of(opt_state, axis, spec_tree),
                        is_leaf=is_spec))
 
 
@@ -372,7 +372,7 @@ class DataParallelStep:
   def _run(self, params, carry, opt_state, keys, batch, extra, *, model, tx, specs,
            backward):
     spec_tree = leaves_of(params).structure.unflatten(specs)
-    state = placement.state_specs(opt_state, self._axis)
+    state = placement.specs_of(opt_state, self._axis)
     out_specs = (P(), P(), state, P()) + ((P(),) if self._has_aux else ())
     body = jax.shard_map(
         functools.partial(self._body, model=model, tx=tx, specs=spec_tree,
@@ -490,7 +490,7 @@ class TrainStep(DataParallelStep):
       with warnings.catch_warnings(), placement.laid_out_for(self._mesh):
         warnings.simplefilter("ignore")  # said by the user's own init already
         made = jax.tree.structure(jax.eval_shape(self._tx.init, params))
-    except Exception:  # the step's own trace says what is wrong
+    except Exception:  # noqa: BLE001 -- the step's own trace says what is wrong
       return
     wanted, given = _outline(made), _outline(seen[1])
     if wanted != given:  # other parameters, same optimizer: the exchange names them

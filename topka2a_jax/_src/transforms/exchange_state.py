@@ -94,13 +94,13 @@ def init_state(options: Options, params: optax.Params) -> TopKA2AState:
   if mesh is not None and not options.axis.on(mesh):
     raise ValueError(
         f"mesh has no axis {options.axis_name!r}; its axes are "
-        f"{mesh.axis_names}. Build topka2a with the data-parallel axis: "
+        f"{mesh.axis_names}. Build {options.caller} with the data-parallel axis: "
         "axis_name=...")
   if mesh is None:
     raise ValueError(
-        f"topka2a does not know the mesh to lay its state out for: its "
+        f"{options.caller} does not know the mesh to lay its state out for: its "
         f"residuals are per device along {options.axis_name!r}. Build it with "
-        f"topka2a(..., mesh=mesh), place the parameters on the mesh first "
+        f"{options.caller}(..., mesh=mesh), place the parameters on the mesh first "
         f"(jax.device_put(params, NamedSharding(mesh, P()))), or make the "
         f"state with topka2a_jax.init(tx, params, mesh).")
   return _global_state(options, mesh, paths, leaves, treedef)

@@ -174,6 +174,49 @@ def follower(own: Callable[..., Any]) -> Followers | None:
   return Followers(tuple(after), updates) if found else None
 
 
+def preceding(own: Callable[..., Any]) -> tuple[Any, ...]:
+  """The functions before ``own`` in every chain now running it, innermost first.
+
+  Call it from inside ``own`` (a transform's ``init`` or ``update``), as
+  :func:`follower`.
+  """
+  frame, before, inner = sys._getframe(1), [], (own,)
+  while frame is not None:
+    field, _ = _CHAIN_FRAMES.get(frame.f_code, (None, False))
+    members = frame.f_locals.get(field) if field else None
+    if members is not None:
+      members = _members(field, members)
+      position = next((i for i, member in enumerate(members)
+                       if any(one is mine for one in held(member) for mine in inner)), None)
+      if position is not None:
+        before += members[:position]
+        inner = tuple(members[position]) if isinstance(members[position], tuple) \
+            else (members[position],)
+    frame = frame.f_back
+  return tuple(before)
+
+
+def refuse_state_before(own: Callable[..., Any]) -> None:
+  """Refuses Adam's family or momentum before the exchange in its chain (read at ``init``).
+
+  Such an optimizer would keep its moments of each device's own gradient,
+  different on every device, and hand the exchange its steps.
+
+  Raises:
+    ValueError: naming what comes first, and the order to write.
+  """
+  names = _factories(preceding(own), updates_only=False)
+  found = sorted(names & (_ADAPTIVE_NAMES | _MOMENTUM_NAMES))
+  if found:
+    raise ValueError(
+        f"the optimizer keeps per-parameter state ({', '.join(found)}) before the topka2a "
+        "exchange: each device's, of its own gradient, where the step needs it the same "
+        "on every device. Put the exchange first: optax.chain(topka2a_jax.topka2a(...), "
+        "<the other transforms>); or, to exchange the optimizer's updates rather than "
+        "the gradients, topka2a_jax.compress_updates(<the optimizer>, density), which "
+        "keeps its state per device.")
+
+
 def kind_of(followed: Followers | None) -> str:
   """The kind of optimizer :func:`follower` found: one of the four kinds.
 

@@ -125,6 +125,9 @@ DEFAULT_EVERY = 4
 _WHOLE = ("Give local_steps the optimizers it runs, local_steps(optax.adam(...), "
           "outer=...), and use it alone as the step's optimizer.")
 
+_ARGUMENTS = ("inner", "every", "outer", "density", "average_inner_state")
+"""local_steps' own arguments, besides the exchange's options."""
+
 SKIPPED_IN_A_ROW = 8
 """Inner steps skipped in a row (not finite on some device) after which a round
 is dropped: its local parameters are where every gradient overflows, and no
@@ -253,7 +256,8 @@ def local_steps(inner: optax.GradientTransformation,
            if algorithm == AUTO else "")
         + ". Leave density out, or name a top-k exchange with it, "
         "local_steps(..., density=0.01, algorithm='topka2a').")
-  checked = for_follower(Options.create(density, forms_follow=True, **options),
+  checked = for_follower(Options.create(density, forms_follow=True, caller="local_steps",
+                                        arguments=_ARGUMENTS, **options),
                          Followers((outer.update,), True), set(), rounds=True)
 
   def init_fn(params: optax.Params) -> LocalStepsState:

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from topka2a_jax._src import layout
 from topka2a_jax._src.arguments import checked_optimizer
 from topka2a_jax._src.axis import (
   DataAxis,
@@ -41,6 +42,7 @@ from topka2a_jax._src.axis import (
   tracks_varying_axes,
   varying_axes,
 )
+from topka2a_jax._src.states import map_per_device
 from topka2a_jax._src.transforms.extra_args import NONFINITE
 
 
@@ -178,7 +180,10 @@ def skip_nonfinite(
   inner = optax.with_extra_args_support(checked_optimizer("inner", inner))
 
   def init_fn(params: optax.Params) -> SkipNonFiniteState:
-    return SkipNonFiniteState(inner.init(params), jnp.zeros((), jnp.int32))
+    state = inner.init(params)
+    map_per_device(state, lambda kind, value: layout.check_laid_out_over(
+        value, DataAxis.parse(axis_name), "skip_nonfinite"), lambda node: None)
+    return SkipNonFiniteState(state, jnp.zeros((), jnp.int32))
 
   def update_fn(
       updates: optax.Updates,

@@ -195,7 +195,7 @@ def sharded_optimizer(inner: optax.GradientTransformation, density: float | None
         f"sharded_optimizer runs the optimizer where TopKA2A's first phase "
         f"leaves each device its summed shard; algorithm={algorithm!r} has no "
         f"such phase. Choose one of {', '.join(map(repr, OWNER_SHARD_ALGORITHMS))}.")
-  checked = Options.create(density, **options)
+  checked = Options.create(density, caller="sharded_optimizer", **options)
   if checked.axis.is_pair:
     raise ValueError(
         f"sharded_optimizer shards over one data axis; axis_name={checked.axis.name!r} is "

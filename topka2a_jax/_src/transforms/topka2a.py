@@ -48,7 +48,11 @@ import optax
 from topka2a_jax._src.options import Options
 from topka2a_jax._src.states import TopKA2AState
 from topka2a_jax._src.transforms.exchange_state import init_state, update_state
-from topka2a_jax._src.transforms.following import follower, for_follower
+from topka2a_jax._src.transforms.following import (
+  follower,
+  for_follower,
+  refuse_state_before,
+)
 from topka2a_jax._src.transforms.signatures import TopKA2AOptions, Unpack, takes_options
 
 
@@ -102,6 +106,7 @@ def topka2a(density: float | None = None,
   said: set[str] = set()  # what the transform has said of the optimizer after it
 
   def init_fn(params: optax.Params) -> TopKA2AState:
+    refuse_state_before(init_fn)
     return init_state(for_follower(checked, follower(init_fn), said, at_init=True),
                       params)
 

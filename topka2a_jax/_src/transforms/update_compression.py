@@ -156,7 +156,8 @@ def compress_updates(inner: optax.GradientTransformation, density: float | None 
       "follows": "it runs inner on every device itself, and the exchange sends inner's steps"})
   if options.get("algorithm") is None:
     options["algorithm"] = DEFAULT_ALGORITHM if density is None else AUTO
-  checked = dataclasses.replace(Options.create(density, **options), whole_selection=True)
+  checked = dataclasses.replace(Options.create(density, caller="compress_updates", **options),
+                                whole_selection=True)
   inner = optax.with_extra_args_support(checked_optimizer("inner", inner))
 
   def init_fn(params: optax.Params) -> CompressedUpdatesState:
