@@ -98,9 +98,11 @@ def train(tx, mesh, steps: int) -> tuple[float, float]:
   batch = (x, jnp.sin(x[:, :4]))
   state, step = tx.init(params), topka2a_jax.train_step(loss_fn, tx, mesh)
   sent = topka2a_jax.comm_report(step.lower(params, state, batch)).total_bytes
+  loss = None
   for _ in range(steps):
     params, state, loss = step(params, state, batch)
-  return float(loss), sent
+    loss = float(loss)  # read every step: XLA's CPU collectives can stall when many wait
+  return loss, sent
 
 
 def main() -> int:

@@ -100,6 +100,32 @@ def test_launcher_names_the_first_process_to_fail_not_the_lowest_rank(tmp_path):
   assert named_first >= 4, f"named the process that failed first in {named_first} of 5"
 
 
+PEER_SAYS_IT_LOST_ONE = """
+import os, sys, time
+rank, flag = int(os.environ["TOPKA2A_PROCESS_ID"]), sys.argv[1]
+if rank == 1:  # its own failure, reported late, as on a loaded machine
+  open(flag, "w").close()
+  time.sleep(0.2)
+  print("giving up", flush=True)
+  sys.exit(3)
+while not os.path.exists(flag):
+  time.sleep(0.001)
+print("RuntimeError: Gloo all_reduce failed: Connection closed by peer", flush=True)
+sys.exit(1)
+"""
+
+
+def test_launcher_names_the_failure_that_is_not_a_lost_peer(tmp_path):
+  """Rank 0 exits first, saying its peer has gone; rank 1's own failure comes 0.2 s later,
+  as a loaded machine can report them: rank 1 is named, with its status."""
+  script = tmp_path / "worker.py"
+  script.write_text(PEER_SAYS_IT_LOST_ONE)
+  done = run([sys.executable, *LAUNCHER, "-n", "2", str(script), str(tmp_path / "died")])
+  assert done.returncode == 3, done.stderr[-2000:]
+  assert "process 1 of 2 failed with status 3" in done.stderr
+  assert "[1] giving up" in done.stdout
+
+
 def launched(tmp_path, source: str, **options) -> subprocess.CompletedProcess:
   """``topka2a-launch -n 2`` of a script of ``source`` (no JAX needed)."""
   script = tmp_path / "worker.py"
@@ -325,6 +351,31 @@ def test_workers_die_with_a_launcher_killed_by_sigkill(tmp_path):
   while not all(map(_gone, pids)) and time.time() < deadline:
     time.sleep(0.1)
   assert all(map(_gone, pids))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
+def test_workers_children_die_with_a_launcher_killed_by_sigkill(tmp_path):
+  """The parent-death signal reaches the workers only; their own children outlived them."""
+  script = tmp_path / "worker.py"
+  script.write_text("import os, subprocess, sys, time\n"
+                    "child = subprocess.Popen([sys.executable, '-c', 'import time; "
+                    "time.sleep(120)'])\n"
+                    "print('pid', child.pid, flush=True)\ntime.sleep(120)\n")
+  launcher = subprocess.Popen([sys.executable, *LAUNCHER, "-n", "2", str(script)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  lines = []
+  while len(_pids("\n".join(lines))) < 2:
+    line = launcher.stdout.readline()
+    assert line, launcher.stderr.read()[-2000:]
+    lines.append(line)
+  children = _pids("\n".join(lines))
+  launcher.kill()
+  launcher.wait(timeout=30)
+  deadline = time.time() + 10
+  while not all(map(_gone, children)) and time.time() < deadline:
+    time.sleep(0.1)
+  assert all(map(_gone, children))
 
 
 HANGING_WORKER = """

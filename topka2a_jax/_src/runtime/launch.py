@@ -18,6 +18,7 @@ SIGKILL to the launcher, which leaves it no moment to act.
 
 from __future__ import annotations
 
+import collections
 import os
 import queue
 import re
@@ -27,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from topka2a_jax._src.runtime.contract import (
   COORDINATOR,
@@ -50,6 +51,20 @@ is passed on in pieces of this size, not held in memory whole."""
 
 PR_SET_PDEATHSIG = 1
 """``prctl``'s option: the signal a process gets when its parent dies."""
+
+SETTLE_SECONDS = 0.5
+"""How long after the first failure the launcher waits for others before it
+names one: a loaded machine can report a peer's exit (a collective whose
+process has gone) before the exit that caused it."""
+
+LOST_PEER = re.compile(
+    r"closed by peer|Connection reset|Connection refused|Broken pipe|Socket closed|"
+    r"heartbeat|UNAVAILABLE|coordination service|DEADLINE_EXCEEDED", re.IGNORECASE)
+"""What a process prints when it fails because a peer has gone (gloo's and
+JAX's coordination service's errors)."""
+
+RECENT_LINES = 50
+"""Lines of each process's output kept to tell a lost peer from a failure of its own."""
 
 
 def free_port() -> int:
@@ -104,10 +119,27 @@ class _Output:
   what the job ends on.
   """
 
+  HOLDING = -1
+  """:attr:`failed` while the launcher decides which failure to name: every
+  process's output is held."""
+
   def __init__(self):
     self.lock = threading.Lock()
     self.failed: int | None = None
     self.held: dict[int, list[str]] = {}
+    self.recent: dict[int, collections.deque[str]] = {}
+
+  def lost_a_peer(self, rank: int) -> bool:
+    """Whether ``rank``'s last lines say it failed because a peer had gone."""
+    with self.lock:
+      return any(LOST_PEER.search(line) for line in self.recent.get(rank, ()))
+
+  def name(self, rank: int) -> None:
+    """Ends the holding: ``rank`` is the failure named; its held lines go out."""
+    with self.lock:
+      self.failed = rank
+      for line in self.held.pop(rank, []):
+        _write(f"[{rank}] {line}\n")
 
   def forward(self, rank: int, stream) -> None:
     """Writes each of a process's lines with its rank, until its output ends.
@@ -127,17 +159,15 @@ class _Output:
       if at_start and piece.endswith("\n") and _is_chatter(piece):
         continue
       with self.lock:
+        self.recent.setdefault(rank, collections.deque(maxlen=RECENT_LINES)).append(piece)
         if self.failed is not None and rank != self.failed:
           held = self.held.setdefault(rank, [])
           if at_start or not held:
             held.append(piece.rstrip("\n")[:LONGEST_PIECE])
           at_start = piece.endswith("\n")
           continue
-        try:  # a piece of a longer line goes on a line of its own, never inside another's
-          sys.stdout.write(f"[{rank}] {piece}" if piece.endswith("\n") else f"[{rank}] {piece}\n")
-          sys.stdout.flush()
-        except (OSError, ValueError):  # a closed or broken stdout: keep reading
-          pass
+        # a piece of a longer line goes on a line of its own, never inside another's
+        _write(f"[{rank}] {piece}" if piece.endswith("\n") else f"[{rank}] {piece}\n")
       at_start = piece.endswith("\n")
 
   def summary(self) -> list[str]:
@@ -148,6 +178,56 @@ class _Output:
               f"held back (a peer's collective fails once a process is gone); "
               f"its last: {lines[-1].strip()[:200]!r}"
               for rank, lines in sorted(self.held.items()) if lines]
+
+
+def _write(text: str) -> None:
+  """Writes ``text`` to the launcher's stdout; a closed or broken stdout is ignored."""
+  try:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+  except (OSError, ValueError):
+    pass
+
+
+def named_failure(failures: Sequence[int], lost_a_peer: Callable[[int], bool]) -> int:
+  """The failure to name among ``failures`` (ranks, in the order their exits came).
+
+  The first whose output does not say it lost a peer, else the first.
+
+  Example:
+    >>> named_failure([0, 1], lambda rank: rank == 0)
+    1
+  """
+  return next((rank for rank in failures if not lost_a_peer(rank)), failures[0])
+
+
+_GROUP_KEEPER = """
+import os, signal, sys, time
+parent, groups = int(sys.argv[1]), [int(g) for g in sys.argv[2:]]
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles the job's Ctrl-C
+while os.getppid() == parent:
+  time.sleep(0.2)
+for group in groups:
+  try:
+    os.killpg(group, signal.SIGKILL)
+  except OSError:
+    pass
+"""
+"""A process that outlives a launcher killed by SIGKILL for as long as it takes to
+kill the workers' process groups: their children, which the parent-death signal
+does not reach."""
+
+
+def _keep_groups(processes: Sequence[subprocess.Popen]) -> subprocess.Popen | None:
+  """Starts :data:`_GROUP_KEEPER` for ``processes``' groups (None where it cannot)."""
+  try:
+    return subprocess.Popen([sys.executable, "-c", _GROUP_KEEPER, str(os.getpid()),
+                             *(str(process.pid) for process in processes)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+  except OSError:
+    return None
 
 
 def _signal_group(process: subprocess.Popen, number: int) -> None:
@@ -231,7 +311,7 @@ def launch(command: Sequence[str], num_processes: int, devices_per_process: int,
                        "process, or of processes with no device, runs nothing")
   port = free_port()
   output = _Output()
-  processes, readers = [], []
+  processes, readers, keeper = [], [], None
   failed_rank = None
   previous = _stop_on_signals()
   dies_with_launcher = _dies_with(os.getpid())
@@ -245,6 +325,7 @@ def launch(command: Sequence[str], num_processes: int, devices_per_process: int,
           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, encoding="utf-8",
           errors="backslashreplace", start_new_session=True,  # a group to stop whole
           preexec_fn=dies_with_launcher))  # noqa: PLW1509 (no thread runs yet)
+    keeper = _keep_groups(processes)
     exits: queue.Queue = queue.Queue()  # (rank, status), in the order they ended
     for rank, process in enumerate(processes):
       reader = threading.Thread(target=output.forward, args=(rank, process.stdout),
@@ -261,14 +342,15 @@ def launch(command: Sequence[str], num_processes: int, devices_per_process: int,
         continue
       running -= 1
       if returncode:  # the first process to fail in time, not in rank order
-        failed_rank = rank
-        with output.lock:
-          output.failed = rank
+        failed_rank = _settled(rank, exits, output)
     status = 0 if failed_rank is None else _status(processes[failed_rank].returncode)
   except _Stopped as stopped:
     status = 128 + stopped.signal
   finally:
     _stop(processes, GRACE_SECONDS if failed_rank is None else FAILURE_GRACE_SECONDS)
+    if keeper is not None:
+      keeper.terminate()
+      keeper.wait()
     for reader in readers:
       reader.join(timeout=GRACE_SECONDS)
     for number, handler in previous.items():
@@ -283,6 +365,26 @@ def launch(command: Sequence[str], num_processes: int, devices_per_process: int,
           f"with status {status}{why}; stopped the other {others}", file=sys.stderr,
           flush=True)
   return status
+
+
+def _settled(first: int, exits: queue.Queue, output: _Output) -> int:
+  """The failure to name, once the others within :data:`SETTLE_SECONDS` have come.
+
+  Every process's output is held meanwhile; the named one's is then written.
+  """
+  with output.lock:
+    output.failed = _Output.HOLDING
+  failures, deadline = [first], time.monotonic() + SETTLE_SECONDS
+  while (left := deadline - time.monotonic()) > 0:
+    try:
+      rank, returncode = exits.get(timeout=left)
+    except queue.Empty:
+      break
+    if returncode:
+      failures.append(rank)
+  named = named_failure(failures, output.lost_a_peer)
+  output.name(named)
+  return named
 
 
 class _Stopped(Exception):
