@@ -81,6 +81,8 @@ kept = topka2a_jax.topka2a(0.01, min_size=0, algorithm="dense")
 misspelt = topka2a_jax.topka2a(0.01, min_sise=0)
 refused = topka2a_jax.sharded_optimizer(None, 0.01, fusion=2)
 mistyped = topka2a_jax.compress_updates(None, warmup_steps="2")
+fused = topka2a_jax.topka2a(0.01, fusion="2")
+follows = topka2a_jax.topka2a(0.01, follows="adamw")
 '''
 
 
@@ -91,14 +93,18 @@ def test_a_type_checker_reports_a_misspelt_option_before_anything_runs(tmp_path)
       [sys.executable, "-m", "mypy", "--follow-imports=silent", "--no-incremental",
        "--cache-dir", str(tmp_path / "cache"), "--hide-error-context",
        "--no-error-summary", str(user_file)],
-      cwd=ROOT, capture_output=True, text=True, check=False)
+      cwd=tmp_path, capture_output=True, text=True, check=False)  # the user's own folder
   errors = sorted(line.split(": error: ", 1)[1].split("  [")[0]
                   for line in done.stdout.splitlines() if ": error: " in line)
   assert errors == [
+      ('Argument "follows" to "topka2a" has incompatible type "Literal[\'adamw\']"; '
+       'expected "Literal[\'adam\', \'momentum\', \'sgd\'] | Transform | None"'),
+      ('Argument "fusion" to "topka2a" has incompatible type "Literal[\'2\']"; '
+       'expected "int | Literal[\'auto\']"'),
       ('Argument "warmup_steps" to "compress_updates" has incompatible type "str"; '
        'expected "int"'),
       'Unexpected keyword argument "fusion" for "sharded_optimizer"',
       'Unexpected keyword argument "min_sise" for "topka2a"; did you mean "min_size"?',
   ], done.stdout + done.stderr
   lines = [int(line.split(":")[1]) for line in done.stdout.splitlines() if ": error: " in line]
-  assert sorted(lines) == [4, 5, 6]  # line 3, every option spelt right, is clean
+  assert sorted(lines) == [4, 5, 6, 7, 8]  # line 3, every option spelt right, is clean

@@ -319,7 +319,8 @@ class Options:
       "running the exchange; where nothing can be read there (no chain, nothing "
       "after the exchange in it, an optimizer it does not know), ``\"auto\"`` sends "
       "every entry in 8 bits, safe before both, and says so once.",
-      lambda value, given: _follows(value), annotation="Any")
+      lambda value, given: _follows(value),
+      annotation="Literal['adam', 'momentum', 'sgd'] | Transform | None")
   error_feedback: bool = _option(
       True,
       "keep what was not sent and add it to the next step's gradient. Without it "
@@ -334,7 +335,7 @@ class Options:
       "elements (a larger leaf gets a bucket of its own); ``\"auto\"`` finds the "
       "threshold at trace time by binary search on the cost model's predicted step "
       "time (:func:`topka2a_jax.plan_fusion`).",
-      _fusion)
+      _fusion, annotation="int | Literal['auto']")
   network: Network | str | tuple[Network | str, Network | str] = _option(
       AUTO_NETWORK,
       "the link the cost model plans for: ``\"auto\"`` (the default: ``eth10`` "

@@ -20,7 +20,7 @@ import inspect
 import sys
 import textwrap
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, TypedDict, TypeVar
+from typing import Any, Literal, Protocol, TypedDict, TypeVar
 
 from jax.sharding import Mesh
 
@@ -37,6 +37,17 @@ __all__ = ["CompressUpdatesOptions", "FrozenVarianceAdamOptions", "ShardedOptimi
            "TopKA2AOptions", "Unpack", "refuse_options", "takes_options"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Transform(Protocol):
+  """What ``follows=`` takes besides a kind's name: an optax transform (its
+  ``init`` and ``update``), for type checkers."""
+
+  @property
+  def init(self) -> Callable[..., Any]: ...
+
+  @property
+  def update(self) -> Callable[..., Any]: ...
 
 
 class _EveryFactorysOptions(TypedDict, total=False):
@@ -65,7 +76,7 @@ class FrozenVarianceAdamOptions(_EveryFactorysOptions, total=False):
   """The options :func:`topka2a_jax.frozen_variance_adam` takes: its warm-up is
   ``freeze_after``, and the exchange's form follows its momentum."""
 
-  fusion: int | str
+  fusion: int | Literal["auto"]
   backward_seconds: float | None
   rank: int | None
 
@@ -78,7 +89,7 @@ class CompressUpdatesOptions(ShardedOptimizerOptions, FrozenVarianceAdamOptions,
 class TopKA2AOptions(CompressUpdatesOptions, total=False):
   """The options of :func:`topka2a_jax.topka2a`: every option."""
 
-  follows: Any
+  follows: Literal["adam", "momentum", "sgd"] | Transform | None
 
 
 def takes_options(taken: type, *, defaults: dict[str, Any] | None = None,
