@@ -7,7 +7,6 @@ file to show that a misspelt option is reported before anything runs.
 """
 
 import inspect
-import pathlib
 import subprocess
 import sys
 
@@ -25,7 +24,6 @@ from topka2a_jax._src.transforms.signatures import (
   takes_options,
 )
 
-ROOT = pathlib.Path(__file__).parents[1]
 OPTIONS = {argument_of(field): field for field in user_options()}
 TAKEN = {  # each factory, its record, and the options it refuses
     topka2a_jax.topka2a: (TopKA2AOptions, set()),
