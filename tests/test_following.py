@@ -408,3 +408,36 @@ def test_what_each_bucket_sends_is_said_once_where_a_user_sees_it(mesh, caplog, 
   name = form.group(1) if form.groups() else "quantized_8_8_fine"
   sent = sum(row.bytes for row in report.collectives if row.kind != "all-reduce")
   assert sent == pytest.approx(exchange_cost(name, 4096, 8, 0.01).bytes)
+
+
+class _UsersAdam:
+  """An optimizer of the user's own class, around optax's Adam."""
+
+  def __init__(self, learning_rate):
+    self.inner = optax.adam(learning_rate)
+
+  def init(self, params):
+    return self.inner.init(params)
+
+  def update(self, updates, state, params=None):
+    return self.inner.update(updates, state, params)
+
+
+class _UsersStep:
+  """An optimizer of the user's own class that the library cannot read."""
+
+  def init(self, params):
+    return ()
+
+  def update(self, updates, state, params=None):
+    return jax.tree.map(lambda u: -0.1 * u, updates), state
+
+
+def test_an_optimizer_of_the_users_own_class_is_read_or_named():
+  """Read through its attributes; one that says nothing is named in the warning, not
+  described as "nothing after it makes a step of the mean"."""
+  assert kind_after(_UsersAdam(1e-3)) == "adaptive"
+  assert kind_after(_UsersStep()) == "unknown"
+  followed = following.Followers((_UsersStep(),), True)
+  assert "does not know the optimizer after it (_UsersStep.init, _UsersStep.update)" in (
+      following.unrecognised(followed))

@@ -49,7 +49,9 @@ def held(fn: Any, seen: set[int] | None = None) -> Iterator[Any]:
   function and arguments, a bound method its function and object, a
   ``jax.jit``-wrapped function the function it wraps, a callable object its
   class's ``__call__`` and its attributes, an object reached that way its
-  attributes, a dict its values (``optax.partition``'s transforms).
+  attributes, an object with ``init`` and ``update`` (a transform of the
+  user's own class) those methods, a dict its values (``optax.partition``'s
+  transforms).
 
   Args:
     fn: an update function, a ``GradientTransformation`` or a sequence of them
@@ -87,6 +89,8 @@ def _held_by(fn: Any) -> list[Any]:
     return [wrapped]
   if callable(fn) and hasattr(fn, "__dict__"):  # a callable object
     return [type(fn).__call__, *vars(fn).values()]
+  if callable(getattr(fn, "init", None)) and callable(getattr(fn, "update", None)):
+    return [fn.update, fn.init]  # a transform of the user's own class
   return []
 
 
