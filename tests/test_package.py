@@ -382,3 +382,32 @@ def test_the_version_is_the_installed_distributions_and_dir_shows_the_face():
   shown = dir(topka2a_jax)
   assert "__version__" in shown and set(topka2a_jax.__all__) <= set(shown)
   assert not {"NEEDS_FLAX", "TYPE_CHECKING", "_MOVED", "_src"} & set(shown)
+
+
+LAB = {
+    "a signed percentage (a measured result)": re.compile(r"(?<![\w.])[+-]\d+(\.\d+)?%"),
+    "a path into benchmarks/ (not shipped with the package)": re.compile(r"benchmarks/"),
+}
+"""What the package must not say: figures live on the evidence pages, named by
+the package where one matters."""
+
+
+def lab_findings(text):
+  """``(line, what)`` for every line of ``text`` that holds a measured result or a
+  path the installed package does not ship."""
+  return [(number, what) for number, line in enumerate(text.splitlines(), 1)
+          for what, pattern in LAB.items() if pattern.search(line)]
+
+
+def test_the_package_states_behaviour_and_leaves_figures_to_the_evidence():
+  found = [f"{path.relative_to(ROOT)}:{line}: {what}"
+           for path in sorted(PACKAGE.rglob("*.py"))
+           for line, what in lab_findings(path.read_text())]
+  assert not found, "\n".join(found)
+
+
+def test_the_lab_guard_sees_a_figure_and_a_path():
+  assert lab_findings('"""ended +4.5% / -0.6% against dense"""\n# see benchmarks/x.py\n'
+                      'ratio = 0.5  # 50% of the bytes, -x\n') == [
+      (1, "a signed percentage (a measured result)"),
+      (2, "a path into benchmarks/ (not shipped with the package)")]

@@ -21,7 +21,8 @@ form nodes (``topka2a(axis_name=("node", "local"))``): ``--network`` is the
 link between nodes, ``--inner-network`` the one inside a node, and every
 sparse bucket takes the cheaper of the flat and the two-level route.
 ``--link-fit`` takes the link and the rates of one's own hosts from a JSON
-file that ``benchmarks/network.py --json`` wrote there: α, bandwidth, the
+file that the repository's link benchmark wrote there (``network.py --json``,
+the planning guide): α, bandwidth, the
 selection's costs and each few-bit code's, so that a few-bit form is planned
 only where its coding costs less than the wire it saves.
 ``--local-steps H`` adds the plan of ``local_steps(inner, every=H)``: one
@@ -118,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--bandwidth", type=float, help="measured bytes per second")
   parser.add_argument("--link-fit", metavar="JSON",
                       help="the link and the hosts' selection and coding costs as "
-                           "benchmarks/network.py --json fitted them (replaces "
+                           "the link benchmark fitted them (network.py --json; replaces "
                            "--network)")
   parser.add_argument(
       "--algorithm", default=AUTO, choices=[AUTO, *ALGORITHMS],
@@ -266,11 +267,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _link_fit(path: str) -> dict:
   """``--link-fit``: the fit in ``path`` as the planner's settings, or the parser's error."""
-  fix = ("write one with `python benchmarks/network.py --json FIT.json` on the link, "
+  fix = ("write one with the repository's link benchmark, `network.py --json FIT.json` "
+         "(the planning guide), on the link, "
          "or refit saved rows with `--rows OLD.json --json FIT.json`")
   try:
     return from_link_fit(json.loads(Path(path).read_text())["fit"],
-                       f"benchmarks/network.py's fit in {path}")
+                       f"the link fit in {path}")
   except OSError as error:
     _parser().error(f"--link-fit {path}: cannot read it ({error.strerror}); {fix}")
   except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as error:
@@ -293,7 +295,7 @@ def _print_top_k_beside(args: argparse.Namespace, sizes: list[int], names: list[
   print(f"the best top-k at density {args.density:g} (each bucket the cheapest of "
         f"{', '.join(AUTO_FORMS['plain'])}): {1e3 * top_k.step_seconds:.3f} ms "
         f"({top_k.step_seconds / plan.step_seconds:.2f}x this plan's time); before "
-        "Adam's family a top-k ends far above dense (+44% on the link benchmark), "
+        "Adam's family a top-k ends far above dense (the accuracy evidence page), "
         "before plain SGD it is the form to use (--optimizer sgd)")
 
 

@@ -3,8 +3,8 @@
 How many (``k``, and the shards TopKA2A takes them from) is
 ``_src/sizes.py``. One registry, :data:`SELECTIONS`, maps every name to ``(rows, k) ->
 (values, indices)``; ``"auto"`` is the one for the backend
-(:func:`auto_choice`), and the evidence page "Selection"
-(``benchmarks/selection.py``) has the measurements behind it.
+(:func:`auto_choice`), and the evidence page "Selection" has the
+measurements behind it.
 
 Example:
   >>> values, indices = get_selection("exact")(jnp.array([[1.0, -3.0, 2.0]]), 2)

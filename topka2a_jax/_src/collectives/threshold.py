@@ -96,7 +96,7 @@ BISECTIONS = 16
 """Counting passes over the candidates that narrow the threshold's bracket.
 The band left between its bounds fills the last slots in position order;
 sixteen halvings of the candidates' key range leave it too narrow to cost
-measurable mass (``benchmarks/selection.py`` and the tests measure it)."""
+measurable mass (the evidence page "Selection" and the tests measure it)."""
 
 MASS_KEPT = 0.99
 """Share of exact top-k's magnitude sum (a bound on it, found in one pass) a
@@ -204,7 +204,7 @@ def threshold_magnitudes(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array]
   Returns:
     ``(values, indices)``, each ``(R, k)``: distinct valid positions (int32)
     and the entries there. Their magnitude sum is close to exact top-k's
-    (``benchmarks/selection.py`` and the tests measure how close).
+    (the evidence page "Selection" and the tests measure how close).
 
   Example:
     >>> select = jax.jit(threshold_magnitudes, static_argnums=1)
@@ -258,7 +258,7 @@ def threshold_magnitudes(rows: jax.Array, k: int) -> tuple[jax.Array, jax.Array]
   values = jnp.take_along_axis(rows, indices, axis=1)
   # The rows are read as they come. Read through a flat view handed to the
   # conds, XLA wrote that view out first, a pass over every bucket, which
-  # cost the defaults' update 15% on the link (benchmarks/ab_step.py).
+  # slowed the defaults' update on the link (the network evidence page).
   return lax.cond(_falls_short(rows, values), lambda: top_magnitudes(rows, k),
                   lambda: (values, indices))
 

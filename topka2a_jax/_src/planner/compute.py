@@ -34,7 +34,7 @@ class Device:
     overlaps: whether the backend runs a collective beside independent
       compute, so that bucket exchanges can hide behind the backward pass.
       XLA's GPU and TPU backends do (asynchronous collectives); its CPU
-      backend runs them in line (``benchmarks/overlap.py`` measures it).
+      backend runs them in line (``docs/layout.md`` says where each runs).
   """
 
   name: str

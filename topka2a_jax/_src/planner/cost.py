@@ -137,12 +137,13 @@ def get_network(network: str | Network) -> Network:
   return NETWORKS[network]
 
 
-def from_link_fit(fitted: dict, source: str = "benchmarks/network.py") -> dict:
+def from_link_fit(fitted: dict, source: str = "a measured link fit") -> dict:
   """A measured link fit as the planner's settings (:func:`topka2a_jax.plan_fusion`'s,
   ``topka2a-plan --link-fit``).
 
   Args:
-    fitted: the ``"fit"`` that ``benchmarks/network.py --json`` writes: α,
+    fitted: the ``"fit"`` the repository's link benchmark writes with ``--json``
+      (the planning guide): α,
       bandwidth, the selection's two rates and each few-bit code's.
     source: where the fit comes from, for the plan's network.
 

@@ -6,8 +6,8 @@ moments go wrong on bursts, and momentum multiplies them by about
 ``1 / (1 - momentum)``. A few-bit code with error feedback sends every entry
 every step, its error bounded by half a quantization step. The kinds are
 told apart from the chain (``transforms/following.py``) or given to
-``topka2a-plan --optimizer``; the measurements behind the rule are
-``benchmarks/forms_by_optimizer.py`` and the Adam guide.
+``topka2a-plan --optimizer``; the measurements behind the rule are on the
+accuracy evidence page.
 
 Example:
   >>> FORMS[ADAPTIVE]
@@ -37,15 +37,15 @@ each 512 entries rotated by a random-sign Walsh-Hadamard transform, 4 bits to
 the owners and their means back in 4, both phases' rounding fed back. Half
 the bytes of :data:`CODED_FORM`; on the link benchmark's task and the
 character model it ends where the 8-bit code, ``rotated_4_8`` and the exact
-mean end (``benchmarks/network_training.py``'s ``local 4`` runs compare them
-with a top-k and dense; training evidence page)."""
+mean end (the training evidence page compares them with a top-k and
+dense)."""
 
 MOMENTUM_FORM = "quantized_4_8"
 """The form before momentum SGD: 4 bits to the owners, their means back in 8
 (0.75x the 8-bit form's bytes). On the README's program it ends on dense's
 loss at learning rates 0.01, 0.05 and 0.1, where a top-k diverges; on the
-digits example it ends at or above dense's accuracy
-(``benchmarks/forms_by_optimizer.py``, the accuracy evidence page)."""
+digits example it ends at or above dense's accuracy (the accuracy evidence
+page)."""
 
 FORMS: dict[str, tuple[str, ...]] = {
     ADAPTIVE: (CODED_FORM, algorithms.DENSE.name),

@@ -64,8 +64,8 @@ DEFAULT_SELECTION_SECONDS_PER_ENTRY = 1e-9
 see :func:`topka2a_jax.cost.selected_entries`): 1 G entries/s, an
 order-of-magnitude estimate for scattered accesses to accelerator memory.
 
-Pass a measured figure for other hardware: ``benchmarks/network.py`` fits it
-on a host (docs/evidence/network.md gives its fits).
+Pass a measured figure for other hardware: the repository's link benchmark
+fits it on a host (the network evidence page gives its fits).
 """
 
 NO_BACKWARD = "not given: no overlap with the backward pass assumed"
@@ -264,8 +264,8 @@ class PlannerSettings:
       few bits, each one's own cost per element its coding passes over
       (:func:`topka2a_jax.cost.elements_read`), by name (made sorted
       ``(name, seconds)`` pairs): coding a chunk costs less per element than
-      searching it, and one code less than another (``benchmarks/network.py``
-      fits one per form on a link). A form not named is charged
+      searching it, and one code less than another (the link benchmark
+      fits one per form on a link; the planning guide). A form not named is charged
       ``selection_seconds_per_element``.
 
   Raises:
@@ -523,7 +523,8 @@ def plan_fusion(
         f"the step predicted on {network.name} is {planned[-1].finish} s: its "
         f"latency ({network.latency} s) or bandwidth ({network.bandwidth} "
         "bytes/s) is beyond what a link can have. Give a measured link "
-        "(benchmarks/network.py fits one) or a preset of topka2a_jax.cost.NETWORKS")
+        "(the link benchmark of the planning guide fits one) or a preset of "
+        "topka2a_jax.cost.NETWORKS")
   return FusionPlan(
       buckets=planned,
       threshold=chosen_threshold,

@@ -4,7 +4,7 @@ One length for the whole run (``every=4``), or a length for each stretch of
 training, from the step where it starts (``every={0: 4, 100: 2}``: rounds
 of 4 steps, then of 2 from step 100): AdaComm's schedule, which shortens
 the rounds as the loss falls, to spend bytes where shorter rounds may
-still gain (``benchmarks/network_training.py`` measures it).
+still gain (the training evidence page measures it).
 
 Example:
   >>> lengths = round_lengths({0: 4, 100: 2})

@@ -3,8 +3,8 @@
 ``optax.chain(topka2a(0.01), optax.adam(1e-3))`` hands Adam the exchange's
 mean. A top-k with error feedback delivers each entry as a rare burst, the
 sum of many steps' gradients: plain SGD does not mind when mass arrives, but
-Adam's moments go wrong on bursts (+44% above dense's final loss on the link
-benchmark), and momentum SGD multiplies each burst by about ``1 / (1 - b)``
+Adam's moments go wrong on bursts (the accuracy evidence page measures how
+far), and momentum SGD multiplies each burst by about ``1 / (1 - b)``
 and can diverge where dense momentum SGD converges. A few-bit code with
 error feedback sends every entry every step, its error bounded by half a
 quantization step, and trains on dense's curve before both.
@@ -365,11 +365,11 @@ def for_follower(options: Options, followed: Followers | None,
           f"topka2a(algorithm={options.algorithm!r}) sends the gradient's "
           f"{'signs' if entry.quantizes else 'top-k'} to an "
           "adaptive optimizer (Adam's family): error feedback hands it each entry "
-          "as a burst of many steps' gradients and its moments go wrong (measured on "
-          "the link benchmark: the top-k at 1% ends +44% above dense's final loss, "
-          "the signs +23% to +63%). Leave algorithm= out: topka2a(...) before Adam "
-          "sends every entry in 8 bits (algorithm='quantized_8_8_fine', within 1.5% "
-          "of dense), or dense where that is cheaper.", UserWarning, stacklevel=user_stacklevel())
+          "as a burst of many steps' gradients and its moments go wrong, ending far "
+          "above dense's loss (the accuracy evidence page). Leave algorithm= out: "
+          "topka2a(...) before Adam sends every entry in 8 bits "
+          "(algorithm='quantized_8_8_fine'), which trains as dense does, or dense "
+          "where that is cheaper.", UserWarning, stacklevel=user_stacklevel())
     return options
   if rounds and kind == PLAIN:
     kind = ROUNDS

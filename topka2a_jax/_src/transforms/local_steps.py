@@ -118,8 +118,8 @@ from topka2a_jax._src.transforms.signatures import (
 )
 
 DEFAULT_EVERY = 4
-"""Inner steps per round by default (``benchmarks/network_training.py``'s
-``local`` runs chose it)."""
+"""Inner steps per round by default: chosen on the link benchmark's training
+task (the training evidence page, "Local steps")."""
 
 
 _WHOLE = ("Give local_steps the optimizers it runs, local_steps(optax.adam(...), "
@@ -136,7 +136,7 @@ later step of the round could be taken."""
 
 def default_outer() -> optax.GradientTransformation:
   """The outer optimizer by default: ``optax.sgd(1.0)``, the mean of the local
-  parameters (``benchmarks/network_training.py`` compares it with DiLoCo's Nesterov)."""
+  parameters (the training evidence page compares it with DiLoCo's Nesterov)."""
   return optax.sgd(1.0)
 
 
@@ -175,26 +175,23 @@ def local_steps(inner: optax.GradientTransformation,
     inner: the optimizer each device runs on its own gradient (any optax
       transform, e.g. ``optax.adamw(1e-3)``); its state is kept across rounds.
       Tune its learning rate on the run you will train: the best need not
-      be a per-step run's (Adam's best peak in
-      ``benchmarks/network_training.py --peak-lr`` was 1.25x to 1.5x
-      dense's at 8 windows a device, and no higher than dense's at 2).
+      be a per-step run's (with many windows a device it was higher than
+      dense's; the training evidence page, "Local steps").
     every: inner steps per round, at least 1; or a dict from the step where
       a stretch of rounds starts to their length, ``{0: 4, 100: 2}``, each
       stretch starting at a round's end of the one before. Its steps are
       counted in rounds taken: a round dropped as not finite moves the
-      later stretches on by its length. In
-      ``benchmarks/network_training.py`` at 8 windows a device,
-      ``{0: 4, 100: 2}`` ended +3.0% / +2.4% against dense where ``4``
-      ended +4.5% / +3.2% (gains about the seeds' spread, for 1.7x the
-      bytes); long rounds first lost more than they saved there. A
+      later stretches on by its length. Shorter rounds late in a run gain
+      about the seeds' spread for more bytes, and long rounds first lost
+      more than they saved (the training evidence page, "Local steps"). A
       checkpoint restores into a state whose first length is the one it
       was saved with (the later lengths are not checked).
     outer: the optimizer of the shared parameters, given the mean
       pseudo-gradient (shared minus local parameters) once a round; by
       default ``optax.sgd(1.0)``, which moves them to the local ones' mean.
       DiLoCo's, for rounds of hundreds of steps, is
-      ``optax.sgd(0.7, momentum=0.9, nesterov=True)``; at 4 steps a round
-      it never reached ``benchmarks/network_training.py``'s first target.
+      ``optax.sgd(0.7, momentum=0.9, nesterov=True)``; it does poorly on
+      rounds of a few steps.
     density: fraction of every bucket sent where a top-k is chosen.
     average_inner_state: at every round's end, also replace each device's
       ``inner`` state (Adam's moments) by the devices' mean: floating
@@ -210,15 +207,13 @@ def local_steps(inner: optax.GradientTransformation,
       state that takes the parameters only in its ``update`` is not seen.
       Local Adam's state averaging: every device starts each round from the
       same moments, those of all the devices' gradients. It closes most of
-      the rounds' cost where many windows a device make it show
-      (``benchmarks/network_training.py``, 8 windows, ``inner``'s peak
-      tuned: -0.5% / +2.3% / -0.6% against dense on three seeds, +3.9% /
-      +3.8% / +2.8% without), and sends 8 bits each way for every float of
-      the state (Adam: twice the parameters) each round, 4.0x the default
-      pseudo-gradient's bytes there; so it is off by default. The round's
-      end then also needs temporary memory of about twice the state's
-      floating size (the state as one buffer, and its mean;
-      ``benchmarks/local_steps_memory.py``).
+      the rounds' cost where many windows a device make it show, and sends
+      8 bits each way for every float of the state (Adam: twice the
+      parameters) each round, several times the default pseudo-gradient's
+      bytes; so it is off by default (the training evidence page, "Local
+      steps"). The round's end then also needs temporary memory of about
+      twice the state's floating size (the state as one buffer, and its
+      mean).
     **options: every option of the exchange, below.
 
   Returns:

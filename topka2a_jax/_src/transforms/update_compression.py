@@ -93,9 +93,9 @@ from topka2a_jax._src.transforms.signatures import (
 
 DEFAULT_ALGORITHM = ONEBIT_4.name
 """What ``compress_updates(inner)`` sends without a density: every entry's
-sign, the owners' means back in 4 bits. Chosen on
-``benchmarks/network_training.py`` against the top-k of the step and the
-signs with 8 bits back; the guide "Adam" has the measurements."""
+sign, the owners' means back in 4 bits. Chosen on the link benchmark's
+training task against the top-k of the step and the signs with 8 bits back
+(the training evidence page)."""
 
 
 @takes_options(CompressUpdatesOptions, defaults={"algorithm": None}, docs={
@@ -122,7 +122,7 @@ def compress_updates(inner: optax.GradientTransformation, density: float | None 
   exchange of :func:`topka2a_jax.topka2a` with error feedback. The updates
   it returns are the mean of what was sent, bitwise identical on every
   device; with Adam they keep pace with dense training where sparsifying
-  the gradient falls behind (``benchmarks/network_training.py``).
+  the gradient falls behind (the training evidence page).
 
   Args:
     inner: any optax transform, with its schedules, masks and weight decay
