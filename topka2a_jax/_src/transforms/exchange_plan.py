@@ -208,12 +208,13 @@ def describe(buckets: Sequence[Bucket], density: float, low_rank: Sequence[int] 
 def say_once(description: str) -> None:
   """Says what the exchange sends, once per distinct plan in this process.
 
-  A WARNING-level line on the ``topka2a_jax`` logger, which Python prints
-  to stderr with no logging set up; said when the step is traced (its
-  first call, or ``step.lower``), not at every step.
+  An INFO line on the ``topka2a_jax`` logger (``logging.basicConfig(level=
+  logging.INFO)`` shows it; :func:`topka2a_jax.comm_report` reads the bytes
+  from the compiled step); said when the step is traced (its first call, or
+  ``step.lower``), not at every step. WARNING is for likely mistakes.
   """
   if description in _SAID:
     return
   _SAID.add(description)
-  _LOG.warning("topka2a_jax: each exchange sends %s. (Said once per plan on the "
+  _LOG.info("topka2a_jax: each exchange sends %s. (Said once per plan on the "
                "'topka2a_jax' logger.)", description)

@@ -313,11 +313,11 @@ def for_follower(options: Options, followed: Followers | None,
   its update read differently, the 8-bit form goes out, safe before both.
 
   Says each thing once per transform (``said`` remembers): the forms
-  ``"auto"`` plans with and why, as a WARNING-level line on the
-  ``topka2a_jax`` logger (Python prints it without any logging set up); a
-  warning naming what it could not read and how to say it; a warning for an
-  explicit top-k or sign of the gradient before an adaptive optimizer
-  (kept: the user asked for it).
+  ``"auto"`` plans with and why, as an INFO line on the ``topka2a_jax``
+  logger; a warning naming what it could not read and how to say it; a
+  warning for an explicit top-k or sign of the gradient before an adaptive
+  optimizer (kept: the user asked for it), or for ``follows=`` that the chain
+  contradicts.
 
   Args:
     options: the transform's checked options.
@@ -391,7 +391,7 @@ def for_follower(options: Options, followed: Followers | None,
         "the form with algorithm=.", UserWarning, stacklevel=user_stacklevel())
   elif not at_init and kind not in said:
     said.add(kind)
-    _LOG.warning("topka2a(algorithm='auto') plans each bucket among %s: %s. (Set "
+    _LOG.info("topka2a(algorithm='auto') plans each bucket among %s: %s. (Set "
                  "follows= or algorithm= to choose; this line is logged once per "
                  "transform on the 'topka2a_jax' logger.)", ", ".join(FORMS[kind]),
                  WHY[kind])
