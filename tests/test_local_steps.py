@@ -496,9 +496,9 @@ def test_auto_before_an_sgd_outer_plans_the_coded_forms_not_a_top_k(mesh, outer,
   loss = lambda p, x: jnp.mean((x @ p["w"]) ** 2)
   sent = {}
   for name in ("auto", "rotated_4_4"):
-    tx = topka2a_jax.local_steps(optax.adam(1e-3), 4, outer, algorithm=name, mesh=mesh)
-    step = topka2a_jax.train_step(loss, tx, mesh)
-    with caplog.at_level("INFO", logger="topka2a_jax"):
+    with caplog.at_level("INFO", logger="topka2a_jax"):  # "auto" says its plan when built
+      tx = topka2a_jax.local_steps(optax.adam(1e-3), 4, outer, algorithm=name, mesh=mesh)
+      step = topka2a_jax.train_step(loss, tx, mesh)
       sent[name] = topka2a_jax.comm_report(step.lower(params, tx.init(params), x)).total_bytes
   assert sent["auto"] == sent["rotated_4_4"]
   assert "plans each bucket among rotated_4_4, dense: local_steps' outer step" in caplog.text

@@ -89,7 +89,7 @@ def test_report_says_what_auto_plans_under_the_fit(capsys):
   plans = capsys.readouterr().out.split('plans for one bucket')[1].splitlines()[2:]
   cells = [line.split() for line in plans if line.strip()]
   assert {(c[1], c[3]) for c in cells if c[1] != "plain"} == {
-      ("adaptive", "dense"), ("momentum", "dense")}
+      ("adaptive", "dense"), ("momentum", "dense"), ("rounds", "dense")}
   assert all(c[-1] == "1.000x" for c in cells)  # the plan is the fastest each time
   assert {c[3] for c in cells if c[1] == "plain" and c[2] == "0.01"} <= {
       "allgather", "topka2a", "topka2a_sparse"}

@@ -305,10 +305,12 @@ def test_averaging_the_inner_state_adds_its_exchange_to_every_round(capsys):
 
 
 @pytest.mark.parametrize("flags, wanted", [
-    (["--local-steps", "0"], "--local-steps is the steps of a round, at least 1; got 0"),
+    (["--local-steps", "0"], "--local-steps is the steps of a round, at least 1 and at most"),
     (["--local-steps", "4", "--algorithm", "topka2a_sparse"], "--density is required"),
     (["--average-inner-state", "2"], "give --local-steps H and the state's floats"),
-    (["--local-steps", "4", "--average-inner-state", "0"], "above 0 (Adam's: 2); got 0"),
+    (["--local-steps", "4", "--average-inner-state", "0"], "above 0 and finite (Adam's: 2); got 0"),
+    (["--local-steps", "99999999999999999999"], "at most 2,147,483,647 (local_steps counts"),
+    (["--local-steps", "4", "--average-inner-state", "inf"], "above 0 and finite"),
 ])
 def test_a_bad_local_steps_plan_exits_with_the_fix(capsys, flags, wanted):
   with pytest.raises(SystemExit):

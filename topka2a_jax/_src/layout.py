@@ -358,7 +358,8 @@ def check_laid_out_over(per_device: Any, axis: DataAxis, call: str) -> None:
       continue
     first = sharding.spec[0]
     over = tuple(first) if isinstance(first, (tuple, list)) else (first,)
-    if first is not None and over != tuple(names):
+    # the data axis comes first; axes the parameters are split over may follow
+    if first is not None and over[:len(names)] != tuple(names):
       raise ValueError(
           f"{call}(..., axis_name={axis.name!r}): the optimizer state's per-device leaf "
           f"{jax.tree_util.keystr(path)} is laid out over {first!r}, the axis its exchange "

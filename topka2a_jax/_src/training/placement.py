@@ -91,8 +91,9 @@ def check_chain(opt_state: Any, *, require_exchange: bool = False) -> None:
 
   Example:
     >>> mesh = jax.make_mesh((8,), ("data",))
-    >>> late = optax.chain(optax.adam(1e-3), topka2a_jax.topka2a(0.01, mesh=mesh))
-    >>> check_chain(late.init({"w": jnp.zeros(4)}))
+    >>> params = {"w": jnp.zeros(4)}  # a state made by hand: tx.init refuses the order too
+    >>> late = (optax.adam(1e-3).init(params), topka2a_jax.topka2a(0.01, mesh=mesh).init(params))
+    >>> check_chain(late)
     Traceback (most recent call last):
     ValueError: the optimizer keeps per-parameter state (ScaleByAdamState, at [0][0].mu['w'])
     before the topka2a exchange ...
