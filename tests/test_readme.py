@@ -37,5 +37,34 @@ def test_program_runs_and_the_loss_falls(page, capsys):
     assert float(quoted[2]) == pytest.approx(losses[-1], abs=0.01)
 
 
-def test_the_readme_is_short():
-  assert len(README.read_text().splitlines()) <= 250
+def prose(page_text: str) -> str:
+  """A page's prose: no code blocks, tables, headings or inline code."""
+  text = re.sub(r"```.*?```", "", page_text, flags=re.DOTALL)
+  lines = [line for line in text.splitlines()
+           if not line.lstrip().startswith(("|", "#"))]
+  return re.sub(r"`[^`]*`", "CODE", "\n".join(lines))
+
+
+def sentences(text: str) -> list[str]:
+  return [s for s in re.split(r"(?<=[.!?])\s+(?=[A-Z(*\[])", " ".join(text.split())) if s]
+
+
+NUMBER = re.compile(r"(?<![\w.])\d+(?:[.,]\d+)*")
+
+
+def test_the_readme_is_read_in_five_minutes():
+  """At most about 1,000 words of prose, no sentence with more than three numbers (the
+  figures live on the evidence pages), and no test counts or timings (CI prints them)."""
+  text = prose(README.read_text())
+  assert len(text.split()) <= 1000
+  crowded = [s for s in sentences(text) if len(NUMBER.findall(s)) > 3]
+  assert not crowded, crowded
+  assert not re.search(r"\d+ tests|\d+(\.\d+)? min\b|minutes? of pytest", text)
+
+
+def test_the_readme_check_sees_prose_and_skips_code_and_tables():
+  page = ("Intro with 1, 2, 3 and 4 numbers. Short one.\n\n| 1 | 2 | 3 | 4 | 5 |\n"
+          "```python\nx = [1, 2, 3, 4, 5]\n```\nCode `f(1, 2, 3, 4)` is skipped.\n")
+  text = prose(page)
+  assert [len(NUMBER.findall(s)) for s in sentences(text)] == [4, 0, 0]
+  assert len(text.split()) == 14
