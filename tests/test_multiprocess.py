@@ -316,11 +316,20 @@ def test_a_failing_worker_ends_the_run_within_seconds_naming_its_rank(
   assert len(pids) == 2 and all(map(_gone, pids))
 
 
-def _launch_sleepers(tmp_path):
-  """Two workers that print their pid, then sleep silently: (launcher, pids)."""
+SLEEPER = "import os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep(120)\n"
+"""A worker that prints its pid, then sleeps silently."""
+
+SLEEPER_WITH_A_CHILD = (
+    "import os, subprocess, sys, time\n"
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+    "print('pid', child.pid, flush=True)\ntime.sleep(120)\n")
+"""A worker that starts a child, prints the child's pid, then sleeps silently."""
+
+
+def _launch_sleepers(tmp_path, source=SLEEPER):
+  """Two workers of ``source``: (launcher, the pids they print)."""
   script = tmp_path / "worker.py"
-  script.write_text("import os, time\nprint('pid', os.getpid(), flush=True)\n"
-                    "time.sleep(120)\n")
+  script.write_text(source)
   launcher = subprocess.Popen(
       [sys.executable, *LAUNCHER, "-n", "2", str(script)],
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -342,40 +351,18 @@ def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
-def test_workers_die_with_a_launcher_killed_by_sigkill(tmp_path):
-  # Silent after their pid: no broken pipe would end them.
-  launcher, pids = _launch_sleepers(tmp_path)
+@pytest.mark.parametrize("source", [SLEEPER, SLEEPER_WITH_A_CHILD],
+                         ids=["workers", "the workers' own children"])
+def test_the_job_dies_with_a_launcher_killed_by_sigkill(tmp_path, source):
+  """Silent after their pid, so no broken pipe ends them: the workers by the parent-death
+  signal, their own children (which it does not reach) by the launcher's keeper."""
+  launcher, pids = _launch_sleepers(tmp_path, source)
   launcher.kill()
   launcher.wait(timeout=30)
   deadline = time.time() + 10
   while not all(map(_gone, pids)) and time.time() < deadline:
     time.sleep(0.1)
   assert all(map(_gone, pids))
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
-def test_workers_children_die_with_a_launcher_killed_by_sigkill(tmp_path):
-  """The parent-death signal reaches the workers only; their own children outlived them."""
-  script = tmp_path / "worker.py"
-  script.write_text("import os, subprocess, sys, time\n"
-                    "child = subprocess.Popen([sys.executable, '-c', 'import time; "
-                    "time.sleep(120)'])\n"
-                    "print('pid', child.pid, flush=True)\ntime.sleep(120)\n")
-  launcher = subprocess.Popen([sys.executable, *LAUNCHER, "-n", "2", str(script)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  lines = []
-  while len(_pids("\n".join(lines))) < 2:
-    line = launcher.stdout.readline()
-    assert line, launcher.stderr.read()[-2000:]
-    lines.append(line)
-  children = _pids("\n".join(lines))
-  launcher.kill()
-  launcher.wait(timeout=30)
-  deadline = time.time() + 10
-  while not all(map(_gone, children)) and time.time() < deadline:
-    time.sleep(0.1)
-  assert all(map(_gone, children))
 
 
 HANGING_WORKER = """

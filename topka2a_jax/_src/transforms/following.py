@@ -40,7 +40,7 @@ import dataclasses
 import logging
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import optax
@@ -156,21 +156,10 @@ def follower(own: Callable[..., Any]) -> Followers | None:
     :class:`Followers`, or None where no chain runs ``own`` (the transform
     was called alone, or by a combinator this module does not read).
   """
-  frame, after, updates, inner = sys._getframe(1), [], True, (own,)
-  found = False
-  while frame is not None:
-    field, has_updates = _CHAIN_FRAMES.get(frame.f_code, (None, False))
-    members = frame.f_locals.get(field) if field else None
-    if members is not None:
-      members = _members(field, members)
-      position = next((i for i, member in enumerate(members)
-                       if any(one is mine for one in held(member) for mine in inner)), None)
-      if position is not None:
-        after += members[position + 1:]
-        updates, found = updates and has_updates, True
-        inner = tuple(members[position]) if isinstance(members[position], tuple) \
-            else (members[position],)
-    frame = frame.f_back
+  after, updates, found = [], True, False
+  for members, position, has_updates in _chains_running(own, sys._getframe(1)):
+    after += members[position + 1:]
+    updates, found = updates and has_updates, True
   return Followers(tuple(after), updates) if found else None
 
 
@@ -180,20 +169,28 @@ def preceding(own: Callable[..., Any]) -> tuple[Any, ...]:
   Call it from inside ``own`` (a transform's ``init`` or ``update``), as
   :func:`follower`.
   """
-  frame, before, inner = sys._getframe(1), [], (own,)
+  return tuple(member for members, position, _ in _chains_running(own, sys._getframe(1))
+               for member in members[:position])
+
+
+def _chains_running(own: Callable[..., Any], frame: Any
+                    ) -> Iterator[tuple[list[Any], int, bool]]:
+  """For every chain on the stack from ``frame`` out that runs ``own``, innermost
+  first: its members, where ``own`` (or the member holding it) sits among them, and
+  whether they are update functions."""
+  inner = (own,)
   while frame is not None:
-    field, _ = _CHAIN_FRAMES.get(frame.f_code, (None, False))
+    field, has_updates = _CHAIN_FRAMES.get(frame.f_code, (None, False))
     members = frame.f_locals.get(field) if field else None
     if members is not None:
       members = _members(field, members)
       position = next((i for i, member in enumerate(members)
                        if any(one is mine for one in held(member) for mine in inner)), None)
       if position is not None:
-        before += members[:position]
+        yield members, position, has_updates
         inner = tuple(members[position]) if isinstance(members[position], tuple) \
             else (members[position],)
     frame = frame.f_back
-  return tuple(before)
 
 
 def refuse_state_before(own: Callable[..., Any]) -> None:
