@@ -132,7 +132,7 @@ def _step(name: str, mesh, model: str):
     options["backward_seconds"] = topka2a_jax.train_step(
         loss, optax.sgd(0.0), mesh).backward_seconds(params, _batch(model))
   if name.startswith("compress_updates"):
-    tx = topka2a_jax.compress_updates(adam, 0.01, mesh=mesh, **options)
+    tx = topka2a_jax.compress_updates(adam, density=0.01, mesh=mesh, **options)
   else:
     tx = optax.chain(topka2a_jax.topka2a(0.01, mesh=mesh, **options), adam)
   return topka2a_jax.train_step(loss, tx, mesh), params, tx.init(params)

@@ -73,7 +73,7 @@ FORMS = {
     "top-k 1%": exchange(0.01, algorithm="topka2a_sparse"),
     "top-k 1%, 30 dense steps": exchange(0.01, algorithm="topka2a_sparse",
                                          warmup_steps=30),
-    "DGC": lambda optimizer, mesh: topka2a_jax.compress_updates(optimizer, 0.01,
+    "DGC": lambda optimizer, mesh: topka2a_jax.compress_updates(optimizer, density=0.01,
                                                                 mesh=mesh),
     "8 bits": exchange(algorithm="quantized_8_8_fine"),
     "4 / 8 bits": exchange(algorithm="quantized_4_8"),

@@ -54,9 +54,9 @@ def measure(leaves: int, width: int) -> list[dict[str, float | str]]:
   configurations = {
       "8-bit form every step": optax.chain(
           topka2a_jax.topka2a(algorithm="quantized_8_8", mesh=mesh), adam),
-      "local_steps(adam, 4)": topka2a_jax.local_steps(adam, 4, mesh=mesh),
+      "local_steps(adam, 4)": topka2a_jax.local_steps(adam, every=4, mesh=mesh),
       "local_steps(adam, 4, average_inner_state=True)": topka2a_jax.local_steps(
-          adam, 4, mesh=mesh, average_inner_state=True),
+          adam, every=4, mesh=mesh, average_inner_state=True),
   }
   rows = []
   for name, tx in configurations.items():

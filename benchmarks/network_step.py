@@ -138,7 +138,7 @@ def _runs(mesh, shapes, density: float, names: tuple[str, ...] = ROWS) -> dict:
       "defaults": lambda: carried(defaults),
       "dense + adam": lambda: carried(optax.adam(1e-3), mean=pmean),
       "compress_updates": lambda: carried(
-          topka2a_jax.compress_updates(optax.adam(1e-3), density, mesh=mesh)),
+          topka2a_jax.compress_updates(optax.adam(1e-3), density=density, mesh=mesh)),
   }
   return {name: made[name]() for name in names}
 

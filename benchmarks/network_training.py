@@ -233,10 +233,11 @@ def optimizer(name: str, density: float, mesh, schedule, b1: float,
     options.pop("inner_mean", None)  # applied by the training loop
     options.pop("inner_mean_coded", None)
     options.pop("fold_momentum", None)
-    return topka2a_jax.local_steps(optax.adam(schedule, b1=b1), options.pop("every"), outer,
-                                   density if density_given else None, mesh=mesh, **options)
+    return topka2a_jax.local_steps(optax.adam(schedule, b1=b1), every=options.pop("every"),
+                                   outer=outer, density=density if density_given else None,
+                                   mesh=mesh, **options)
   if form == "updates":
-    return topka2a_jax.compress_updates(optax.adam(schedule, b1=b1), density,
+    return topka2a_jax.compress_updates(optax.adam(schedule, b1=b1), density=density,
                                         mesh=mesh, **options)
   if form == "momentum":
     return topka2a_jax.frozen_variance_adam(schedule, density, b1=b1, mesh=mesh,
@@ -245,11 +246,11 @@ def optimizer(name: str, density: float, mesh, schedule, b1: float,
     return optax.chain(
         topka2a_jax.compress_updates(optax.chain(optax.adam(schedule, b1=b1),
                                                  _differences()),
-                                     density, mesh=mesh, **options),
+                                     density=density, mesh=mesh, **options),
         _running_sum())
   if form == "normalised":
     return optax.chain(
-        topka2a_jax.compress_updates(optax.scale_by_adam(b1=0.0), density, mesh=mesh,
+        topka2a_jax.compress_updates(optax.scale_by_adam(b1=0.0), density=density, mesh=mesh,
                                      **options),
         optax.ema(b1, debias=True), optax.scale_by_learning_rate(schedule))
   return optax.chain(topka2a_jax.topka2a(density, mesh=mesh, **options),

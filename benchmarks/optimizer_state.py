@@ -66,7 +66,7 @@ def bytes_on_one_device(state, specs, mesh) -> int:
 def measure(params, mesh) -> dict:
   """Adam's and the residuals' bytes per device, plain chain and sharded."""
   plain_tx = optax.chain(topka2a_jax.topka2a(0.01), optax.adam(1e-3))
-  sharded_tx = topka2a_jax.sharded_optimizer(optax.adam(1e-3), 0.01)
+  sharded_tx = topka2a_jax.sharded_optimizer(optax.adam(1e-3), density=0.01)
   plain = jax.eval_shape(lambda: topka2a_jax.init(plain_tx, params, mesh))
   sharded = jax.eval_shape(lambda: topka2a_jax.init(sharded_tx, params, mesh))
   plain_specs = topka2a_jax.state_specs(plain)

@@ -170,13 +170,15 @@ def print_table(results: list[Result], score: str, fmt: str) -> None:
   """
   base = results[0]
   width = max(len(r.name) for r in results)
-  print(f"\n{'run':{width}s} {'final ' + score:>16s} {'min..max':>15s} {'last 5':>7s} "
-        f"{'train loss':>10s} {'bytes/step':>11s} {'vs ' + base.name:>8s} {'s/seed':>6s}")
+  final = max(16, len("final " + score))  # every header as wide as its column
+  ratio = max(8, len("vs " + base.name))
+  print(f"\n{'run':{width}s} {'final ' + score:>{final}s} {'min..max':>15s} {'last 5':>7s} "
+        f"{'train loss':>10s} {'bytes/step':>11s} {'vs ' + base.name:>{ratio}s} {'s/seed':>6s}")
   for r in results:
     low, high = fmt.format(r.final.min()), fmt.format(r.final.max())
-    print(f"{r.name:{width}s} {fmt.format(r.final.mean()):>16s} {low + '..' + high:>15s} "
+    print(f"{r.name:{width}s} {fmt.format(r.final.mean()):>{final}s} {low + '..' + high:>15s} "
           f"{fmt.format(r.late):>7s} {r.late_loss:10.4f} {r.bytes_per_step:11,.0f} "
-          f"{r.bytes_per_step / base.bytes_per_step:{max(8, len('vs ' + base.name))}.3f} "
+          f"{r.bytes_per_step / base.bytes_per_step:{ratio}.3f} "
           f"{r.seconds:6.1f}")
 
 

@@ -139,7 +139,7 @@ def optimizer(steps: int, learning_rate: float, updates: bool = False,
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, learning_rate, WARMUP_STEPS, max(steps, WARMUP_STEPS + 1))
   if every:
-    return topka2a_jax.local_steps(optax.adam(schedule), every, **options)
+    return topka2a_jax.local_steps(optax.adam(schedule), every=every, **options)
   if updates:
     return topka2a_jax.compress_updates(optax.adam(schedule), **options)
   return optax.chain(topka2a_jax.topka2a(**options), optax.adam(schedule))

@@ -53,7 +53,7 @@ def with_train_step(mesh, algorithm, params, batches, axis_name="data", local=Fa
                     adam=False):
   """The same run through topka2a_jax.train_step: every step's loss and params."""
   if local:  # rounds of two Adam steps, then the pseudo-gradient in `algorithm`
-    tx = topka2a_jax.local_steps(optax.adam(0.05), 2, algorithm=algorithm, min_size=0,
+    tx = topka2a_jax.local_steps(optax.adam(0.05), every=2, algorithm=algorithm, min_size=0,
                                  mesh=mesh, axis_name=axis_name)
   else:  # adam: its count is made on one device, the step places it on every process
     tx = optax.chain(topka2a_jax.topka2a(0.1, algorithm=algorithm, min_size=0,

@@ -40,7 +40,7 @@ TX = optax.chain(topka2a_jax.topka2a(0.05, algorithm="topka2a", min_size=64),
 """A top-k before Adam, named (the default would send 8-bit codes, whose
 rounding turns Gloo's other order of addition into whole quantization steps
 between two processes and one); it warns once, as a user's would."""
-SHARDED = topka2a_jax.sharded_optimizer(optax.adam(1e-2), 1.0, algorithm="topka2a",
+SHARDED = topka2a_jax.sharded_optimizer(optax.adam(1e-2), density=1.0, algorithm="topka2a",
                                         min_size=64)
 """Adam sharded over the devices; density 1.0, so any device count trains alike."""
 PARAMS = {"w": jnp.zeros((40, 30)), "b": jnp.zeros(30)}

@@ -57,9 +57,9 @@ OPTIMIZERS = {
     "compress_updates of adam": lambda mesh, **dense: topka2a_jax.compress_updates(
         optax.adam(1e-2), mesh=mesh, **dense),
     "sharded adam": lambda mesh, **dense: topka2a_jax.sharded_optimizer(
-        optax.adam(1e-2), 1.0, mesh=mesh, **dense),
+        optax.adam(1e-2), density=1.0, mesh=mesh, **dense),
     "local steps of adam": lambda mesh, **dense: topka2a_jax.local_steps(
-        optax.adam(1e-2), 2, mesh=mesh, **dense),
+        optax.adam(1e-2), every=2, mesh=mesh, **dense),
 }
 
 
@@ -67,7 +67,7 @@ def whole_and_accumulated(make, mesh):
   """The README problem's parameters after 3 whole-batch steps of ``make()``, and after
   3 x 4 quarter-batch calls of ``accumulate_gradients(make(), 4)``."""
   loss_fn, params, batch = readme_problem()
-  whole_tx, accumulated_tx = make(), topka2a_jax.accumulate_gradients(make(), EVERY)
+  whole_tx, accumulated_tx = make(), topka2a_jax.accumulate_gradients(make(), every=EVERY)
   whole_step = topka2a_jax.train_step(loss_fn, whole_tx, mesh)
   accumulated_step = topka2a_jax.train_step(loss_fn, accumulated_tx, mesh)
   want, want_state = copy(params), whole_tx.init(params)
@@ -113,7 +113,7 @@ def test_the_calls_between_change_nothing_but_the_sums(mesh):
   w0 = rng.normal(size=(16, 4)).astype(np.float32)
   batches = [rng.normal(size=(DEVICES * 2, 16)).astype(np.float32) for _ in range(EVERY)]
   tx = topka2a_jax.accumulate_gradients(optax.chain(
-      topka2a_jax.topka2a(algorithm="dense", mesh=mesh), optax.adam(0.1)), EVERY)
+      topka2a_jax.topka2a(algorithm="dense", mesh=mesh), optax.adam(0.1)), every=EVERY)
   loss = lambda p, x: jnp.mean((x @ p["w"] - 1.0) ** 2)
   step = topka2a_jax.train_step(loss, tx, mesh, donate=False)
   params = {"w": jnp.asarray(w0)}
@@ -141,7 +141,7 @@ def test_sgd_over_accumulated_steps_matches_numpy(mesh):
   w = np.zeros((16, 4))
   target = rng.normal(size=(16, 4))
   tx = topka2a_jax.accumulate_gradients(optax.chain(
-      topka2a_jax.topka2a(algorithm="dense", mesh=mesh), optax.sgd(0.05)), 3)
+      topka2a_jax.topka2a(algorithm="dense", mesh=mesh), optax.sgd(0.05)), every=3)
   loss = lambda p, x: jnp.mean((x @ p["w"] - x @ jnp.asarray(target, jnp.float32)) ** 2)
   step = topka2a_jax.train_step(loss, tx, mesh)
   params = {"w": jnp.zeros((16, 4))}
@@ -162,7 +162,7 @@ def test_the_exchange_runs_once_per_accumulated_step_with_one_steps_bytes(mesh):
   loss_fn, params, batch = readme_problem()
   plain = optax.chain(topka2a_jax.topka2a(0.01, mesh=mesh), optax.adam(1e-2))
   accumulated = topka2a_jax.accumulate_gradients(
-      optax.chain(topka2a_jax.topka2a(0.01, mesh=mesh), optax.adam(1e-2)), EVERY)
+      optax.chain(topka2a_jax.topka2a(0.01, mesh=mesh), optax.adam(1e-2)), every=EVERY)
   reports = {}
   for name, tx, x in (("plain", plain, batch),
                       ("accumulated", accumulated, small_batches(batch)[0])):
@@ -197,7 +197,7 @@ def test_nnx_train_step_accumulates_as_one_call_of_the_whole_batch(mesh):
   whole_optimizer = nnx.Optimizer(whole, optax.chain(
       topka2a_jax.topka2a(mesh=mesh), optax.adam(1e-2)), wrt=nnx.Param)
   accumulated_optimizer = nnx.Optimizer(accumulated, topka2a_jax.accumulate_gradients(
-      optax.chain(topka2a_jax.topka2a(mesh=mesh), optax.adam(1e-2)), EVERY),
+      optax.chain(topka2a_jax.topka2a(mesh=mesh), optax.adam(1e-2)), every=EVERY),
       wrt=nnx.Param)
   for _ in range(2):
     train(whole, whole_optimizer, batch)
@@ -235,7 +235,7 @@ def test_a_non_finite_call_skips_its_accumulated_step_and_the_next_one_trains(me
   sums start again, so the next accumulated step is the SGD of its own calls."""
   tx = topka2a_jax.accumulate_gradients(optax.chain(
       topka2a_jax.topka2a(algorithm="dense", mesh=mesh, skip_nonfinite=True),
-      optax.sgd(0.1)), 2)
+      optax.sgd(0.1)), every=2)
   loss = lambda p, x: jnp.mean((x @ p["w"] - 1.0) ** 2)
   step = topka2a_jax.train_step(loss, tx, mesh)
   params = {"w": jnp.zeros((16, 4))}
@@ -256,7 +256,7 @@ def test_a_non_finite_call_skips_its_accumulated_step_and_the_next_one_trains(me
 def test_a_hand_written_shard_map_accumulates_with_state_specs(mesh):
   """tx.update inside the user's own shard_map, state laid out by state_specs."""
   tx = topka2a_jax.accumulate_gradients(optax.chain(
-      topka2a_jax.topka2a(algorithm="dense", mesh=mesh), optax.sgd(1.0)), 2)
+      topka2a_jax.topka2a(algorithm="dense", mesh=mesh), optax.sgd(1.0)), every=2)
   params = {"w": jnp.zeros(4)}
   state = topka2a_jax.init(tx, params, mesh)
   specs = topka2a_jax.state_specs(state)
@@ -281,7 +281,7 @@ def test_restored_mid_accumulation_the_step_takes_the_mean_gradient_so_far(tmp_p
   """Saved after 2 of 4 calls on 8 devices, restored onto ``new`` and given 2 zero
   gradients: plain SGD moves by lr times the saved sums' mean over devices / 4."""
   tx = topka2a_jax.accumulate_gradients(optax.chain(
-      topka2a_jax.topka2a(algorithm="dense"), optax.sgd(0.1)), 4)
+      topka2a_jax.topka2a(algorithm="dense"), optax.sgd(0.1)), every=4)
   mesh = resumable_mesh(8)
   state = resumable.train(resumable.fresh(mesh, tx), mesh, range(2), tx)
   assert int(state["opt_state"].step) == 2
@@ -308,7 +308,7 @@ def test_a_checkpoint_restored_into_another_every_is_refused(tmp_path):
 
   def tx(every):
     return topka2a_jax.accumulate_gradients(optax.chain(
-        topka2a_jax.topka2a(algorithm="dense"), optax.sgd(0.1)), every)
+        topka2a_jax.topka2a(algorithm="dense"), optax.sgd(0.1)), every=every)
 
   state = resumable.train(resumable.fresh(mesh, tx(4)), mesh, range(2), tx(4))
   topka2a_jax.save(tmp_path / "ckpt", state, mesh)
@@ -325,21 +325,21 @@ def resumable_mesh(devices):
 
 
 @pytest.mark.parametrize("call, error, match", [
-    (lambda mesh: topka2a_jax.accumulate_gradients(optax.sgd(0.1), 0), ValueError,
+    (lambda mesh: topka2a_jax.accumulate_gradients(optax.sgd(0.1), every=0), ValueError,
      "every must be at least 1"),
-    (lambda mesh: topka2a_jax.accumulate_gradients(optax.sgd(0.1), 2.0), TypeError,
+    (lambda mesh: topka2a_jax.accumulate_gradients(optax.sgd(0.1), every=2.0), TypeError,
      "every must be an int"),
-    (lambda mesh: topka2a_jax.accumulate_gradients(optax.adam, 2), TypeError,
+    (lambda mesh: topka2a_jax.accumulate_gradients(optax.adam, every=2), TypeError,
      "tx must be an optax.GradientTransformation"),
-    (lambda mesh: topka2a_jax.accumulate_gradients(optax.adam(1e-3), 2).init(
+    (lambda mesh: topka2a_jax.accumulate_gradients(optax.adam(1e-3), every=2).init(
         {"w": jnp.zeros(4)}), ValueError,
      r"holds no topka2a exchange.*accumulate_gradients\(optax.chain\(topka2a_jax.topka2a"),
     (lambda mesh: topka2a_jax.accumulate_gradients(optax.chain(topka2a_jax.topka2a(
         0.01, mesh=jax.make_mesh((8,), ("batch",)), axis_name="batch"),
-        optax.sgd(0.1)), 2).init({"w": jnp.zeros(4)}), ValueError,
+        optax.sgd(0.1)), every=2).init({"w": jnp.zeros(4)}), ValueError,
      r"no mesh with the data axis 'data'.*axis_name=<the exchange's>"),
     (lambda mesh: topka2a_jax.accumulate_gradients(topka2a_jax.accumulate_gradients(
-        optax.chain(topka2a_jax.topka2a(0.01, mesh=mesh), optax.sgd(0.1)), 2), 2).init(
+        optax.chain(topka2a_jax.topka2a(0.01, mesh=mesh), optax.sgd(0.1)), every=2), every=2).init(
         {"w": jnp.zeros(4)}), ValueError,
      "wraps another accumulate_gradients.*Use one, with every= the product of the two"),
 ], ids=["every-0", "every-float", "factory", "no-exchange", "another-axis", "nested"])
@@ -355,7 +355,7 @@ def test_an_optimizer_after_a_whole_optimizer_is_refused_naming_the_fix(mesh, wr
   them at ``init`` and, where ``init`` went another way, at the step."""
   loss_fn, params, batch = readme_problem()
   whole = {"accumulate_gradients": lambda: topka2a_jax.accumulate_gradients(
-               topka2a_jax.topka2a(0.01, mesh=mesh), EVERY),
+               topka2a_jax.topka2a(0.01, mesh=mesh), every=EVERY),
            "local_steps": lambda: topka2a_jax.local_steps(optax.adam(1e-2), mesh=mesh)}
   fix = {"accumulate_gradients": r"accumulate_gradients\(optax.chain\(topka2a_jax.topka2a",
          "local_steps": r"local_steps\(optax.adam\(...\), outer=...\), and use it alone"}

@@ -77,7 +77,7 @@ def test_averaging_the_inner_state_gives_every_device_the_devices_mean_moments(m
   import topka2a_jax
 
   network_training = load("network_training")
-  tx = topka2a_jax.local_steps(optax.adam(0.1), 2, mesh=mesh)
+  tx = topka2a_jax.local_steps(optax.adam(0.1), every=2, mesh=mesh)
   state = topka2a_jax.init(tx, {"w": np.zeros(3, np.float32)}, mesh)
   devices = mesh.size
   mu = np.arange(devices * 3, dtype=np.float32).reshape(devices, 3)  # device d: 3d, 3d+1, 3d+2
@@ -112,7 +112,7 @@ def test_the_inner_state_averaged_in_few_bits_keeps_small_second_moments_near_th
 
   network_training = load("network_training")
   devices, size = mesh.size, 3000  # a shard of whole chunks, padded
-  tx = topka2a_jax.local_steps(optax.adam(0.1), 2, mesh=mesh)
+  tx = topka2a_jax.local_steps(optax.adam(0.1), every=2, mesh=mesh)
   state = topka2a_jax.init(tx, {"w": np.zeros(size, np.float32)}, mesh)
   rng = np.random.default_rng(0)
   mu = rng.normal(size=(devices, size)).astype(np.float32)

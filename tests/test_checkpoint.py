@@ -76,7 +76,7 @@ DRAINED = {
     "topka2a_sparse": optax.chain(topka2a_jax.topka2a(
         0.05, algorithm="topka2a_sparse", min_size=64), optax.sgd(0.1)),
     "compress_updates": topka2a_jax.compress_updates(
-        optax.sgd(0.1, momentum=0.5), 0.05, min_size=64),
+        optax.sgd(0.1, momentum=0.5), density=0.05, min_size=64),
     "powersgd": optax.chain(topka2a_jax.topka2a(algorithm="powersgd", rank=4),
                             optax.sgd(0.1)),
     "topka2a, bfloat16 residuals": optax.chain(topka2a_jax.topka2a(
@@ -875,7 +875,7 @@ def test_local_steps_restored_mid_round_deliver_the_rounds_mean_progress(tmp_pat
   """Saved two steps into a round of four on 8 devices, restored onto ``new``: with zero
   gradients after the restore (plain SGD inside: no motion of its own), the round's end
   moves the shared parameters by the saved local parameters' mean distance, no more."""
-  tx = topka2a_jax.local_steps(optax.sgd(0.1), 4, algorithm="dense")
+  tx = topka2a_jax.local_steps(optax.sgd(0.1), every=4, algorithm="dense")
   mesh = sub_mesh(8)
   state = resumable.train(resumable.fresh(mesh, tx), mesh, range(2), tx)
   assert int(state["opt_state"].step) == 2
@@ -899,12 +899,12 @@ def test_local_steps_restored_mid_round_deliver_the_rounds_mean_progress(tmp_pat
 def test_a_local_steps_checkpoint_restored_into_another_round_length_is_refused(tmp_path):
   """Saved mid-round by ``every=4``; the user rebuilds with ``every=8``: refused, naming both."""
   mesh = sub_mesh(8)
-  saved_by = topka2a_jax.local_steps(optax.sgd(0.1), 4, algorithm="dense")
+  saved_by = topka2a_jax.local_steps(optax.sgd(0.1), every=4, algorithm="dense")
   state = resumable.train(resumable.fresh(mesh, saved_by), mesh, range(2), saved_by)
   with topka2a_jax.CheckpointManager(tmp_path / "root", mesh) as manager:
     manager.save(2, state)
     manager.wait_until_finished()
-    other = topka2a_jax.local_steps(optax.sgd(0.1), 8, algorithm="dense")
+    other = topka2a_jax.local_steps(optax.sgd(0.1), every=8, algorithm="dense")
     with pytest.raises(ValueError, match=r"saved by local_steps\(\.\.\., every=4\) and is "
                        r"restored into the state of local_steps\(\.\.\., every=8\).*2 steps "
                        r"in.*Build the optimizer with every=4"):
@@ -918,7 +918,7 @@ def test_rounds_that_shorten_go_on_shortened_after_a_restore(tmp_path):
   restored into a fresh state: two more steps end two rounds, as in the run that was
   not interrupted (five rounds in seven steps; rounds of 2 throughout would make three),
   and land on its shared parameters."""
-  tx = topka2a_jax.local_steps(optax.sgd(0.1), {0: 2, 4: 1}, algorithm="dense")
+  tx = topka2a_jax.local_steps(optax.sgd(0.1), every={0: 2, 4: 1}, algorithm="dense")
   mesh = sub_mesh(8)
   whole = resumable.train(resumable.fresh(mesh, tx), mesh, range(7), tx)
   saved = resumable.train(resumable.fresh(mesh, tx), mesh, range(5), tx)

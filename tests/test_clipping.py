@@ -82,7 +82,7 @@ def test_the_warning_finds_the_order_inside_wrappers(mesh, wrap):
 
 def test_clipping_inside_compress_updates_does_not_warn(mesh):
   tx = topka2a_jax.compress_updates(
-      optax.chain(optax.clip_by_global_norm(MAX_NORM), optax.adam(1e-3)), 0.01, mesh=mesh)
+      optax.chain(optax.clip_by_global_norm(MAX_NORM), optax.adam(1e-3)), density=0.01, mesh=mesh)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     topka2a_jax.train_step(loss_fn, tx, mesh)

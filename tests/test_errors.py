@@ -81,7 +81,7 @@ def test_local_steps_names_its_own_arguments_and_itself():
 def test_sharded_optimizer_refuses_the_options_it_has_no_use_for_saying_why():
   for name, value in (("fusion", 1), ("backward_seconds", 0.1), ("rank", 2)):
     with pytest.raises(TypeError, match=f"sharded_optimizer takes no {name}=: "):
-      topka2a_jax.sharded_optimizer(optax.sgd(0.1), 0.01, **{name: value})
+      topka2a_jax.sharded_optimizer(optax.sgd(0.1), density=0.01, **{name: value})
   assert not {"fusion", "backward_seconds", "rank"} & set(
       inspect.signature(topka2a_jax.sharded_optimizer).parameters)
 
@@ -188,7 +188,7 @@ def test_wrong_axis_name_inside_shard_map(mesh):
 @pytest.mark.parametrize("make", [
     lambda: optax.chain(topka2a_jax.topka2a(0.1, axis_name="model", min_size=0),
                         optax.sgd(0.1)),
-    lambda: topka2a_jax.compress_updates(optax.sgd(0.1), 0.1, axis_name="model",
+    lambda: topka2a_jax.compress_updates(optax.sgd(0.1), density=0.1, axis_name="model",
                                          min_size=0)])
 def test_a_transform_over_one_axis_in_a_step_over_another_names_both(make):
   """A user's 4 x 2 mesh: the exchange built over "model", the step over "data"."""
@@ -260,9 +260,9 @@ def test_state_of_another_model(mesh):
 
 TRANSFORMS_WITH_A_STATE = {
     "chain": lambda: optax.chain(topka2a_jax.topka2a(0.1, min_size=0), optax.adam(1e-3)),
-    "compress_updates": lambda: topka2a_jax.compress_updates(optax.adam(1e-3), 0.1,
+    "compress_updates": lambda: topka2a_jax.compress_updates(optax.adam(1e-3), density=0.1,
                                                              min_size=0),
-    "sharded_optimizer": lambda: topka2a_jax.sharded_optimizer(optax.adam(1e-3), 0.1,
+    "sharded_optimizer": lambda: topka2a_jax.sharded_optimizer(optax.adam(1e-3), density=0.1,
                                                                min_size=0),
 }
 
@@ -486,7 +486,7 @@ def test_a_name_that_moved_off_the_top_level_says_where_it_is_now(name, now):
 @pytest.mark.parametrize("wrap", [
     lambda inner, mesh: topka2a_jax.compress_updates(inner, mesh=mesh),
     lambda inner, mesh: topka2a_jax.skip_nonfinite(inner),
-    lambda inner, mesh: topka2a_jax.sharded_optimizer(inner, 0.01, mesh=mesh)])
+    lambda inner, mesh: topka2a_jax.sharded_optimizer(inner, density=0.01, mesh=mesh)])
 def test_an_optimizer_argument_that_is_not_one_says_what_to_pass(mesh, wrap):
   with pytest.raises(TypeError, match=r"got the function adam itself: call it, e\.g\. "
                                       r"optax\.adam\(1e-3\)"):
@@ -607,3 +607,46 @@ def test_an_axis_name_the_state_was_not_made_over_is_named(mesh):
   with pytest.raises(ValueError, match=r"skip_nonfinite\(..., axis_name='batch'\).*laid out "
                                        r"over 'data'.*axis_name='data'"):
     guarded.init(params)
+
+
+@pytest.mark.parametrize("old, new", [
+    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), 8, None, None),
+     r"local_steps\(inner, 8, None, None\): pass every=, outer=, density= by keyword"),
+    (lambda: topka2a_jax.compress_updates(optax.adam(1e-3), 0.01),
+     (r"compress_updates\(inner, 0.01\): pass density= by keyword, "
+     r"compress_updates\(inner, density=0.01\)")),
+    (lambda: topka2a_jax.sharded_optimizer(optax.adam(1e-3), 0.01),
+     r"sharded_optimizer\(inner, 0.01\): pass density= by keyword"),
+    (lambda: topka2a_jax.skip_nonfinite(optax.adam(1e-3), "data"),
+     r"skip_nonfinite\(inner, 'data'\): pass axis_name= by keyword"),
+    (lambda: topka2a_jax.accumulate_gradients(tx=optax.chain(topka2a_jax.topka2a(0.01),
+                                                             optax.sgd(0.1)), every=2),
+     r"accumulate_gradients\(tx=...\) is now accumulate_gradients\(inner=...\)"),
+    (lambda: topka2a_jax.accumulate_gradients(optax.chain(topka2a_jax.topka2a(0.01),
+                                                          optax.sgd(0.1)), 2),
+     r"accumulate_gradients\(inner, 2\): pass every= by keyword"),
+    (lambda: topka2a_jax.accumulate_gradients(optax.chain(topka2a_jax.topka2a(0.01),
+                                                          optax.sgd(0.1)), every=2,
+                                              axis_name="data"),
+     (r"accumulate_gradients\(..., axis_name=...\) is no longer needed: it reads the axis "
+     r"from the exchange it wraps")),
+], ids=["local_steps", "compress_updates", "sharded_optimizer", "skip_nonfinite",
+        "accumulate tx=", "accumulate every", "accumulate axis_name"])
+def test_a_wrappers_old_spelling_works_with_a_warning_naming_the_new(old, new):
+  with pytest.warns(DeprecationWarning, match=new):
+    tx = old()
+  assert callable(tx.init) and callable(tx.update)
+
+
+def test_accumulate_gradients_reads_the_axis_from_the_exchange_it_wraps():
+  """Once from the exchange, never twice: the pair of axes of a two-level exchange."""
+  mesh = jax.make_mesh((2, 4), ("node", "local"))
+  exchange = topka2a_jax.topka2a(0.1, mesh=mesh, axis_name=("node", "local"), min_size=0)
+  tx = topka2a_jax.accumulate_gradients(optax.chain(exchange, optax.sgd(0.1)), every=2)
+  state = tx.init(PARAMS)
+  assert state.grads["w"].shape == (8, *PARAMS["w"].shape)  # one sum per device
+  refused = pytest.raises(ValueError, match=r"axis_name='data'\) wraps an exchange over "
+                                          r"\('node', 'local'\); leave axis_name out")
+  with refused, pytest.warns(DeprecationWarning):
+    topka2a_jax.accumulate_gradients(optax.chain(exchange, optax.sgd(0.1)), every=2,
+                                     axis_name="data")

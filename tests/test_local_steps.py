@@ -111,8 +111,8 @@ def test_rounds_match_the_numpy_model(mesh, every):
   A dict of round lengths: two rounds of 2 steps, two of 1, then rounds of 3.
   """
   tx = topka2a_jax.local_steps(
-      optax.adam(LR, b1=B1, b2=B2, eps=EPS), every,
-      optax.sgd(OUTER_LR, momentum=OUTER_MOMENTUM), algorithm="dense")
+      optax.adam(LR, b1=B1, b2=B2, eps=EPS), every=every,
+      outer=optax.sgd(OUTER_LR, momentum=OUTER_MOMENTUM), algorithm="dense")
   steps = [random_grads(seed) for seed in range(7 if isinstance(every, int) else 10)]
   model = NumpyLocalSteps(SHAPES, every, "dense", None)
   params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
@@ -164,8 +164,8 @@ def test_averaging_the_inner_state_starts_every_round_from_the_devices_mean_mome
   predicts every update and offset."""
   every = 3
   tx = topka2a_jax.local_steps(
-      optax.adam(LR, b1=B1, b2=B2, eps=EPS), every,
-      optax.sgd(OUTER_LR, momentum=OUTER_MOMENTUM), algorithm="dense",
+      optax.adam(LR, b1=B1, b2=B2, eps=EPS), every=every,
+      outer=optax.sgd(OUTER_LR, momentum=OUTER_MOMENTUM), algorithm="dense",
       average_inner_state=True)
   shapes = WITH_MOMENTS_IN_CODE
   steps = [random_grads(seed, shapes) for seed in range(7)]
@@ -196,7 +196,7 @@ def test_two_levels_average_the_inner_state_over_the_nodes():
   two nodes' mean moments (the model fed each node's mean gradient), exactly for
   small leaves and to the code for a large one."""
   mesh = jax.make_mesh((2, 4), ("node", "local"))
-  tx = topka2a_jax.local_steps(optax.adam(LR, b1=B1, b2=B2, eps=EPS), 2, optax.sgd(1.0),
+  tx = topka2a_jax.local_steps(optax.adam(LR, b1=B1, b2=B2, eps=EPS), every=2, outer=optax.sgd(1.0),
                                algorithm="dense", axis_name=("node", "local"),
                                average_inner_state=True)
   shapes = WITH_MOMENTS_IN_CODE
@@ -238,7 +238,7 @@ def test_averaging_the_inner_state_keeps_the_optimizers_constants_as_set(name, d
   moments are averaged."""
   make, constants, moment = CONSTANTS[name]
   mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
-  tx = topka2a_jax.local_steps(make(), 2, algorithm="dense", mesh=mesh,
+  tx = topka2a_jax.local_steps(make(), every=2, algorithm="dense", mesh=mesh,
                                average_inner_state=True)
   step = topka2a_jax.train_step(_least_squares, tx, mesh)
   rng = np.random.default_rng(0)
@@ -264,7 +264,7 @@ def test_averaging_the_inner_state_gives_a_scalar_its_exact_mean(mesh):
       return updates, total + 1e-3 * sum(jnp.mean(u) for u in jax.tree.leaves(updates))
     return optax.GradientTransformation(lambda params: jnp.zeros((), jnp.float32), update)
 
-  tx = topka2a_jax.local_steps(optax.chain(running_sum(), optax.adam(LR)), 2,
+  tx = topka2a_jax.local_steps(optax.chain(running_sum(), optax.adam(LR)), every=2,
                                algorithm="dense", average_inner_state=True)
   steps = [random_grads(seed) for seed in range(2)]
   _, state = _steps(tx, mesh, steps, {k: jnp.zeros(s) for k, s in SHAPES.items()})[-1]
@@ -308,7 +308,7 @@ def test_two_levels_train_each_node_as_one_and_run_rounds_between_nodes(algorith
   mesh = jax.make_mesh((2, 4), ("node", "local"))
   outer = (optax.sgd(OUTER_LR, momentum=OUTER_MOMENTUM) if algorithm == "dense"
            else optax.sgd(1.0))
-  tx = topka2a_jax.local_steps(optax.adam(LR, b1=B1, b2=B2, eps=EPS), 2, outer,
+  tx = topka2a_jax.local_steps(optax.adam(LR, b1=B1, b2=B2, eps=EPS), every=2, outer=outer,
                                algorithm=algorithm, axis_name=("node", "local"))
   steps = [random_grads(seed) for seed in range(5)]
   node_means = [{k: np.repeat(g.reshape(2, 4, *g.shape[1:]).mean(1), 4, axis=0)
@@ -341,9 +341,9 @@ def test_a_compressed_round_delivers_the_mean_pseudo_gradient_or_owes_it(
   """In parameter space: what the shared parameters moved, plus what error feedback
   still owes them (the residuals' sum over the devices), is every round's mean
   distance travelled, from the NumPy model's Adam, with outer SGD at 1."""
-  tx = topka2a_jax.local_steps(optax.adam(LR, b1=B1, b2=B2, eps=EPS), every,
-                               optax.sgd(1.0), density, algorithm=algorithm, min_size=0,
-                               fusion=1)
+  tx = topka2a_jax.local_steps(optax.adam(LR, b1=B1, b2=B2, eps=EPS), every=every,
+                               outer=optax.sgd(1.0), density=density, algorithm=algorithm,
+                               min_size=0, fusion=1)
   steps = [random_grads(seed) for seed in range(7)]
   model = NumpyLocalSteps(SHAPES, every, "dense", None)  # its offsets: Adam's alone
   params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
@@ -373,7 +373,7 @@ def test_train_step_takes_each_devices_gradient_at_its_own_parameters(mesh):
   x = rng.normal(size=(DEVICES * 16, 12)).astype(np.float32)
   y = rng.normal(size=(DEVICES * 16, 3)).astype(np.float32)
   lr, every = 0.05, 3
-  tx = topka2a_jax.local_steps(optax.sgd(lr), every, algorithm="dense", mesh=mesh)
+  tx = topka2a_jax.local_steps(optax.sgd(lr), every=every, algorithm="dense", mesh=mesh)
   step = topka2a_jax.train_step(_least_squares, tx, mesh)
   params = {"w": jnp.zeros((12, 3))}
   state = tx.init(params)
@@ -398,7 +398,7 @@ def test_a_hand_written_step_says_where_it_took_the_gradient_or_is_refused(mesh)
   rows = NamedSharding(mesh, P("data"))
   x = jax.device_put(rng.normal(size=(DEVICES * 16, 12)).astype(np.float32), rows)
   y = jax.device_put(rng.normal(size=(DEVICES * 16, 3)).astype(np.float32), rows)
-  tx = topka2a_jax.local_steps(optax.sgd(0.05), 3, algorithm="dense", mesh=mesh)
+  tx = topka2a_jax.local_steps(optax.sgd(0.05), every=3, algorithm="dense", mesh=mesh)
   fresh = lambda: jax.device_put({"w": jnp.zeros((12, 3))}, NamedSharding(mesh, P()))
   specs = topka2a_jax.state_specs(tx.init(fresh()))
 
@@ -432,7 +432,7 @@ def test_every_one_with_outer_sgd_one_is_compress_updates(mesh):
   grads = [random_grads(seed) for seed in range(4)]
   params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
   inner = optax.adam(LR, b1=B1, b2=B2, eps=EPS)
-  local = _steps(topka2a_jax.local_steps(inner, 1, algorithm="quantized_8_8_fine",
+  local = _steps(topka2a_jax.local_steps(inner, every=1, algorithm="quantized_8_8_fine",
                                          min_size=0), mesh, grads, params)
   compressed = _steps(topka2a_jax.compress_updates(inner, algorithm="quantized_8_8_fine",
                                                    min_size=0), mesh, grads, params)
@@ -445,7 +445,7 @@ def test_a_non_finite_gradient_skips_the_step_and_the_round_waits(mesh):
   bad = {k: v.copy() for k, v in grads[1].items()}
   bad["b"][3, 0] = np.nan
   params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
-  tx = topka2a_jax.local_steps(optax.adam(LR), 2, algorithm="dense")
+  tx = topka2a_jax.local_steps(optax.adam(LR), every=2, algorithm="dense")
   history = _steps(tx, mesh, [grads[0], bad, grads[2]], params)
   clean = _steps(tx, mesh, [grads[0], grads[2]], params)
   assert [int(s.step) for _, s in history] == [1, 1, 0]
@@ -465,7 +465,7 @@ def test_skipped_inner_steps_are_counted_and_a_round_that_cannot_finish_is_dropp
   loss = lambda p, batch: _least_squares(p, batch) + jnp.mean(p["w"] ** 4)  # overflows far out
   rate = lambda count: jnp.where(count < 1, 1e30, 1e-2)  # the first step only: huge
   stuck = topka2a_jax.local_steps(optax.inject_hyperparams(optax.sgd)(learning_rate=rate),
-                                  4, algorithm="dense", mesh=mesh)
+                                  every=4, algorithm="dense", mesh=mesh)
   step, state = topka2a_jax.train_step(loss, stuck, mesh), stuck.init(fresh())
   limit = SKIPPED_IN_A_ROW
   shared = fresh()
@@ -477,7 +477,7 @@ def test_skipped_inner_steps_are_counted_and_a_round_that_cannot_finish_is_dropp
   assert (int(state.step), int(state.exchange.nonfinite_steps)) == (0, limit + 1)
   assert int(state.exchange.count) == 0
   np.testing.assert_array_equal(np.asarray(shared["w"]), 0)
-  clean = topka2a_jax.local_steps(optax.sgd(1e-2), 4, algorithm="dense", mesh=mesh)
+  clean = topka2a_jax.local_steps(optax.sgd(1e-2), every=4, algorithm="dense", mesh=mesh)
   clean_step, clean_state, want = topka2a_jax.train_step(loss, clean, mesh), \
       clean.init(fresh()), fresh()
   for batch in batches:
@@ -497,7 +497,8 @@ def test_auto_before_an_sgd_outer_plans_the_coded_forms_not_a_top_k(mesh, outer,
   sent = {}
   for name in ("auto", "rotated_4_4"):
     with caplog.at_level("INFO", logger="topka2a_jax"):  # "auto" says its plan when built
-      tx = topka2a_jax.local_steps(optax.adam(1e-3), 4, outer, algorithm=name, mesh=mesh)
+      tx = topka2a_jax.local_steps(optax.adam(1e-3), every=4, outer=outer, algorithm=name,
+                                   mesh=mesh)
       step = topka2a_jax.train_step(loss, tx, mesh)
       sent[name] = topka2a_jax.comm_report(step.lower(params, tx.init(params), x)).total_bytes
   assert sent["auto"] == sent["rotated_4_4"]
@@ -513,7 +514,7 @@ def test_bytes_per_step_are_the_exchanges_over_the_round(mesh):
   reports = {}
   for name, tx in (("dense", optax.chain(topka2a_jax.topka2a(algorithm="dense", mesh=mesh),
                                          optax.adam(1e-3))),
-                   ("local", topka2a_jax.local_steps(optax.adam(1e-3), 8, mesh=mesh))):
+                   ("local", topka2a_jax.local_steps(optax.adam(1e-3), every=8, mesh=mesh))):
     step = topka2a_jax.train_step(loss, tx, mesh)
     reports[name] = topka2a_jax.comm_report(step.lower(params, tx.init(params), x))
   local = reports["local"]
@@ -540,8 +541,8 @@ def test_averaging_a_state_that_keeps_the_parameters_is_refused_at_init(mesh, in
   the initial parameters: the 8-bit code would round them, so ``init`` refuses,
   naming the leaf and the fix, also where a user jits it."""
   params = {"w": jax.random.normal(jax.random.key(0), (32, 32)), "b": jnp.ones(8)}
-  tx = topka2a_jax.local_steps(inner, 4, mesh=mesh, average_inner_state=True)
-  plain = topka2a_jax.local_steps(inner, 4, mesh=mesh).init
+  tx = topka2a_jax.local_steps(inner, every=4, mesh=mesh, average_inner_state=True)
+  plain = topka2a_jax.local_steps(inner, every=4, mesh=mesh).init
   init, plain = (jax.jit(tx.init), jax.jit(plain)) if traced else (tx.init, plain)
   with jax.set_mesh(mesh) if in_mesh else contextlib.nullcontext():
     with pytest.raises(ValueError,
@@ -570,7 +571,7 @@ def test_a_state_that_keeps_the_parameters_through_arithmetic_is_refused(mesh, c
   """Such copies were accepted, then moved by up to 12% a round by the 8-bit code."""
   params = {"w": jnp.zeros((32, 32)), "b": jnp.ones(8)}  # zeros: like Adam's moments
   params["w"] = params["w"].at[0, 0].set(1.0)
-  tx = topka2a_jax.local_steps(keeping(copy), 4, mesh=mesh, average_inner_state=True)
+  tx = topka2a_jax.local_steps(keeping(copy), every=4, mesh=mesh, average_inner_state=True)
   with pytest.raises(ValueError, match=r"keeps at \[1\]\['w'\].*Leave average_inner_state off"):
     (jax.jit(tx.init) if traced else tx.init)(params)
 
@@ -581,40 +582,41 @@ def test_a_state_of_moments_that_starts_above_zero_is_taken(mesh, inner):
   """Adagrad's accumulator and Rprop's step sizes start above zero, as no moment of
   Adam's does, yet are no copy of the parameters: ``init`` takes them."""
   params = {"w": jax.random.normal(jax.random.key(0), (32, 32))}
-  topka2a_jax.local_steps(inner, 4, mesh=mesh, average_inner_state=True).init(params)
+  topka2a_jax.local_steps(inner, every=4, mesh=mesh, average_inner_state=True).init(params)
 
 
 @pytest.mark.parametrize("call, error, match", [
-    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), 0), ValueError,
+    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), every=0), ValueError,
      "every must be at least 1"),
-    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), 2.5), TypeError, "every must be an int"),
-    (lambda: topka2a_jax.local_steps(optax.adam, 4), TypeError,
+    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), every=2.5), TypeError,
+     "every must be an int"),
+    (lambda: topka2a_jax.local_steps(optax.adam, every=4), TypeError,
      "inner must be an optax.GradientTransformation"),
-    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), 4, outer="sgd"), TypeError,
+    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), every=4, outer="sgd"), TypeError,
      "outer must be an optax.GradientTransformation"),
-    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), 4, follows="sgd"), TypeError,
+    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), every=4, follows="sgd"), TypeError,
      "local_steps takes no follows="),
-    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), 4, average_inner_state="mu"),
+    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), every=4, average_inner_state="mu"),
      TypeError, "average_inner_state must be True or False"),
-    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), {0: 4, 6: 2}), ValueError,
+    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), every={0: 4, 6: 2}), ValueError,
      r"rounds of 4 steps from step 0 end at steps 4 and 8, not at 6"),
-    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), {8: 2}), ValueError,
+    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), every={8: 2}), ValueError,
      "nothing of the rounds before step 8: give their length at key 0"),
-    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), {0: 4, 96: 0}), ValueError,
+    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), every={0: 4, 96: 0}), ValueError,
      r"every\[96\] must be at least 1"),
-    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), "4"), TypeError,
+    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), every="4"), TypeError,
      "every must be an int, or a dict from the step"),
-    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), 4, density=0.01), ValueError,
+    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), every=4, density=0.01), ValueError,
      (r"local_steps\(density=0.01\) would be unused: its exchange, "
       r"algorithm='rotated_4_4', sends every entry. Leave density out")),
-    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), 4, density=0.01, algorithm="auto"),
+    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), every=4, density=0.01, algorithm="auto"),
      ValueError, r"before local_steps' outer step \"auto\" plans only such codes"),
-    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), 2**31), ValueError,
+    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), every=2**31), ValueError,
      (r"every must be at most 2,147,483,647 \(the state counts it in int32\), got "
      "2,147,483,648")),
-    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), {0: 1, 2**33: 2}), ValueError,
+    (lambda: topka2a_jax.local_steps(optax.adam(1e-3), every={0: 1, 2**33: 2}), ValueError,
      r"every's key 8589934592 must be at most 2,147,483,647"),
-    (lambda: topka2a_jax.accumulate_gradients(optax.adam(1e-3), 2**31), ValueError,
+    (lambda: topka2a_jax.accumulate_gradients(optax.adam(1e-3), every=2**31), ValueError,
      r"every must be at most 2,147,483,647"),
 ], ids=["every-0", "every-float", "inner-factory", "outer-string", "follows", "average-str",
         "stretch-inside-a-round", "no-stretch-from-0", "length-0", "every-str",

@@ -179,7 +179,7 @@ EXCHANGE_STATES = {
         optax.adam(1e-2), algorithm="rotated_4_8", mesh=mesh, min_size=0),
     # ... or local steps: every device's Adam state and offset, one round of two:
     "local steps of adam": lambda mesh: topka2a_jax.local_steps(
-        optax.adam(1e-2), 2, mesh=mesh, min_size=0),
+        optax.adam(1e-2), every=2, mesh=mesh, min_size=0),
 }
 
 

@@ -221,8 +221,8 @@ def test_a_non_finite_step_from_finite_gradients_is_skipped_by_every_exchange(
   skip_nonfinite, whose decision reads the gradients alone, the inner steps
   are still checked."""
   options = {} if algorithm is None else {"algorithm": algorithm}
-  tx = topka2a_jax.compress_updates(optax.adam(1e-2), 0.01 if algorithm == "topka2a" else None,
-                                    min_size=0, **options)
+  tx = topka2a_jax.compress_updates(
+      optax.adam(1e-2), density=0.01 if algorithm == "topka2a" else None, min_size=0, **options)
   if wrapped:
     tx = topka2a_jax.skip_nonfinite(tx)
   rng = np.random.default_rng(0)
@@ -342,7 +342,7 @@ def test_nan_is_seen_in_a_large_float32_leaf_on_one_device(mesh, entries, patter
     lambda: optax.chain(topka2a_jax.topka2a(0.01, min_size=0), optax.sgd(0.1)),
     lambda: topka2a_jax.skip_nonfinite(
         optax.chain(topka2a_jax.topka2a(0.01, min_size=0), optax.adam(1e-3))),
-    lambda: topka2a_jax.sharded_optimizer(optax.adam(1e-3), 0.01, min_size=0),
+    lambda: topka2a_jax.sharded_optimizer(optax.adam(1e-3), density=0.01, min_size=0),
     lambda: topka2a_jax.compress_updates(optax.adam(1e-3), min_size=0),
 ], ids=["8-bit before adam", "top-k before sgd", "skip_nonfinite", "sharded_optimizer",
         "compress_updates"])
@@ -392,7 +392,7 @@ def test_a_step_of_huge_entries_leaves_a_rotated_code_finite_and_stepping(
 @pytest.mark.parametrize("make", [
     lambda: topka2a_jax.compress_updates(optax.sgd(1.0, momentum=0.9), algorithm="dense",
                                          min_size=0),
-    lambda: topka2a_jax.sharded_optimizer(optax.sgd(1.0, momentum=0.9), 1.0,
+    lambda: topka2a_jax.sharded_optimizer(optax.sgd(1.0, momentum=0.9), density=1.0,
                                           algorithm="dense", min_size=0),
 ], ids=["compress_updates", "sharded_optimizer"])
 def test_a_skip_after_the_count_of_skips_saturates_still_holds_the_inner_state(

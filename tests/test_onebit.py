@@ -215,7 +215,7 @@ def test_compress_updates_sends_signs_unless_given_a_density(mesh):
   # Signs to the owners, means back in 4 bits.
   assert signs == pytest.approx(ALGORITHMS["onebit_4"].cost(4096 * 8, 8, 1.0).bytes,
                                 rel=0.01)
-  top_k = sent(topka2a_jax.compress_updates(optax.adam(1e-3), 0.01, mesh=mesh))
+  top_k = sent(topka2a_jax.compress_updates(optax.adam(1e-3), density=0.01, mesh=mesh))
   # 1% of 32,768 entries, 328 float32 values and uint16 indices, to 7 peers
   # (TopkA): 0.77x the signs' bytes.
   assert top_k == pytest.approx(7 * 328 * 6, rel=0.01)

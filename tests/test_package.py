@@ -61,8 +61,8 @@ def module_level(tree: ast.Module) -> list[ast.stmt]:
 
 
 LAYERS = ("training", "checkpointing", "runtime", "transforms", "options", "planner",
-          "collectives", "layout", "states", "buffers", "arguments", "caller", "axis", "sizes",
-          "lazy")
+          "rounds", "collectives", "layout", "states", "buffers", "arguments", "caller", "axis",
+          "sizes", "lazy")
 """The parts and shared records of ``topka2a_jax/_src``, top down: each imports
 only what comes after it (``_src/__init__.py`` and ``docs/layout.md`` say so)."""
 

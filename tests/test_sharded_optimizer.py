@@ -50,7 +50,7 @@ def _plain_and_sharded(inner, **options):
   """The plain chain with one bucket per leaf, and the sharded optimizer."""
   options = {"algorithm": "topka2a", "min_size": 100, **options}
   return (optax.chain(topka2a_jax.topka2a(0.05, fusion=1, **options), inner),
-          topka2a_jax.sharded_optimizer(inner, 0.05, **options))
+          topka2a_jax.sharded_optimizer(inner, density=0.05, **options))
 
 
 def _both(inner, train_steps, mesh, steps=20, **options):
@@ -96,7 +96,7 @@ def test_the_mask_sees_the_leaves_dimensions(train_steps, mesh):
   """Weight decay masked off 1-D leaves: a bias with zero gradient stays put."""
   inner = optax.adamw(1e-2, weight_decay=0.5, mask=lambda p: jax.tree.map(
       lambda x: x.ndim > 1, p))
-  tx = topka2a_jax.sharded_optimizer(inner, 0.05, algorithm="topka2a")
+  tx = topka2a_jax.sharded_optimizer(inner, density=0.05, algorithm="topka2a")
   params = {"w": jnp.ones((64, 8)), "b": jnp.ones(8)}
   loss = lambda p, x: jnp.sum(x @ p["w"]) * 0.0
   (params, _, _), = train_steps(tx, mesh, loss, params, [jnp.ones((8, 64))])
@@ -116,7 +116,7 @@ def test_state_bytes_per_device_are_a_shard(mesh):
   params = {"w": jnp.zeros((1001, 33)), "b": jnp.zeros(33), "scale": jnp.zeros(())}
   inner = optax.adam(1e-3)
   plain = optax.chain(topka2a_jax.topka2a(0.01, mesh=mesh), inner).init(params)[1]
-  sharded = topka2a_jax.sharded_optimizer(inner, 0.01, mesh=mesh).init(params).inner
+  sharded = topka2a_jax.sharded_optimizer(inner, density=0.01, mesh=mesh).init(params).inner
   device = mesh.devices.flat[0]
 
   def on_device(tree):
@@ -136,20 +136,20 @@ def test_state_bytes_per_device_are_a_shard(mesh):
 ], ids=["clip", "lamb", "adafactor"])
 def test_transforms_that_reduce_are_refused_by_name(inner, named):
   with pytest.raises(ValueError, match=named) as error:
-    topka2a_jax.sharded_optimizer(inner, 0.01)
+    topka2a_jax.sharded_optimizer(inner, density=0.01)
   assert "optax.chain(topka2a_jax.topka2a" in str(error.value)
 
 
 @pytest.mark.parametrize("inner", [optax.lion(1e-3), optax.adamw(1e-3),
                                    optax.sgd(optax.cosine_decay_schedule(0.1, 100))])
 def test_element_wise_transforms_are_accepted(inner, mesh):
-  tx = topka2a_jax.sharded_optimizer(inner, 0.01, mesh=mesh)
+  tx = topka2a_jax.sharded_optimizer(inner, density=0.01, mesh=mesh)
   assert tx.init({"w": jnp.zeros((16, 16))}) is not None
 
 
 def test_exchanges_without_an_owner_phase_are_refused():
   with pytest.raises(ValueError, match="'allgather' has no such phase"):
-    topka2a_jax.sharded_optimizer(optax.adam(1e-3), 0.01, algorithm="allgather")
+    topka2a_jax.sharded_optimizer(optax.adam(1e-3), density=0.01, algorithm="allgather")
 
 
 @pytest.mark.parametrize("name, bits, chunk, rotated", [
@@ -281,7 +281,7 @@ def test_a_hand_written_2d_step_with_param_specs():
 
 def test_a_hand_written_shard_map_step(mesh):
   """tx.update inside the user's own shard_map, specs from state_specs."""
-  tx = topka2a_jax.sharded_optimizer(optax.sgd(1.0), 1.0, mesh=mesh, min_size=0)
+  tx = topka2a_jax.sharded_optimizer(optax.sgd(1.0), density=1.0, mesh=mesh, min_size=0)
   params = {"w": jnp.zeros((10, 3))}
   state = tx.init(params)
   specs = topka2a_jax.state_specs(state)
@@ -353,7 +353,7 @@ def test_resharding_by_hand():
 def test_through_nnx_optimizer_as_the_functional_step(mesh):
   """nnx.Optimizer + nnx_train_step trains as train_step does on the same parameters."""
   nnx = pytest.importorskip("flax.nnx")
-  tx = lambda: topka2a_jax.sharded_optimizer(optax.adam(1e-2), 0.05, mesh=mesh,
+  tx = lambda: topka2a_jax.sharded_optimizer(optax.adam(1e-2), density=0.05, mesh=mesh,
                                              min_size=16)
   model = nnx.Linear(32, 8, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(nnx.Linear(32, 8, rngs=nnx.Rngs(0)))
@@ -392,7 +392,7 @@ def test_sends_the_bytes_of_the_plain_chain(mesh):
 
 def test_a_non_finite_step_is_skipped_with_the_optimizer_state(mesh, exchange_steps):
   """A NaN on one device: zero updates, Adam's moments and count untouched."""
-  tx = topka2a_jax.sharded_optimizer(optax.adam(0.1), 0.5, algorithm="topka2a",
+  tx = topka2a_jax.sharded_optimizer(optax.adam(0.1), density=0.5, algorithm="topka2a",
                                      min_size=0)
   good = {"w": np.ones((DEVICES, 16), np.float32)}
   bad = {"w": good["w"].copy()}
@@ -415,7 +415,7 @@ def test_a_burst_past_the_float16_wire_is_clipped_and_the_rest_delivered_later(
   4,496 waits in each device's residual and comes with the next (zero)
   gradient; nothing is lost, nothing is infinite.
   """
-  tx = topka2a_jax.sharded_optimizer(optax.sgd(1.0), 0.5, algorithm="topka2a", min_size=0,
+  tx = topka2a_jax.sharded_optimizer(optax.sgd(1.0), density=0.5, algorithm="topka2a", min_size=0,
                                      value_dtype=jnp.float16)
   burst = np.zeros((DEVICES, 16), np.float32)
   burst[:, 5] = 7e4
@@ -474,7 +474,7 @@ def test_a_2d_state_restored_on_fewer_data_devices_trains_on_alike(tmp_path):
   small = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2,
                         devices=devices[:4])
   params, batches = _model_problem()
-  tx = topka2a_jax.sharded_optimizer(optax.adam(1e-2), 1.0, algorithm="topka2a",
+  tx = topka2a_jax.sharded_optimizer(optax.adam(1e-2), density=1.0, algorithm="topka2a",
                                      min_size=100)
 
   def fresh(mesh):
@@ -507,7 +507,7 @@ def test_every_transform_refused_by_name_is_one_optax_has():
   for name in ("lars", "novograd", "sm3", "polyak_sgd", "lbfgs"):
     with pytest.raises(ValueError, match="reduces over whole parameters"):
       topka2a_jax.sharded_optimizer(getattr(optax, name)(1e-3) if name != "lbfgs"
-                                    else optax.lbfgs(), 0.01)
+                                    else optax.lbfgs(), density=0.01)
 
 
 @pytest.mark.parametrize("inner, bytes_per_entry", [
@@ -516,7 +516,7 @@ def test_every_transform_refused_by_name_is_one_optax_has():
 ], ids=["adam", "sgd"])
 def test_auto_plans_for_the_optimizer_it_runs(mesh, inner, bytes_per_entry):
   """As topka2a does for the optimizer after it: the owner phase's form follows ``inner``."""
-  tx = topka2a_jax.sharded_optimizer(inner, 0.01, mesh=mesh)
+  tx = topka2a_jax.sharded_optimizer(inner, density=0.01, mesh=mesh)
   params = {"w": jnp.ones((1000, 64))}
   step = topka2a_jax.train_step(lambda p, x: jnp.sum((x @ p["w"]) ** 2), tx, mesh)
   report = topka2a_jax.comm_report(step.lower(params, tx.init(params), jnp.ones((8, 1000))))
@@ -526,4 +526,4 @@ def test_auto_plans_for_the_optimizer_it_runs(mesh, inner, bytes_per_entry):
 
 def test_an_explicit_top_k_before_adam_is_kept_and_warned_about():
   with pytest.warns(UserWarning, match="sends the gradient's top-k to an adaptive optimizer"):
-    topka2a_jax.sharded_optimizer(optax.adam(1e-3), 0.01, algorithm="topka2a")
+    topka2a_jax.sharded_optimizer(optax.adam(1e-3), density=0.01, algorithm="topka2a")

@@ -365,13 +365,13 @@ def test_2d_inside_a_larger_jit_with_param_specs(auto_mesh, sharded_problem):
 
 EMPTY_LEAF_OPTIMIZERS = {
     "topka2a": lambda: optax.chain(topka2a_jax.topka2a(0.1, min_size=0), optax.sgd(0.1)),
-    "compress_updates": lambda: topka2a_jax.compress_updates(optax.adam(1e-2), 0.1,
+    "compress_updates": lambda: topka2a_jax.compress_updates(optax.adam(1e-2), density=0.1,
                                                              min_size=0),
     "onebit": lambda: topka2a_jax.compress_updates(optax.adam(1e-2), algorithm="onebit",
                                                    min_size=0),
     "powersgd": lambda: optax.chain(topka2a_jax.topka2a(algorithm="powersgd", rank=2),
                                     optax.sgd(0.1)),
-    "sharded_optimizer": lambda: topka2a_jax.sharded_optimizer(optax.adam(1e-2), 0.1,
+    "sharded_optimizer": lambda: topka2a_jax.sharded_optimizer(optax.adam(1e-2), density=0.1,
                                                                min_size=0),
 }
 

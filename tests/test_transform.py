@@ -122,9 +122,9 @@ def test_bfloat16_residuals_lose_only_their_own_rounding(mesh, exchange_steps):
 
 
 @pytest.mark.parametrize("make", [
-    lambda: topka2a_jax.compress_updates(optax.adam(1e-2), 0.05, min_size=0,
+    lambda: topka2a_jax.compress_updates(optax.adam(1e-2), density=0.05, min_size=0,
                                          residual_dtype=jnp.bfloat16),
-    lambda: topka2a_jax.sharded_optimizer(optax.adam(1e-2), 0.05, min_size=0,
+    lambda: topka2a_jax.sharded_optimizer(optax.adam(1e-2), density=0.05, min_size=0,
                                           residual_dtype=jnp.bfloat16)])
 def test_every_transform_takes_residual_dtype_and_keeps_it(make, mesh, train_steps):
   params = {"w": jnp.ones((64, 8)), "b": jnp.zeros((8,))}

@@ -517,7 +517,7 @@ def test_a_checkpoint_restores_onto_other_node_sizes_and_trains_on(tmp_path, mes
 
 def test_the_sharded_optimizer_refuses_a_pair_of_axes():
   with pytest.raises(ValueError, match="shards over one data axis"):
-    topka2a_jax.sharded_optimizer(optax.adam(1e-3), 0.1, axis_name=AXES)
+    topka2a_jax.sharded_optimizer(optax.adam(1e-3), density=0.1, axis_name=AXES)
 
 
 MODEL_SPECS = {"w": P(None, "model"), "b": P("model")}

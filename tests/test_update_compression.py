@@ -61,7 +61,7 @@ class NumpyAdam:
 
 @pytest.mark.parametrize("algorithm", ["topka2a", "allgather"])
 def test_ten_steps_match_the_numpy_model(mesh, exchange_steps, algorithm):
-  tx = topka2a_jax.compress_updates(optax.adam(LR, b1=B1, b2=B2, eps=EPS), 0.1,
+  tx = topka2a_jax.compress_updates(optax.adam(LR, b1=B1, b2=B2, eps=EPS), density=0.1,
                                     algorithm=algorithm, selection="exact",
                                     min_size=0, fusion=1)
   steps = [random_grads(seed) for seed in range(10)]
@@ -82,7 +82,7 @@ def test_ten_steps_match_the_numpy_model(mesh, exchange_steps, algorithm):
 def test_a_dense_start_applies_the_mean_step_then_compresses(mesh, exchange_steps):
   """``warmup_steps=3``: the exact mean of the devices' Adam steps three times,
   nothing owed, then the sparse exchange from empty residuals (NumPy model)."""
-  tx = topka2a_jax.compress_updates(optax.adam(LR, b1=B1, b2=B2, eps=EPS), 0.1,
+  tx = topka2a_jax.compress_updates(optax.adam(LR, b1=B1, b2=B2, eps=EPS), density=0.1,
                                     algorithm="topka2a", selection="exact",
                                     min_size=0, fusion=1, warmup_steps=3)
   steps = [random_grads(seed) for seed in range(6)]
@@ -103,7 +103,7 @@ def test_a_dense_start_applies_the_mean_step_then_compresses(mesh, exchange_step
 
 def test_density_one_is_the_mean_of_every_devices_adam_step(mesh, exchange_steps):
   inner = optax.adam(LR)
-  tx = topka2a_jax.compress_updates(inner, 1.0, min_size=0)
+  tx = topka2a_jax.compress_updates(inner, density=1.0, min_size=0)
   steps = [random_grads(seed) for seed in range(5)]
   params = jax.tree.map(lambda g: jnp.zeros(g.shape[1:]), steps[0])
 
@@ -126,7 +126,7 @@ def test_density_one_is_the_mean_of_every_devices_adam_step(mesh, exchange_steps
 
 def test_what_a_device_did_not_send_drains(mesh, exchange_steps):
   """SGD's updates: after the gradients stop, every owed entry arrives."""
-  tx = topka2a_jax.compress_updates(optax.sgd(1.0), 0.05, algorithm="topka2a",
+  tx = topka2a_jax.compress_updates(optax.sgd(1.0), density=0.05, algorithm="topka2a",
                                     min_size=0)
   grads = random_grads(3)
   zeros = jax.tree.map(np.zeros_like, grads)
@@ -139,7 +139,7 @@ def test_what_a_device_did_not_send_drains(mesh, exchange_steps):
 
 
 def test_a_non_finite_step_leaves_every_devices_optimizer_state(mesh, exchange_steps):
-  tx = topka2a_jax.compress_updates(optax.adam(0.1), 0.5, min_size=0)
+  tx = topka2a_jax.compress_updates(optax.adam(0.1), density=0.5, min_size=0)
   good = random_grads(0)
   bad = jax.tree.map(np.copy, good)
   bad["a"][3, 0, 5] = np.nan
@@ -170,7 +170,7 @@ def _problem(steps=6):
 
 def test_train_step_keeps_replicas_identical_and_learns(mesh, train_steps):
   params, batches = _problem(40)
-  tx = topka2a_jax.compress_updates(optax.adam(1e-2), 0.01, min_size=0)
+  tx = topka2a_jax.compress_updates(optax.adam(1e-2), density=0.01, min_size=0)
   history = train_steps(tx, mesh, _loss, params, batches)
   losses = [float(loss) for _, _, loss in history]
   assert losses[-1] < 0.5 * losses[0]
@@ -185,7 +185,7 @@ def test_restored_on_fewer_devices_every_device_starts_from_the_mean(tmp_path):
   small = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
 
   def fresh(mesh):
-    tx = topka2a_jax.compress_updates(optax.adam(1e-2), 0.05, mesh=mesh, min_size=0,
+    tx = topka2a_jax.compress_updates(optax.adam(1e-2), density=0.05, mesh=mesh, min_size=0,
                                       algorithm="topka2a")
     placed = jax.device_put(params, NamedSharding(mesh, P()))
     return tx, {"params": placed, "opt_state": tx.init(placed)}
@@ -220,7 +220,7 @@ def test_parameters_split_over_a_model_axis(train_steps):
   mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
   params, batches = _problem()
   specs = {"w1": P(None, "model"), "w2": P("model", None)}
-  tx = topka2a_jax.compress_updates(optax.adam(1e-2), 0.05, min_size=0)
+  tx = topka2a_jax.compress_updates(optax.adam(1e-2), density=0.05, min_size=0)
   placed = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
   state = tx.init(placed)
   assert state.inner[0].mu["w1"].sharding.spec == P("data", None, "model")
@@ -236,7 +236,7 @@ def test_parameters_split_over_a_model_axis(train_steps):
 def test_through_nnx_optimizer(mesh):
   nnx = pytest.importorskip("flax.nnx")
   model = nnx.Linear(32, 8, rngs=nnx.Rngs(0))
-  tx = topka2a_jax.compress_updates(optax.adam(1e-2), 0.05, mesh=mesh, min_size=16)
+  tx = topka2a_jax.compress_updates(optax.adam(1e-2), density=0.05, mesh=mesh, min_size=16)
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   train = topka2a_jax.nnx_train_step(lambda m, x: jnp.mean(jnp.sin(m(x))), mesh)
   x = jnp.asarray(np.random.default_rng(0).normal(size=(64, 32)), jnp.float32)
@@ -247,7 +247,7 @@ def test_through_nnx_optimizer(mesh):
 def test_skip_nonfinite_and_comm_report(mesh):
   params, batches = _problem(1)
   tx = topka2a_jax.skip_nonfinite(topka2a_jax.compress_updates(
-      optax.adam(1e-2), 0.01, min_size=0, algorithm="topka2a"))
+      optax.adam(1e-2), density=0.01, min_size=0, algorithm="topka2a"))
   placed = jax.device_put(params, NamedSharding(mesh, P()))
   step = topka2a_jax.train_step(_loss, tx, mesh, donate=False)
   state = topka2a_jax.init(tx, params, mesh)
@@ -262,11 +262,11 @@ def test_skip_nonfinite_and_comm_report(mesh):
 def test_an_inner_optimizer_with_an_exchange_is_refused(mesh):
   params = {"w": jnp.zeros((64, 4))}
   nested = topka2a_jax.compress_updates(
-      optax.chain(topka2a_jax.topka2a(0.01), optax.adam(1e-3)), 0.01, mesh=mesh)
+      optax.chain(topka2a_jax.topka2a(0.01), optax.adam(1e-3)), density=0.01, mesh=mesh)
   with pytest.raises(ValueError, match="holds a topka2a exchange"):
     nested.init(params)
   sharded = topka2a_jax.sharded_optimizer(
-      topka2a_jax.compress_updates(optax.adam(1e-3), 0.01), 0.01, mesh=mesh)
+      topka2a_jax.compress_updates(optax.adam(1e-3), density=0.01), density=0.01, mesh=mesh)
   with pytest.raises(ValueError, match="inner optimizer holds a topka2a exchange"):
     sharded.init(params)
 

@@ -40,6 +40,8 @@ this list (``tests/test_package.py`` holds it so).
   share a flat buffer), ``compute.py`` (the backward pass's duration),
   ``tuning.py`` (the plan tuned on timed steps), ``report.py`` (what a
   compiled program sends).
+* ``rounds.py``: how many steps each of ``local_steps``' rounds takes, read
+  by the transform at run time and by the report's bytes a step.
 * ``collectives/``: the exchanges of one flat buffer. ``exchanges.py``
   (dense, TopkA, TopKA2A, TopKA2A-sparse, few-bit, two-level),
   ``low_rank.py`` (PowerSGD), ``selection.py``, ``threshold.py`` and ``top_k.py`` (which

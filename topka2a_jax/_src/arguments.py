@@ -1,7 +1,9 @@
 """Checks of the arguments users pass that many modules take: counts and optimizers.
 
 Each returns the value as the library uses it, or raises an error that names
-the argument and what to pass instead.
+the argument and what to pass instead. :func:`keywords_after_inner` keeps an
+older spelling of a wrapper's arguments working, with a warning, for one
+version.
 
 Example:
   >>> checked_count("fusion", 4, 1)
@@ -10,8 +12,15 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import numbers
-from typing import Any
+import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from topka2a_jax._src.caller import user_stacklevel
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 INT32_MAX = 2**31 - 1
 """The largest count a state's int32 counter holds."""
@@ -54,3 +63,63 @@ def checked_optimizer(name: str, value: Any) -> Any:
                     f"function {what} itself: call it, e.g. optax.{what}(1e-3)")
   raise TypeError(f"{name} must be an optax.GradientTransformation such as "
                   f"optax.adam(1e-3), got {value!r}")
+
+
+def keywords_after_inner(*names: str, renamed: dict[str, str] | None = None
+                         ) -> Callable[[F], F]:
+  """A wrapper whose arguments after ``inner`` are keyword-only, still taking them
+  positionally, and under their ``renamed`` old names, for one version, each with a
+  ``DeprecationWarning`` naming the spelling to write.
+
+  Args:
+    *names: the keyword-only parameters after ``inner``, in their old order.
+    renamed: old keyword -> its name now.
+
+  Example:
+    >>> @keywords_after_inner("every")
+    ... def wrapper(inner, *, every=4):
+    ...   return every
+    >>> with warnings.catch_warnings(record=True) as said:
+    ...   warnings.simplefilter("always")
+    ...   wrapper("adam", 8), str(said[0].message)[:52]
+    (8, 'wrapper(inner, 8): pass every= by keyword, wrapper(')
+  """
+  renamed = renamed or {}
+
+  def wrap(factory: F) -> F:
+    name = factory.__name__
+
+    @functools.wraps(factory)
+    def call(*args: Any, **kwargs: Any) -> Any:
+      for old, new in renamed.items():
+        if old in kwargs:
+          warnings.warn(f"{name}({old}=...) is now {name}({new}=...); {old}= goes in the "
+                        "next version", DeprecationWarning, stacklevel=user_stacklevel())
+          if new in kwargs or (new == "inner" and args):
+            raise TypeError(f"{name}() got both {old}= and {new}=; give {new}= alone")
+          kwargs[new] = kwargs.pop(old)
+      if "inner" in kwargs and not args:
+        args = (kwargs.pop("inner"),)
+      extra = args[1:]
+      if extra:
+        if len(extra) > len(names):
+          raise TypeError(f"{name}() takes the optimizer and then keywords only "
+                          f"({', '.join(n + '=' for n in names)}); got {len(args)} "
+                          "positional arguments")
+        given = dict(zip(names, extra))
+        twice = sorted(set(given) & set(kwargs))
+        if twice:
+          raise TypeError(f"{name}() got {twice[0]} both by position and by keyword")
+        spelled = ", ".join(f"{key}={value!r}" for key, value in given.items())
+        warnings.warn(
+            f"{name}(inner, {', '.join(map(repr, extra))}): pass "
+            f"{', '.join(key + '=' for key in given)} by keyword, {name}(inner, {spelled}); "
+            "positional arguments after the optimizer go in the next version",
+            DeprecationWarning, stacklevel=user_stacklevel())
+        kwargs.update(given)
+        args = args[:1]
+      return factory(*args, **kwargs)
+
+    return call  # type: ignore[return-value]
+
+  return wrap

@@ -44,7 +44,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from topka2a_jax._src.planner.round_lengths import round_lengths
+from topka2a_jax._src.rounds import round_lengths
 
 KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter",
          "collective-permute")

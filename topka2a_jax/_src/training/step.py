@@ -633,7 +633,10 @@ def train_step(
   Returns:
     A :class:`TrainStep`: ``step(params, opt_state, batch, key=None)`` returns
     ``(params, opt_state, loss)`` (and the metrics); ``loss`` is the mean over
-    the devices. With a ``key``, device ``i`` calls ``loss_fn`` with
+    the devices of each one's loss where it took its gradient: with
+    :func:`topka2a_jax.local_steps`, at its own local parameters, not at the
+    shared ``params`` the step returns (evaluate those with ``loss_fn``
+    itself to know how the shared parameters do). With a ``key``, device ``i`` calls ``loss_fn`` with
     ``fold_in(fold_in(key, i), m)`` for micro-batch ``m``: different on
     every device, the same on every run. Concrete inputs are placed on the
     mesh first (batch split along its leading axis over ``axis_name``).

@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Hashable
 from typing import Any
 
@@ -41,18 +42,26 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from topka2a_jax._src.arguments import INT32_MAX, checked_count, checked_optimizer
+from topka2a_jax._src.arguments import (
+  INT32_MAX,
+  checked_count,
+  checked_optimizer,
+  keywords_after_inner,
+)
 from topka2a_jax._src.axis import (
+  DataAxis,
   as_varying,
   bound_axis_size,
   is_bound,
   per_device_blocks,
 )
+from topka2a_jax._src.caller import user_stacklevel
 from topka2a_jax._src.options import DEFAULT_AXIS, Options
 from topka2a_jax._src.states import AccumulatedGradientsState, holds_exchange
 from topka2a_jax._src.transforms.exchange_state import layout_mesh
 from topka2a_jax._src.transforms.following import follower, refuse_followers
 from topka2a_jax._src.transforms.leaves import check_per_device, leaves_of
+from topka2a_jax._src.transforms.marks import exchange_axes
 from topka2a_jax._src.transforms.per_device import (
   counters,
   per_device_state,
@@ -63,46 +72,61 @@ _AROUND = ("Wrap the whole optimizer in it, exchange first: accumulate_gradients
            "optax.chain(topka2a_jax.topka2a(...), optax.adam(...)), every=N).")
 
 
-def accumulate_gradients(tx: optax.GradientTransformation, every: int, *,
-                         axis_name: Hashable = DEFAULT_AXIS.name
+@keywords_after_inner("every", renamed={"tx": "inner"})
+def accumulate_gradients(inner: optax.GradientTransformation, *, every: int,
+                         axis_name: Hashable | None = None
                          ) -> optax.GradientTransformationExtraArgs:
-  """Adds up ``every`` calls' gradients on each device, then runs ``tx`` once on their mean.
+  """Adds up ``every`` calls' gradients on each device, then runs ``inner`` once on their mean.
 
   Use it around the whole optimizer, exchange included, where you would
   have used ``optax.MultiSteps``: ``accumulate_gradients(optax.chain(
   topka2a(...), optax.adam(lr)), every=4)``. A call before the ``every``-th
   returns zero updates and changes nothing but the sum; the ``every``-th
-  runs ``tx`` on the mean of the ``every`` gradients, which exchanges it
+  runs ``inner`` on the mean of the ``every`` gradients, which exchanges it
   once. A non-finite gradient in any of the calls makes the mean
   non-finite, so the exchange skips that one accumulated step
-  (``skip_nonfinite``, on by default), and the sums start again.
+  (``skip_nonfinite``, on by default), and the sums start again. The data
+  axis is the exchange's, read from ``inner``.
 
   Args:
-    tx: the optimizer, holding one of the library's exchanges
+    inner: the optimizer, holding one of the library's exchanges
       (:func:`topka2a_jax.topka2a`, :func:`topka2a_jax.compress_updates`,
       :func:`topka2a_jax.sharded_optimizer` or :func:`topka2a_jax.local_steps`).
-    every: calls accumulated per step of ``tx``, at least 1.
-    axis_name: the data axis (or pair of axes) of ``tx``'s exchange. Outside
-      ``shard_map``, ``init`` lays each device's sum out on the mesh the
-      exchange's state is on.
+    every: calls accumulated per step of ``inner``, at least 1.
+    axis_name: deprecated: the axis is read from the exchange in ``inner``;
+      a different one is refused.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with state
     :class:`topka2a_jax.AccumulatedGradientsState`.
 
   Raises:
-    TypeError, ValueError: ``tx`` not an optax transform, ``every`` not an
-      int of at least 1; at ``init``, a ``tx`` that holds no exchange (each
-      device would step alone), or an exchange on no mesh with ``axis_name``.
+    TypeError, ValueError: ``inner`` not an optax transform, ``every`` not an
+      int of at least 1, exchanges over several axes in ``inner``; at
+      ``init``, an ``inner`` that holds no exchange (each device would step
+      alone), or an exchange on no mesh.
 
   Example:
     >>> mesh = jax.make_mesh((8,), ("data",))
     >>> tx = accumulate_gradients(
     ...     optax.chain(topka2a_jax.topka2a(0.01, mesh=mesh), optax.sgd(0.1)), every=8)
   """
-  tx = optax.with_extra_args_support(checked_optimizer("tx", tx))
+  tx = optax.with_extra_args_support(checked_optimizer("inner", inner))
   every = checked_count("every", every, 1, INT32_MAX)
-  options = Options.create(None, algorithm="dense", axis_name=axis_name)
+  axes = exchange_axes(inner)
+  if len(axes) > 1:
+    raise ValueError(f"accumulate_gradients wraps exchanges over several data axes "
+                     f"({', '.join(map(repr, sorted(map(str, axes))))}); one optimizer "
+                     "averages over one")
+  if axis_name is not None:
+    warnings.warn("accumulate_gradients(..., axis_name=...) is no longer needed: it reads "
+                  "the axis from the exchange it wraps; leave axis_name out (it goes in "
+                  "the next version)", DeprecationWarning, stacklevel=user_stacklevel())
+    if axes and DataAxis.parse(axis_name).name != DataAxis.parse(next(iter(axes))).name:
+      raise ValueError(f"accumulate_gradients(..., axis_name={axis_name!r}) wraps an "
+                       f"exchange over {next(iter(axes))!r}; leave axis_name out")
+  axis = next(iter(axes)) if axes else (DEFAULT_AXIS.name if axis_name is None else axis_name)
+  options = Options.create(None, algorithm="dense", axis_name=axis)
 
   def init_fn(params: optax.Params) -> AccumulatedGradientsState:
     refuse_followers(follower(init_fn), "accumulate_gradients(...)", _AROUND)
@@ -125,10 +149,10 @@ def accumulate_gradients(tx: optax.GradientTransformation, every: int, *,
       on = layout_mesh(options, jax.tree.leaves(inner) + leaves)
       if on is None:
         raise ValueError(
-            f"accumulate_gradients found no mesh with the data axis {axis_name!r} "
-            "to lay each device's sum out on. Give it the exchange's axis, "
-            "accumulate_gradients(tx, every, axis_name=<the exchange's>), and the "
-            "exchange its mesh, topka2a(..., mesh=mesh).")
+            f"accumulate_gradients found no mesh with the data axis {axis!r} "
+            "to lay each device's sum out on. Give the exchange its mesh, "
+            "topka2a(..., mesh=mesh), or make the state with "
+            "topka2a_jax.init(tx, params, mesh).")
     sums = per_device_state(options, zeros_in_float32, params, on, "accumulate_gradients")
     step, length = counters(every, on, leaves)
     return AccumulatedGradientsState(inner, sums, step, length)

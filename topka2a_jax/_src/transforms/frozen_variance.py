@@ -172,7 +172,7 @@ def frozen_variance_adam(learning_rate: optax.ScalarOrSchedule,
   frozen_rms = scale_by_frozen_rms(b1, b2, eps, freeze_after=freeze_after,
                                    variance_floor=variance_floor)  # checks freeze_after
   return optax.chain(
-      compress_updates(optax.ema(b1, debias=False), density,
+      compress_updates(optax.ema(b1, debias=False), density=density,
                        warmup_steps=freeze_after, **options),
       frozen_rms,
       optax.scale_by_learning_rate(learning_rate))

@@ -69,7 +69,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from topka2a_jax._src.arguments import checked_optimizer
+from topka2a_jax._src.arguments import checked_optimizer, keywords_after_inner
 from topka2a_jax._src.axis import (
   DataAxis,
   as_varying,
@@ -81,7 +81,7 @@ from topka2a_jax._src.collectives.algorithms import AUTO, ignores_density
 from topka2a_jax._src.collectives.relative import CHUNK, relative_mean
 from topka2a_jax._src.options import Options
 from topka2a_jax._src.planner.forms import LOCAL_STEPS_FORM
-from topka2a_jax._src.planner.round_lengths import RoundLengths, round_lengths
+from topka2a_jax._src.rounds import RoundLengths, round_lengths
 from topka2a_jax._src.states import LocalStepsState
 from topka2a_jax._src.transforms.exchange_state import (
   checked_residuals,
@@ -103,6 +103,7 @@ from topka2a_jax._src.transforms.following import (
   refuse_followers,
 )
 from topka2a_jax._src.transforms.leaves import check_per_device, given_specs, leaves_of
+from topka2a_jax._src.transforms.marks import marked
 from topka2a_jax._src.transforms.nonfinite import counted, nonfinite_on_any_device
 from topka2a_jax._src.transforms.per_device import (
   counters,
@@ -140,6 +141,7 @@ def default_outer() -> optax.GradientTransformation:
   return optax.sgd(1.0)
 
 
+@keywords_after_inner("every", "outer", "density")
 @takes_options(CompressUpdatesOptions, defaults={"algorithm": LOCAL_STEPS_FORM}, docs={
     "algorithm": (
         f"the pseudo-gradient's exchange: by default ``{LOCAL_STEPS_FORM!r}`` (every "
@@ -160,10 +162,10 @@ def default_outer() -> optax.GradientTransformation:
         "too, the shared parameters kept. Each drop is counted as well."),
     "warmup_steps": "exchange the first this many rounds' pseudo-gradients densely.",
 })
-def local_steps(inner: optax.GradientTransformation,
+def local_steps(inner: optax.GradientTransformation, *,
                 every: int | Mapping[int, int] = DEFAULT_EVERY,
                 outer: optax.GradientTransformation | None = None,
-                density: float | None = None, *, average_inner_state: bool = False,
+                density: float | None = None, average_inner_state: bool = False,
                 **options: Unpack[CompressUpdatesOptions]
                 ) -> optax.GradientTransformationExtraArgs:
   """Trains ``every`` steps on each device alone, then exchanges the pseudo-gradients.
@@ -281,7 +283,7 @@ def local_steps(inner: optax.GradientTransformation,
     return _update(checked, inner, outer, lengths, average_inner_state, updates, state,
                    params, extra_args)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, marked(update_fn, checked.axis_name))
 
 
 def _update(options: Options, inner: optax.GradientTransformationExtraArgs,

@@ -34,7 +34,7 @@ import optax
 from jax import lax
 
 from topka2a_jax._src import layout
-from topka2a_jax._src.arguments import checked_optimizer
+from topka2a_jax._src.arguments import checked_optimizer, keywords_after_inner
 from topka2a_jax._src.axis import (
   DataAxis,
   bound_axis_size,
@@ -153,8 +153,9 @@ class SkipNonFiniteState(NamedTuple):
   nonfinite_steps: jax.Array
 
 
+@keywords_after_inner("axis_name")
 def skip_nonfinite(
-    inner: optax.GradientTransformation, axis_name: Hashable = "data"
+    inner: optax.GradientTransformation, *, axis_name: Hashable = "data"
 ) -> optax.GradientTransformationExtraArgs:
   """Skips the whole step when any device's gradient is non-finite.
 

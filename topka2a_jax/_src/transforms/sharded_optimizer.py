@@ -52,7 +52,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from topka2a_jax._src import layout
-from topka2a_jax._src.arguments import checked_optimizer
+from topka2a_jax._src.arguments import checked_optimizer, keywords_after_inner
 from topka2a_jax._src.axis import (
   bound_axis_size,
   grouped_by_varying_axes,
@@ -79,6 +79,7 @@ from topka2a_jax._src.transforms.leaves import (
   leaves_of,
   shard_specs,
 )
+from topka2a_jax._src.transforms.marks import marked
 from topka2a_jax._src.transforms.nonfinite import (
   step_is_bad,
 )
@@ -133,6 +134,7 @@ def check_element_wise(inner: optax.GradientTransformation) -> None:
         "element-wise transform (sgd, momentum, adam, adamw, lion).")
 
 
+@keywords_after_inner("density")
 @takes_options(ShardedOptimizerOptions, docs={
     "axis_name": "the data-parallel mesh axis (one: the state is sharded over it).",
     "algorithm": (
@@ -149,7 +151,7 @@ def check_element_wise(inner: optax.GradientTransformation) -> None:
         "a non-finite gradient on any device skips the step everywhere, leaving "
         "``inner``'s state as it was."),
 })
-def sharded_optimizer(inner: optax.GradientTransformation, density: float | None = None,
+def sharded_optimizer(inner: optax.GradientTransformation, *, density: float | None = None,
                       **options: Unpack[ShardedOptimizerOptions]
                       ) -> optax.GradientTransformationExtraArgs:
   """``optax.chain(topka2a(density), inner)`` with ``inner``'s state sharded.
@@ -219,7 +221,7 @@ def sharded_optimizer(inner: optax.GradientTransformation, density: float | None
                 params: optax.Params | None = None, **extra_args: Any):
     return _update(checked, inner, updates, state, params, extra_args)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, marked(update_fn, checked.axis_name))
 
 
 WHY_NOT_AN_EXCHANGE = ("the shards it gets are averaged already (to exchange the optimizer's "

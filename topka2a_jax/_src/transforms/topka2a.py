@@ -53,6 +53,7 @@ from topka2a_jax._src.transforms.following import (
   for_follower,
   refuse_state_before,
 )
+from topka2a_jax._src.transforms.marks import marked
 from topka2a_jax._src.transforms.signatures import TopKA2AOptions, Unpack, takes_options
 
 
@@ -118,4 +119,4 @@ def topka2a(density: float | None = None,
                              state, extra_args)
     return exchanged.means, exchanged.state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, marked(update_fn, checked.axis_name))

@@ -60,7 +60,7 @@ from typing import Any
 import jax
 import optax
 
-from topka2a_jax._src.arguments import checked_optimizer
+from topka2a_jax._src.arguments import checked_optimizer, keywords_after_inner
 from topka2a_jax._src.axis import (
   as_varying,
   bound_axis_size,
@@ -79,6 +79,7 @@ from topka2a_jax._src.transforms.exchange_state import (
 from topka2a_jax._src.transforms.exchange_step import held_where
 from topka2a_jax._src.transforms.extra_args import NONFINITE, PARAM_SPECS
 from topka2a_jax._src.transforms.leaves import check_per_device, given_specs, leaves_of
+from topka2a_jax._src.transforms.marks import marked
 from topka2a_jax._src.transforms.nonfinite import nonfinite_on_any_device
 from topka2a_jax._src.transforms.per_device import (
   per_device_state,
@@ -98,6 +99,7 @@ training task against the top-k of the step and the signs with 8 bits back
 (the training evidence page)."""
 
 
+@keywords_after_inner("density")
 @takes_options(CompressUpdatesOptions, defaults={"algorithm": None}, docs={
     "algorithm": (
         "by default ``\"onebit_4\"`` without a density (every entry's sign to its "
@@ -111,7 +113,7 @@ training task against the top-k of the step and the signs with 8 bits back
         "a non-finite gradient on any device skips the step everywhere, leaving "
         "``inner``'s state as it was on every device."),
 })
-def compress_updates(inner: optax.GradientTransformation, density: float | None = None,
+def compress_updates(inner: optax.GradientTransformation, *, density: float | None = None,
                      **options: Unpack[CompressUpdatesOptions]
                      ) -> optax.GradientTransformationExtraArgs:
   """``inner`` run on every device's own gradient, its updates averaged sparsely.
@@ -174,7 +176,7 @@ def compress_updates(inner: optax.GradientTransformation, density: float | None 
                 **extra_args: Any) -> tuple[optax.Updates, CompressedUpdatesState]:
     return _update(checked, inner, updates, state, params, extra_args)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, marked(update_fn, checked.axis_name))
 
 
 def _update(options: Options, inner: optax.GradientTransformationExtraArgs,
