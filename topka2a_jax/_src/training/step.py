@@ -638,8 +638,9 @@ def train_step(
     shared ``params`` the step returns (evaluate those with ``loss_fn``
     itself to know how the shared parameters do). With a ``key``, device
     ``i`` calls ``loss_fn`` with ``fold_in(fold_in(key, i), m)`` for
-    micro-batch ``m``: different on every device, the same on every run. Concrete inputs are placed on the
-    mesh first (batch split along its leading axis over ``axis_name``).
+    micro-batch ``m``: different on every device, the same on every run.
+    Concrete inputs are placed on the mesh first (batch split along its
+    leading axis over ``axis_name``).
 
   Raises:
     ValueError: at call, for a batch that does not split evenly, parameters
