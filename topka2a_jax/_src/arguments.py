@@ -81,7 +81,7 @@ def keywords_after_inner(*names: str, renamed: dict[str, str] | None = None
     ...   return every
     >>> with warnings.catch_warnings(record=True) as said:
     ...   warnings.simplefilter("always")
-    ...   wrapper("adam", 8), str(said[0].message)[:52]
+    ...   wrapper("adam", 8), str(said[0].message)[:51]
     (8, 'wrapper(inner, 8): pass every= by keyword, wrapper(')
   """
   renamed = renamed or {}
