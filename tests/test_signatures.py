@@ -77,7 +77,7 @@ import topka2a_jax
 
 kept = topka2a_jax.topka2a(0.01, min_size=0, algorithm="dense")
 misspelt = topka2a_jax.topka2a(0.01, min_sise=0)
-refused = topka2a_jax.sharded_optimizer(None, 0.01, fusion=2)
+refused = topka2a_jax.sharded_optimizer(None, density=0.01, fusion=2)
 mistyped = topka2a_jax.compress_updates(None, warmup_steps="2")
 fused = topka2a_jax.topka2a(0.01, fusion="2")
 follows = topka2a_jax.topka2a(0.01, follows="adamw")
