@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from topka2a_jax._src.axis import DataAxis
 from topka2a_jax._src.sizes import ceil_div
+from topka2a_jax._src.states import map_per_device
 
 
 def spec_axes(spec: P) -> tuple[Hashable, ...]:
@@ -339,19 +340,25 @@ def inner_specs(inner_state: Any, treedef: Any, leaf_specs: Sequence[P],
   return jax.tree.map(spec_for, inner_state, is_leaf=shaped_like_params)
 
 
-def check_laid_out_over(per_device: Any, axis: DataAxis, call: str) -> None:
-  """Refuses per-device state laid out over another axis than ``axis`` (global arrays only).
+def check_laid_out_over(opt_state: Any, axis: DataAxis, call: str) -> None:
+  """Refuses an optimizer state whose per-device fields are laid out over another
+  axis than ``axis`` (global arrays only: shapes and traced values say nothing).
 
   Args:
-    per_device: a pytree of per-device state (residuals, per-device copies).
+    opt_state: any optimizer state holding the transforms' states.
     axis: the data axis ``call`` was given.
     call: the function the user called, for the message.
 
   Raises:
     ValueError: naming the axis the state is laid out over, and the fix.
   """
+  per_device: dict[str, list[Any]] = {}
+  map_per_device(opt_state, lambda kind, value: per_device.setdefault(kind, []).append(
+      value), lambda node: None)
   names = axis.names if axis.is_pair else (axis.name,)
-  for path, leaf in jax.tree_util.tree_flatten_with_path(per_device)[0]:
+  for kind, path, leaf in ((kind, path, leaf) for kind, values in per_device.items()
+                           for value in values
+                           for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]):
     sharding = getattr(leaf, "sharding", None)
     if (isinstance(leaf, jax.core.Tracer) or not isinstance(sharding, NamedSharding)
         or not sharding.spec):
@@ -361,6 +368,6 @@ def check_laid_out_over(per_device: Any, axis: DataAxis, call: str) -> None:
     # the data axis comes first; axes the parameters are split over may follow
     if first is not None and over[:len(names)] != tuple(names):
       raise ValueError(
-          f"{call}(..., axis_name={axis.name!r}): the optimizer state's per-device leaf "
-          f"{jax.tree_util.keystr(path)} is laid out over {first!r}, the axis its exchange "
-          f"was built with; pass that one, axis_name={first!r}")
+          f"{call}(..., axis_name={axis.name!r}): the optimizer state's per-device "
+          f"{kind} {jax.tree_util.keystr(path)} is laid out over {first!r}, the axis its "
+          f"exchange was built with; pass that one, axis_name={first!r}")

@@ -152,13 +152,13 @@ def remove_abandoned_partials(root: Path, token: str, below: int) -> None:
     return
   steps = {_partial_step(name) for name in entries} - {None}
   for step in sorted(step for step in steps if step < below):
-    if not _generations_or_empty(folder, step) and not all(
+    if not _generations(folder, step) and not all(
         _untouched(folder, root / name) for name in entries
         if _partial_step(name) == step):
       continue  # no claim names it: a writer other than this library's may be live
     if claim(root, step, token) is None:
       _remove(folder / _name(step, generation)
-              for generation in _generations_or_empty(folder, step))
+              for generation in _generations(folder, step))
 
 
 def remove_claims(root: Path, keep: Iterable[int], below: int) -> None:
@@ -193,16 +193,13 @@ def _parse(name: str) -> tuple[int, int] | None:
 
 
 def _generations(folder: Path, step: int) -> list[int]:
-  """The generations of ``step``'s claim in ``folder``."""
-  return [parsed[1] for parsed in map(_parse, os.listdir(folder))
-          if parsed is not None and parsed[0] == step]
-
-
-def _generations_or_empty(folder: Path, step: int) -> list[int]:
+  """The generations of ``step``'s claim in ``folder`` (none where it cannot be listed)."""
   try:
-    return _generations(folder, step)
+    names = os.listdir(folder)
   except OSError:
     return []
+  return [parsed[1] for parsed in map(_parse, names)
+          if parsed is not None and parsed[0] == step]
 
 
 def _partial_step(name: str) -> int | None:

@@ -42,6 +42,7 @@ from topka2a_jax._src.states import (
   map_per_device,
 )
 from topka2a_jax._src.transforms.clipping import warn_if_clipped_before_exchange
+from topka2a_jax._src.transforms.following import EXCHANGE_FIRST
 
 
 def _is_topka2a_state(node: Any) -> bool:
@@ -98,10 +99,6 @@ def check_chain(opt_state: Any, *, require_exchange: bool = False) -> None:
     ValueError: the optimizer keeps per-parameter state (ScaleByAdamState, at [0][0].mu['w'])
     before the topka2a exchange ...
   """
-  fix = ("Put the exchange first: optax.chain(topka2a_jax.topka2a(...), "
-         "<the other transforms>); or, to exchange the optimizer's updates "
-         "rather than the gradients, topka2a_jax.compress_updates(<the "
-         "optimizer>, density), which keeps its state per device.")
   with_paths = jax.tree_util.tree_flatten_with_path(opt_state,
                                                     is_leaf=_is_topka2a_state)[0]
   exchanges = [i for i, (_, leaf) in enumerate(with_paths) if _is_topka2a_state(leaf)]
@@ -126,7 +123,7 @@ def check_chain(opt_state: Any, *, require_exchange: bool = False) -> None:
           f"({_owner(opt_state, path)}, at {jax.tree_util.keystr(path)}) before "
           "the topka2a exchange in the chain: that transform would run on each "
           "device's own gradient, and its state would drift apart between "
-          f"devices. {fix}")
+          f"devices. {EXCHANGE_FIRST}")
 
 
 def _refuse_multisteps_around_the_exchange(opt_state: Any) -> None:
@@ -234,8 +231,7 @@ def state_specs(opt_state: optax.OptState, axis_name: Hashable = "data",
     (P('data', 'model'), P(None, 'model'))
   """
   axis = DataAxis.parse(axis_name)
-  map_per_device(opt_state, lambda kind, value: layout.check_laid_out_over(
-      value, axis, "state_specs"), lambda node: None)
+  layout.check_laid_out_over(opt_state, axis, "state_specs")
   return specs_of(opt_state, axis, param_specs)
 
 

@@ -193,6 +193,13 @@ def _chains_running(own: Callable[..., Any], frame: Any
     frame = frame.f_back
 
 
+EXCHANGE_FIRST = ("Put the exchange first: optax.chain(topka2a_jax.topka2a(...), "
+                  "<the other transforms>); or, to exchange the optimizer's updates "
+                  "rather than the gradients, topka2a_jax.compress_updates(<the "
+                  "optimizer>, density), which keeps its state per device.")
+"""The fix for per-parameter state before the exchange, wherever it is refused."""
+
+
 def refuse_state_before(own: Callable[..., Any]) -> None:
   """Refuses Adam's family or momentum before the exchange in its chain (read at ``init``).
 
@@ -208,10 +215,7 @@ def refuse_state_before(own: Callable[..., Any]) -> None:
     raise ValueError(
         f"the optimizer keeps per-parameter state ({', '.join(found)}) before the topka2a "
         "exchange: each device's, of its own gradient, where the step needs it the same "
-        "on every device. Put the exchange first: optax.chain(topka2a_jax.topka2a(...), "
-        "<the other transforms>); or, to exchange the optimizer's updates rather than "
-        "the gradients, topka2a_jax.compress_updates(<the optimizer>, density), which "
-        "keeps its state per device.")
+        f"on every device. {EXCHANGE_FIRST}")
 
 
 def kind_of(followed: Followers | None) -> str:

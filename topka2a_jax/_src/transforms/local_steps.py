@@ -120,7 +120,7 @@ from topka2a_jax._src.transforms.signatures import (
 
 DEFAULT_EVERY = 4
 """Inner steps per round by default: chosen on the link benchmark's training
-task (the training evidence page, "Local steps")."""
+task (the local steps evidence page)."""
 
 
 _WHOLE = ("Give local_steps the optimizers it runs, local_steps(optax.adam(...), "
@@ -178,14 +178,14 @@ def local_steps(inner: optax.GradientTransformation, *,
       transform, e.g. ``optax.adamw(1e-3)``); its state is kept across rounds.
       Tune its learning rate on the run you will train: the best need not
       be a per-step run's (with many windows a device it was higher than
-      dense's; the training evidence page, "Local steps").
+      dense's; the local steps evidence page).
     every: inner steps per round, at least 1; or a dict from the step where
       a stretch of rounds starts to their length, ``{0: 4, 100: 2}``, each
       stretch starting at a round's end of the one before. Its steps are
       counted in rounds taken: a round dropped as not finite moves the
       later stretches on by its length. Shorter rounds late in a run gain
       about the seeds' spread for more bytes, and long rounds first lost
-      more than they saved (the training evidence page, "Local steps"). A
+      more than they saved (the local steps evidence page). A
       checkpoint restores into a state whose first length is the one it
       was saved with (the later lengths are not checked).
     outer: the optimizer of the shared parameters, given the mean
@@ -329,8 +329,12 @@ def _update(options: Options, inner: optax.GradientTransformationExtraArgs,
     new_inner = held_where(bad, own_inner, new_inner)
     new_offset = held_where(bad, offset, new_offset)
   step = state.step + (1 if bad is None else (~bad).astype(jnp.int32))
-  skipped = jnp.zeros_like(state.skipped) if bad is None else jnp.where(
-      bad, state.skipped + 1, 0)
+  stuck = None  # the round cannot finish: dropped, the next starts afresh
+  skipped = jnp.zeros_like(state.skipped)
+  if bad is not None:
+    skipped = jnp.where(bad, state.skipped + 1, 0)
+    stuck = skipped >= SKIPPED_IN_A_ROW
+    skipped = jnp.where(stuck, 0, skipped)
   zeros = jax.tree.map(jnp.zeros_like, params)
   exchange_args = {key: value for key, value in extra_args.items() if key != NONFINITE}
 
@@ -346,9 +350,8 @@ def _update(options: Options, inner: optax.GradientTransformationExtraArgs,
     return moved, exchange, new_outer, restart, new_inner, jnp.zeros_like(step)
 
   def round_goes_on(new_offset: Any, new_inner: Any) -> tuple[Any, ...]:
-    if bad is None:
+    if stuck is None:
       return zeros, state.exchange, state.outer, new_offset, new_inner, step
-    stuck = skipped >= SKIPPED_IN_A_ROW  # dropped: the next round starts afresh
     exchange = state.exchange._replace(nonfinite_steps=counted(
         counted(state.exchange.nonfinite_steps, bad), stuck))
     new_offset = jax.tree.map(lambda o: jnp.where(stuck, jnp.zeros_like(o), o), new_offset)
@@ -362,7 +365,7 @@ def _update(options: Options, inner: optax.GradientTransformationExtraArgs,
   moved, exchange, new_outer, new_offset, new_inner, step = result
   return moved, LocalStepsState(exchange, per_device_blocks(new_inner, axis),
                                 per_device_blocks(new_offset, axis), new_outer, step,
-                                state.every, jnp.where(skipped >= SKIPPED_IN_A_ROW, 0, skipped))
+                                state.every, skipped)
 
 
 def _refuse_kept_parameters(init: Any, params: optax.Params, per_device: Any) -> None:

@@ -42,7 +42,6 @@ from topka2a_jax._src.axis import (
   tracks_varying_axes,
   varying_axes,
 )
-from topka2a_jax._src.states import map_per_device
 from topka2a_jax._src.transforms.extra_args import NONFINITE
 
 
@@ -182,8 +181,7 @@ def skip_nonfinite(
 
   def init_fn(params: optax.Params) -> SkipNonFiniteState:
     state = inner.init(params)
-    map_per_device(state, lambda kind, value: layout.check_laid_out_over(
-        value, DataAxis.parse(axis_name), "skip_nonfinite"), lambda node: None)
+    layout.check_laid_out_over(state, DataAxis.parse(axis_name), "skip_nonfinite")
     return SkipNonFiniteState(state, jnp.zeros((), jnp.int32))
 
   def update_fn(
