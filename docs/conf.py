@@ -7,10 +7,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import figures  # docs/figures.py
+import tables  # docs/tables.py
 
 # Every evidence figure, from the committed JSON: one that cannot be drawn
 # fails the build.
 figures.draw_all()
+# Every evidence table, from the committed JSON: one that cannot be rendered
+# fails the build. The pages include them; they are not pages of their own.
+tables.write_all()
 
 project = "topka2a-jax"
 author = "The topka2a-jax maintainers"
@@ -23,7 +27,7 @@ extensions = [
     "sphinx.ext.napoleon",
 ]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
-exclude_patterns = ["_build"]
+exclude_patterns = ["_build", "evidence/tables"]
 templates_path = ["_templates"]
 
 autosummary_generate = True

@@ -42,9 +42,9 @@ def _pyplot():
 LEGENDS = {
     "dense": "dense: optax.adam on lax.pmean",
     "dense (pmean)": "dense: optax.adam on lax.pmean",
-    "updates 1%": "compress_updates(adam, 0.01)",
+    "updates 1%": "compress_updates(adam, density=0.01)",
     "defaults": "chain(topka2a({density}), adam)",
-    "updates": "compress_updates(adam, {density})",
+    "updates": "compress_updates(adam, density={density})",
     "updates, topka2a_sparse": 'compress_updates(adam, {density}, algorithm="topka2a_sparse")',
     "onebit": 'chain(topka2a(algorithm="onebit"), adam)',
     "quantized_8_8": 'chain(topka2a(algorithm="quantized_8_8"), adam)',

@@ -22,7 +22,7 @@ none) drops what error feedback still owed without a word.
 Example:
   >>> import tempfile
   >>> mesh = jax.make_mesh((8,), ("data",))
-  >>> tx = topka2a_jax.compress_updates(optax.adam(1e-3), 0.1, min_size=0, mesh=mesh)
+  >>> tx = topka2a_jax.compress_updates(optax.adam(1e-3), density=0.1, min_size=0, mesh=mesh)
   >>> params = {"w": jnp.ones((4, 3))}
   >>> state = {"params": params, "opt_state": tx.init(params)}
   >>> with CheckpointManager(tempfile.mkdtemp(), mesh, max_to_keep=2) as manager:

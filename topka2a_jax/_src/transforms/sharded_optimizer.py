@@ -31,7 +31,7 @@ trust ratios, factored moments) are refused at construction.
 
 Example:
   >>> mesh = jax.make_mesh((8,), ("data",))
-  >>> tx = sharded_optimizer(optax.adam(1e-3), 0.01, mesh=mesh)
+  >>> tx = sharded_optimizer(optax.adam(1e-3), density=0.01, mesh=mesh)
   >>> opt_state = tx.init({"w": jnp.zeros((1000, 16))})
   >>> opt_state.inner[0].mu["w"].shape  # one (1, 2000) shard per device
   (8, 1, 2000)
@@ -182,7 +182,7 @@ def sharded_optimizer(inner: optax.GradientTransformation, *, density: float | N
 
   Example:
     >>> mesh = jax.make_mesh((8,), ("data",))
-    >>> tx = sharded_optimizer(optax.sgd(0.1, momentum=0.9), 0.1, mesh=mesh)
+    >>> tx = sharded_optimizer(optax.sgd(0.1, momentum=0.9), density=0.1, mesh=mesh)
     >>> params = {"w": jnp.ones((64, 4))}
     >>> step = topka2a_jax.train_step(lambda p, x: jnp.sum(x @ p["w"]), tx, mesh)
     >>> params, opt_state, loss = step(params, tx.init(params), jnp.ones((8, 64)))

@@ -147,7 +147,7 @@ def compress_updates(inner: optax.GradientTransformation, *, density: float | No
 
   Example:
     >>> mesh = jax.make_mesh((8,), ("data",))
-    >>> tx = compress_updates(optax.adam(1e-2), 0.01, mesh=mesh)
+    >>> tx = compress_updates(optax.adam(1e-2), density=0.01, mesh=mesh)
     >>> params = {"w": jnp.ones((64, 4))}
     >>> step = topka2a_jax.train_step(lambda p, x: jnp.sum(x @ p["w"]), tx, mesh)
     >>> params, opt_state, loss = step(params, tx.init(params), jnp.ones((8, 64)))

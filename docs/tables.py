@@ -1,0 +1,165 @@
+"""The evidence pages' tables, generated from the committed JSON in ``evidence/data/``.
+
+Every table an evidence page shows is a *named result*: an entry of
+:data:`RESULTS` that says which JSON it reads, which command wrote them and
+which runs it shows. The documentation build (``docs/conf.py``) writes each
+one to ``evidence/tables/<name>.md``, and the page includes it::
+
+    ```{include} tables/local_steps_on_a_slow_link.md
+    ```
+
+So no figure in a table is typed by hand, and a changed JSON changes its page.
+A result that cannot be rendered (a missing file, a run the JSON does not
+hold) fails the build.
+
+Run by hand: ``python docs/tables.py`` writes every table and prints their names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DATA = HERE / "evidence" / "data"
+TABLES = HERE / "evidence" / "tables"
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  """One named result of ``benchmarks/network_training.py``: a table and its provenance.
+
+  Attributes:
+    command: the command that wrote the JSON (one seed's; the table names the
+      seeds it reads).
+    groups: the JSON under ``evidence/data/``, one group for each seed or
+      setting; a group's files are one run of the benchmark split over
+      several invocations (a later file's run of the same name is ignored).
+    runs: the runs the table shows, in order; ``None`` shows every run.
+    against: the run the other rows are compared with: their final loss as a
+      signed percentage of its, and, on a link, their time to each target
+      as a share of its.
+  """
+
+  command: str
+  groups: tuple[tuple[str, ...], ...]
+  runs: tuple[str, ...] | None = None
+  against: str = "dense"
+
+
+RESULTS: dict[str, Result] = {
+    "local_steps_on_a_slow_link": Result(
+        command=("python benchmarks/network_training.py --rate 100mbit --batch B --seed S "
+                 "--runs dense quantized_8_8_fine \"local 4, rotated_4_8\" "
+                 "\"local 4, rotated_4_4\""),
+        groups=(("local_steps_rotated_4_4_100mbit_batch2_seed0_2026-12-06.json",),
+                ("local_steps_rotated_4_4_100mbit_batch2_seed1_2026-12-06.json",),
+                ("local_steps_rotated_4_4_100mbit_batch8_seed0_2026-12-06.json",),
+                ("local_steps_rotated_4_4_100mbit_batch8_seed1_2026-12-06.json",)),
+        against="quantized_8_8_fine"),
+    "local_steps_round_lengths": Result(
+        command=("python benchmarks/network_training.py --local --batch 8 --seed 0 --runs dense "
+                 "\"local 2\" \"local 4\" \"local 4, exact mean\" \"local 8\""),
+        groups=(("local_steps_local_batch8_seed0_2026-12-05.json",
+                 "local_steps_local_batch8_seed0_more_2026-12-05.json"),)),
+}
+"""Every table of the evidence pages, by the name its page includes it under."""
+
+
+def _rows(group: tuple[str, ...], data: Path) -> tuple[dict, list[dict]]:
+  """The group's header (its first file's) and its rows, a run's first row kept."""
+  header, rows, seen = None, [], set()
+  for name in group:
+    loaded = json.loads((data / name).read_text())
+    header = header or loaded
+    for row in loaded["rows"]:
+      if row["run"] not in seen:
+        seen.add(row["run"])
+        rows.append(row)
+  return header, rows
+
+
+def _percent(value: float, base: float) -> str:
+  return f"{100 * (value / base - 1):+.1f}%"
+
+
+def _target_cell(row: dict, base: dict, target: str, timed: bool) -> str:
+  figures = row["targets"].get(target, {})
+  steps = figures.get("steps")
+  if steps is None:
+    return "never"
+  if not timed:
+    return str(steps)
+  if row is base:
+    return f"{steps} / {figures['seconds']:.0f} s"
+  mine, theirs = figures.get("seconds"), base["targets"].get(target, {}).get("seconds")
+  return f"{steps} / {mine / theirs:.2f}x" if mine and theirs else f"{steps} / {mine:.0f} s"
+
+
+def render(result: Result, data: Path = DATA) -> str:
+  """The result's table in Markdown, with the sentence that says where it comes from.
+
+  Columns: the group's windows a device and seed (where there are several
+  groups), the run, its bytes a step and (on a link) its seconds a step, the
+  steps to each target (on a link, with the time as a share of
+  ``result.against``'s), and the final validation loss with its difference to
+  ``result.against``'s.
+
+  Raises:
+    KeyError: a run the result names that a group does not hold, or a group
+      without the ``against`` run.
+    FileNotFoundError: a JSON that is not under ``data``.
+    ValueError: groups that measured different targets.
+  """
+  lines = []
+  for number, group in enumerate(result.groups):
+    header, rows = _rows(group, data)
+    by_run = {row["run"]: row for row in rows}
+    shown = [by_run[run] for run in result.runs] if result.runs else rows
+    base = by_run[result.against]
+    timed = header.get("rate") is not None
+    named = [str(target) for target in header.get("targets", [])]
+    # The benchmark adds one more target, its first run's final loss + 2%,
+    # which rows written by another invocation measured against another run.
+    targets = named + [target for target in base["targets"] if target not in named
+                       and rows[0]["run"] == "dense"
+                       and all(target in row["targets"] for row in shown)]
+    names = [f"to {t}" if t in named else "to dense's final + 2%" for t in targets]
+    if number and names != columns:
+      raise ValueError(f"{group} measures {names}, the groups before it {columns}: "
+                       "one table holds one set of targets")
+    if not number:
+      columns = names
+      head = (["windows", "seed"] if len(result.groups) > 1 else []) + ["run", "MB/step"]
+      head += (["s/step"] if timed else []) + names + ["final"]
+      lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in shown:
+      cells = [str(header["batch"]), str(header["seed"])] if len(result.groups) > 1 else []
+      cells += [f"`{row['run']}`", f"{row['bytes'] / 1e6:.3f}"]
+      cells += [f"{row['step_s']:.3f}"] if timed else []
+      cells += [_target_cell(row, base, target, timed) for target in targets]
+      final = f"{row['final']:.4f}"
+      cells.append(final if row is base else f"{final} ({_percent(row['final'], base['final'])})")
+      lines.append("| " + " | ".join(cells) + " |")
+  files = ", ".join(f"`{name}`" for group in result.groups for name in group)
+  lines += ["", f"From `{result.command}`; JSON {files}."]
+  return "\n".join(lines) + "\n"
+
+
+def write_all(out: Path = TABLES, data: Path = DATA) -> list[Path]:
+  """Writes every result of :data:`RESULTS` to ``out/<name>.md``; returns the paths."""
+  out.mkdir(parents=True, exist_ok=True)
+  written = []
+  for name, result in RESULTS.items():
+    path = out / f"{name}.md"
+    path.write_text(render(result, data))
+    written.append(path)
+  return written
+
+
+if __name__ == "__main__":
+  for path in write_all():
+    print(path.relative_to(HERE))
+  sys.exit(0)

@@ -1,0 +1,65 @@
+"""The evidence pages' tables are rendered from the committed JSON, not typed."""
+
+import dataclasses
+import importlib.util
+import json
+import pathlib
+import re
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FIXTURE = pathlib.Path(__file__).resolve().parent / "data" / "training_fixture.json"
+
+
+def _tables():
+  spec = importlib.util.spec_from_file_location("docs_tables", ROOT / "docs" / "tables.py")
+  tables = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = tables  # its dataclass looks its module up by name
+  spec.loader.exec_module(tables)
+  return tables
+
+
+def test_a_table_is_the_json_it_names_and_changes_with_it(tmp_path):
+  tables = _tables()
+  result = tables.Result(command="python benchmarks/network_training.py --rate 100mbit",
+                         groups=(("run.json",),))
+  (tmp_path / "run.json").write_text(FIXTURE.read_text())
+  # By hand: 1.5 MB and 2.5 s a step; 2.6 in 25 s of dense's 100 (0.25x),
+  # 2.4 in 75 s of 200 (0.38x), dense's final + 2% never; 2.05 is 2.5% above 2.0.
+  assert tables.render(result, tmp_path) == (
+      "| run | MB/step | s/step | to 2.6 | to 2.4 | to dense's final + 2% | final |\n"
+      "|---|---|---|---|---|---|---|\n"
+      "| `dense` | 40.000 | 10.000 | 10 / 100 s | 20 / 200 s | 30 / 300 s | 2.0000 |\n"
+      "| `local 4` | 1.500 | 2.500 | 10 / 0.25x | 30 / 0.38x | never | 2.0500 (+2.5%) |\n"
+      "\n"
+      "From `python benchmarks/network_training.py --rate 100mbit`; JSON `run.json`.\n")
+
+  changed = json.loads(FIXTURE.read_text())
+  changed["rows"][1]["final"] = 1.9
+  (tmp_path / "run.json").write_text(json.dumps(changed))
+  assert "| 1.9000 (-5.0%) |" in tables.render(result, tmp_path)
+
+
+def test_a_table_names_a_run_its_json_does_not_hold(tmp_path):
+  tables = _tables()
+  (tmp_path / "run.json").write_text(FIXTURE.read_text())
+  result = tables.Result(command="c", groups=(("run.json",),), runs=("dense", "local 8"))
+  with pytest.raises(KeyError, match="local 8"):
+    tables.render(result, tmp_path)
+  missing = dataclasses.replace(result, groups=(("gone.json",),))
+  with pytest.raises(FileNotFoundError, match="gone.json"):
+    tables.render(missing, tmp_path)
+
+
+def test_every_table_a_page_includes_is_a_named_result_that_renders():
+  tables = _tables()
+  included = {name for page in (ROOT / "docs").rglob("*.md")
+              for name in re.findall(r"```\{include\} (?:\.\./)*tables/(\w+)\.md", page.read_text())}
+  assert included, "no evidence page includes a generated table"
+  assert included <= set(tables.RESULTS), sorted(included - set(tables.RESULTS))
+  unused = set(tables.RESULTS) - included
+  assert not unused, f"named results no page includes: {sorted(unused)}"
+  for result in tables.RESULTS.values():
+    assert tables.render(result).count("\n|") >= 2
