@@ -113,8 +113,8 @@ def render(result: Result, data: Path = DATA) -> str:
     FileNotFoundError: a JSON that is not under ``data``.
     ValueError: groups that measured different targets.
   """
-  lines = []
-  for number, group in enumerate(result.groups):
+  lines, columns = [], []
+  for group in result.groups:
     header, rows = _rows(group, data)
     by_run = {row["run"]: row for row in rows}
     shown = [by_run[run] for run in result.runs] if result.runs else rows
@@ -127,10 +127,10 @@ def render(result: Result, data: Path = DATA) -> str:
                        and rows[0]["run"] == "dense"
                        and all(target in row["targets"] for row in shown)]
     names = [f"to {t}" if t in named else "to dense's final + 2%" for t in targets]
-    if number and names != columns:
+    if columns and names != columns:
       raise ValueError(f"{group} measures {names}, the groups before it {columns}: "
                        "one table holds one set of targets")
-    if not number:
+    if not columns:
       columns = names
       head = (["windows", "seed"] if len(result.groups) > 1 else []) + ["run", "MB/step"]
       head += (["s/step"] if timed else []) + names + ["final"]
