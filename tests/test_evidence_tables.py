@@ -55,8 +55,9 @@ def test_a_table_names_a_run_its_json_does_not_hold(tmp_path):
 
 def test_every_table_a_page_includes_is_a_named_result_that_renders():
   tables = _tables()
+  include = re.compile(r"```\{include\} (?:\.\./)*tables/(\w+)\.md")
   included = {name for page in (ROOT / "docs").rglob("*.md")
-              for name in re.findall(r"```\{include\} (?:\.\./)*tables/(\w+)\.md", page.read_text())}
+              for name in include.findall(page.read_text())}
   assert included, "no evidence page includes a generated table"
   assert included <= set(tables.RESULTS), sorted(included - set(tables.RESULTS))
   unused = set(tables.RESULTS) - included
