@@ -78,6 +78,29 @@ class ShardedOptimizerState(NamedTuple):
   inner: optax.OptState
 
 
+class RoundInFlight(NamedTuple):
+  """The round of :func:`topka2a_jax.local_steps` whose exchange runs beside
+  the next round's steps (``local_steps(..., overlap=...)``).
+
+  Attributes:
+    sent: every device's pseudo-gradient of that round (where its round
+      started minus where it ended), laid out as
+      :class:`LocalStepsState`'s ``offset``; the training step hands it to
+      the exchange, whose mean the next round's end applies.
+    start: every device's offset at the start of its current round: its own
+      share of ``sent`` applied at once under the eager rule, zeros under
+      the delayed one; laid out as ``sent``.
+    pending: whether ``sent`` is in flight (False until the first round
+      ends); bool, replicated.
+    rounds: the rounds sent so far (int32, replicated).
+  """
+
+  sent: optax.Params
+  start: optax.Params
+  pending: jax.Array
+  rounds: jax.Array
+
+
 class LocalStepsState(NamedTuple):
   """State of :func:`topka2a_jax.local_steps`.
 
@@ -96,6 +119,8 @@ class LocalStepsState(NamedTuple):
     skipped: the inner steps skipped in a row, as not finite, up to now
       (int32, replicated); after 8 in a row the round is dropped, and the
       next starts from the shared parameters.
+    in_flight: with ``overlap``, the round whose exchange runs beside this
+      one (:class:`RoundInFlight`); None where rounds exchange in line.
   """
 
   exchange: TopKA2AState
@@ -105,6 +130,7 @@ class LocalStepsState(NamedTuple):
   step: jax.Array
   every: jax.Array
   skipped: jax.Array
+  in_flight: RoundInFlight | None = None
 
 
 class AccumulatedGradientsState(NamedTuple):
@@ -142,6 +168,7 @@ PER_DEVICE: dict[type, dict[str, str]] = {
     ShardedOptimizerState: {"inner": SHARD},
     CompressedUpdatesState: {"inner": REPLICA},
     LocalStepsState: {"inner": REPLICA, "offset": REPLICA},
+    RoundInFlight: {"sent": REPLICA, "start": REPLICA},
     AccumulatedGradientsState: {"grads": REPLICA},
 }
 """For each state, its per-device fields and their kind. Every other field

@@ -158,8 +158,7 @@ class NnxTrainStep(DataParallelStep):
         topka2a exchange or keeps per-parameter state before it.
     """
     inputs, static = self._prepare(model, optimizer, batch, kwargs)
-    new_params, new_rest, new_opt_state, *out = self._jitted(*self._unaliased(inputs),
-                                                             **static)
+    new_params, new_rest, new_opt_state, *out = self._step(inputs, static)
     watchdog.watch(out[0])
     nnx.update(model, new_params, new_rest)
     nnx.update(optimizer.opt_state, nnx.state(new_opt_state, graph=optimizer.graph))
@@ -170,7 +169,7 @@ class NnxTrainStep(DataParallelStep):
             **kwargs: Any) -> jax.stages.Lowered:
     """The lowered step, e.g. for :func:`topka2a_jax.comm_report`."""
     inputs, static = self._prepare(model, optimizer, batch, kwargs)
-    return self._jitted.lower(*inputs, **static)
+    return self._lower(inputs, static)
 
 
 def nnx_train_step(

@@ -45,8 +45,10 @@ from topka2a_jax._src.planner import compute
 from topka2a_jax._src.runtime import watchdog
 from topka2a_jax._src.states import local_params
 from topka2a_jax._src.training import placement
+from topka2a_jax._src.training.overlap import RoundsInFlight, local_state, overlapped_of
 from topka2a_jax._src.transforms.clipping import warn_if_clipped_before_exchange
 from topka2a_jax._src.transforms.extra_args import (
+  ARRIVED,
   AT_LOCAL_PARAMS,
   BACKWARD_SECONDS,
   GRADIENT_AT,
@@ -307,8 +309,45 @@ class DataParallelStep:
     # What the exchanges can hide behind: nothing where collectives run in line.
     self._overlaps = compute.device_of(mesh.devices.flat[0]).overlaps
     self._donate = donate
-    self._jitted = jax.jit(self._run, static_argnames=("model", "tx", "specs", "backward"),
+    self._jitted = jax.jit(self._run, static_argnames=("model", "tx", "specs", "backward",
+                                                      "hand_over"),
                            donate_argnums=(0, 1, 2) if donate else ())
+    self._flights: list[tuple[Any, RoundsInFlight | None]] = []  # by optimizer
+
+  def _flight(self, tx: Any) -> RoundsInFlight | None:
+    """The driver of ``tx``'s rounds in flight (``local_steps(..., overlap=...)``), or None."""
+    for seen, flight in self._flights:
+      if seen is tx:
+        return flight
+    overlapped = overlapped_of(tx)
+    flight = None if overlapped is None else RoundsInFlight(self._mesh, self._axis, overlapped)
+    self._flights.append((tx, flight))
+    return flight
+
+  def _step(self, inputs: tuple[Any, ...], static: dict[str, Any]) -> tuple[Any, ...]:
+    """Runs the jitted step on placed ``inputs``; with rounds in flight, drives them.
+
+    Returns the step's outputs: ``(params, carry, opt_state, loss[, metrics])``.
+    """
+    flight = self._flight(static["tx"])
+    if flight is None:
+      return self._jitted(*self._unaliased(inputs), None, hand_over=False, **static)
+    params, opt_state = inputs[0], inputs[2]
+    spec_tree = leaves_of(params).structure.unflatten(static["specs"])
+    arrived, ends = flight.before(params, opt_state, spec_tree, static["backward"])
+    out = self._jitted(*self._unaliased(inputs), arrived, hand_over=ends, **static)
+    handed = out[-1] if ends else None
+    out = out[:-1] if ends else out
+    flight.after(out[2], ends, handed, spec_tree, static["backward"])
+    return out
+
+  def _lower(self, inputs: tuple[Any, ...], static: dict[str, Any]) -> jax.stages.Lowered:
+    """The lowered step (with rounds in flight, a step within a round)."""
+    flight = self._flight(static["tx"])
+    spec_tree = leaves_of(inputs[0]).structure.unflatten(static["specs"])
+    arrived = None if flight is None else flight.before(
+        inputs[0], inputs[2], spec_tree, static["backward"])[0]
+    return self._jitted.lower(*inputs, arrived, hand_over=False, **static)
 
   def _unaliased(self, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
     """``inputs`` with a copy of every donated leaf whose buffer an earlier one holds.
@@ -352,8 +391,8 @@ class DataParallelStep:
     """
     raise NotImplementedError
 
-  def _body(self, params, carry, opt_state, keys, batch, extra, *, model, tx, specs,
-            backward):
+  def _body(self, params, carry, opt_state, keys, batch, extra, arrived, *, model, tx, specs,
+            backward, hand_over):
     axis = self._axis.name
     value_and_grad, key = self._gradient_fn(model, keys)
     # Each device's own parameters: the shared ones, or with local steps the
@@ -364,23 +403,33 @@ class DataParallelStep:
     updates, opt_state = optax.with_extra_args_support(tx).update(
         grads, opt_state, params,
         **{**extra, PARAM_SPECS: specs, BACKWARD_SECONDS: backward,
-           GRADIENT_AT: AT_LOCAL_PARAMS})
+           GRADIENT_AT: AT_LOCAL_PARAMS},
+        **({} if arrived is None else {ARRIVED: arrived}))
     out = (optax.apply_updates(params, updates), self._agreed(carry), opt_state,
            lax.pmean(loss, axis))
-    return out + (reduce_metrics(aux, axis),) if self._has_aux else out
+    out = out + (reduce_metrics(aux, axis),) if self._has_aux else out
+    if hand_over:  # the round just sent, in buffers of its own for its exchange
+      local = local_state(opt_state)
+      out = out + ((local.in_flight.sent, local.exchange),)
+    return out
 
-  def _run(self, params, carry, opt_state, keys, batch, extra, *, model, tx, specs,
-           backward):
+  def _run(self, params, carry, opt_state, keys, batch, extra, arrived, *, model, tx, specs,
+           backward, hand_over):
     spec_tree = leaves_of(params).structure.unflatten(specs)
     state = placement.specs_of(opt_state, self._axis)
     out_specs = (P(), P(), state, P()) + ((P(),) if self._has_aux else ())
+    arrived_specs = P()
+    if arrived is not None:
+      arrived_specs, handed_specs = self._flight(tx).specs(local_state(opt_state), spec_tree)
+      out_specs = out_specs + ((handed_specs,) if hand_over else ())
     body = jax.shard_map(
         functools.partial(self._body, model=model, tx=tx, specs=spec_tree,
-                          backward=backward),
-        mesh=self._mesh, in_specs=(P(), P(), state, P(), P(self._axis.name), P()),
+                          backward=backward, hand_over=hand_over),
+        mesh=self._mesh,
+        in_specs=(P(), P(), state, P(), P(self._axis.name), P(), arrived_specs),
         out_specs=out_specs, axis_names=set(self._axis.names))
     return body(params, carry, opt_state, keys,
-                split_batch(batch, self._mesh, self._axis.name), extra)
+                split_batch(batch, self._mesh, self._axis.name), extra, arrived)
 
   def _inputs(self, model: Any, tx: optax.GradientTransformation, params: Any,
               carry: Any, opt_state: Any, keys: Any, batch: Any,
@@ -522,7 +571,7 @@ class TrainStep(DataParallelStep):
     """
     _check_not_donated(params, opt_state)
     inputs, static = self._prepare(params, opt_state, batch, key, extra_args)
-    new_params, _, new_opt_state, *out = self._jitted(*self._unaliased(inputs), **static)
+    new_params, _, new_opt_state, *out = self._step(inputs, static)
     watchdog.watch(out[0])
     return (new_params, new_opt_state, *out)
 
@@ -530,7 +579,7 @@ class TrainStep(DataParallelStep):
             key: jax.Array | None = None, **extra_args: Any) -> jax.stages.Lowered:
     """The lowered step, e.g. for :func:`topka2a_jax.comm_report`."""
     inputs, static = self._prepare(params, opt_state, batch, key, extra_args)
-    return self._jitted.lower(*inputs, **static)
+    return self._lower(inputs, static)
 
 
 def check_extra_args(extra: dict[str, Any]) -> None:

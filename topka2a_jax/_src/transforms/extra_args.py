@@ -13,6 +13,10 @@ Example:
   ['topka2a_backward_seconds', 'topka2a_param_specs']
 """
 
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
 PARAM_SPECS = "topka2a_param_specs"
 """The parameters' ``PartitionSpec`` pytree, read by the exchange's update.
 
@@ -41,3 +45,25 @@ itself: ``tx.update(grads, state, params, topka2a_gradient_at="local_params")``.
 
 AT_LOCAL_PARAMS = "local_params"
 """The value of :data:`GRADIENT_AT` for a gradient taken at ``local_params``."""
+
+ARRIVED = "topka2a_arrived"
+"""With ``local_steps(..., overlap=...)``, the :class:`RoundArrived` of the
+round in flight: the mean its exchange delivered, which the training step
+hands to the update at the end of the next round (and placeholders of the
+same shapes at every other step). The training steps pass it; a hand-written
+step runs ``local_steps`` without overlap."""
+
+
+class RoundArrived(NamedTuple):
+  """What the exchange of a round in flight delivers.
+
+  Attributes:
+    means: the devices' mean pseudo-gradient, replicated, laid out as the
+      parameters.
+    exchange: the exchange's state after it (residuals, counts).
+    dropped: whether the mean was not finite (a replicated bool).
+  """
+
+  means: Any
+  exchange: Any
+  dropped: Any

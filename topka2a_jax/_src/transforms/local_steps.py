@@ -59,9 +59,10 @@ References:
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -82,7 +83,7 @@ from topka2a_jax._src.collectives.relative import CHUNK, relative_mean
 from topka2a_jax._src.options import Options
 from topka2a_jax._src.planner.forms import LOCAL_STEPS_FORM
 from topka2a_jax._src.rounds import RoundLengths, round_lengths
-from topka2a_jax._src.states import LocalStepsState
+from topka2a_jax._src.states import LocalStepsState, RoundInFlight
 from topka2a_jax._src.transforms.exchange_state import (
   checked_residuals,
   init_state,
@@ -91,10 +92,12 @@ from topka2a_jax._src.transforms.exchange_state import (
 )
 from topka2a_jax._src.transforms.exchange_step import held_where
 from topka2a_jax._src.transforms.extra_args import (
+  ARRIVED,
   AT_LOCAL_PARAMS,
   GRADIENT_AT,
   NONFINITE,
   PARAM_SPECS,
+  RoundArrived,
 )
 from topka2a_jax._src.transforms.following import (
   Followers,
@@ -126,13 +129,57 @@ task (the local steps evidence page)."""
 _WHOLE = ("Give local_steps the optimizers it runs, local_steps(optax.adam(...), "
           "outer=...), and use it alone as the step's optimizer.")
 
-_ARGUMENTS = ("inner", "every", "outer", "density", "average_inner_state")
+_ARGUMENTS = ("inner", "every", "outer", "density", "average_inner_state", "overlap")
 """local_steps' own arguments, besides the exchange's options."""
 
 SKIPPED_IN_A_ROW = 8
 """Inner steps skipped in a row (not finite on some device) after which a round
 is dropped: its local parameters are where every gradient overflows, and no
 later step of the round could be taken."""
+
+
+EAGER, DELAYED = "eager", "delayed"
+"""How a round's mean that arrives a round late is applied (``overlap=``)."""
+
+DEFAULT_OVERLAP = EAGER
+"""The rule ``overlap=True`` takes: the one the local steps evidence page's
+comparison of the two chose."""
+
+OVERLAPPED = "topka2a_overlapped"
+"""The attribute of an overlapped ``local_steps``' update function that holds
+its :class:`Overlapped` record, for the training steps that drive it."""
+
+
+class Overlapped(NamedTuple):
+  """What a training step needs to run an overlapped ``local_steps``' exchanges.
+
+  Attributes:
+    rule: ``"eager"`` or ``"delayed"``.
+    lengths: the rounds' lengths.
+    exchange: ``exchange(sent, exchange_state, **extra_args) ->``
+      :class:`RoundArrived`, inside ``shard_map`` over the data axis: the
+      exchange of a round's pseudo-gradients (``RoundInFlight.sent``'s
+      blocks), as its own program.
+  """
+
+  rule: str
+  lengths: RoundLengths
+  exchange: Any
+
+
+def overlap_rule(overlap: Any) -> str | None:
+  """``overlap`` as a rule: None (in line), ``"eager"`` or ``"delayed"``.
+
+  Raises:
+    ValueError: any other value, naming the ones taken.
+  """
+  if overlap is False or overlap is None:
+    return None
+  if overlap is True:
+    return DEFAULT_OVERLAP
+  if overlap in (EAGER, DELAYED):
+    return overlap
+  raise ValueError(f"overlap must be False, True, {EAGER!r} or {DELAYED!r}; got {overlap!r}")
 
 
 def default_outer() -> optax.GradientTransformation:
@@ -166,6 +213,7 @@ def local_steps(inner: optax.GradientTransformation, *,
                 every: int | Mapping[int, int] = DEFAULT_EVERY,
                 outer: optax.GradientTransformation | None = None,
                 density: float | None = None, average_inner_state: bool = False,
+                overlap: bool | Literal["eager", "delayed"] = False,
                 **options: Unpack[CompressUpdatesOptions]
                 ) -> optax.GradientTransformationExtraArgs:
   """Trains ``every`` steps on each device alone, then exchanges the pseudo-gradients.
@@ -216,6 +264,21 @@ def local_steps(inner: optax.GradientTransformation, *,
       steps"). The round's end then also needs temporary memory of about
       twice the state's floating size (the state as one buffer, and its
       mean).
+    overlap: run each round's exchange beside the next round's steps, as a
+      program of its own, and apply its mean at the end of that next round
+      (a round late). ``True`` takes the measured rule (the local steps
+      evidence page); ``"eager"``: each device moves by its own share of
+      its pseudo-gradient (the outer step of it over the device count) at
+      once, and the mean replaces that share when it arrives (Kale et al.);
+      ``"delayed"``: the next round starts from the shared parameters
+      without the round in flight. The step is then its compute alone where
+      the exchange takes no longer than a round. Driven by
+      :func:`topka2a_jax.train_step` and :func:`topka2a_jax.nnx_train_step`
+      (which dispatch the exchange on its own execution stream); the state
+      holds the round in flight (:class:`topka2a_jax.RoundInFlight`), so a
+      checkpoint saved between rounds restores with it and its mean is
+      applied once. The parameters the step returns lack the round in
+      flight. Not with ``average_inner_state``.
     **options: every option of the exchange, below.
 
   Returns:
@@ -253,6 +316,12 @@ def local_steps(inner: optax.GradientTransformation, *,
            if algorithm == AUTO else "")
         + ". Leave density out, or name a top-k exchange with it, "
         "local_steps(..., density=0.01, algorithm='topka2a').")
+  rule = overlap_rule(overlap)
+  if rule is not None and average_inner_state:
+    raise ValueError(
+        "local_steps(overlap=..., average_inner_state=True): the inner state's mean runs "
+        "in the step's own program, in line, so the overlap would not hide the round's "
+        "exchanges. Leave one of them out.")
   checked = for_follower(Options.create(density, forms_follow=True, caller="local_steps",
                                         arguments=_ARGUMENTS, **options),
                          Followers((outer.update,), True), set(), rounds=True)
@@ -269,7 +338,11 @@ def local_steps(inner: optax.GradientTransformation, *,
         outer.init(params),
         step,
         length,
-        jnp.zeros_like(step))
+        jnp.zeros_like(step),
+        None if rule is None else RoundInFlight(
+            per_device_state(checked, zeros_in_float32, params, mesh, "local_steps"),
+            per_device_state(checked, zeros_in_float32, params, mesh, "local_steps"),
+            jnp.zeros_like(step, dtype=bool), jnp.zeros_like(step)))
     if not is_bound(checked.axis_name):
       warn_if_a_zero_step_is_not_finite(inner, params, "local_steps")
     if average_inner_state:
@@ -280,15 +353,24 @@ def local_steps(inner: optax.GradientTransformation, *,
                 params: optax.Params | None = None,
                 **extra_args: Any) -> tuple[optax.Updates, LocalStepsState]:
     refuse_followers(follower(update_fn), "local_steps(...)", _WHOLE)
-    return _update(checked, inner, outer, lengths, average_inner_state, updates, state,
+    return _update(checked, inner, outer, lengths, average_inner_state, rule, updates, state,
                    params, extra_args)
 
-  return optax.GradientTransformationExtraArgs(init_fn, marked(update_fn, checked.axis_name))
+  def exchange_fn(sent: Any, exchange: Any, **extra_args: Any) -> RoundArrived:
+    pseudo = jax.tree.map(lambda x: x[0], sent)
+    means, exchange, dropped = update_state(checked, pseudo, exchange, extra_args)
+    return RoundArrived(means, exchange, jnp.asarray(dropped))
+
+  update_fn = marked(update_fn, checked.axis_name)
+  if rule is not None:
+    setattr(update_fn, OVERLAPPED, Overlapped(rule, lengths, exchange_fn))
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _update(options: Options, inner: optax.GradientTransformationExtraArgs,
             outer: optax.GradientTransformationExtraArgs, lengths: RoundLengths,
-            average_inner_state: bool, grads: optax.Updates, state: LocalStepsState,
+            average_inner_state: bool, rule: str | None, grads: optax.Updates,
+            state: LocalStepsState,
             params: optax.Params | None, extra_args: dict[str, Any]
             ) -> tuple[optax.Updates, LocalStepsState]:
   """One device's step: ``inner`` at its local parameters; at a round's end, the exchange."""
@@ -357,15 +439,74 @@ def _update(options: Options, inner: optax.GradientTransformationExtraArgs,
     new_offset = jax.tree.map(lambda o: jnp.where(stuck, jnp.zeros_like(o), o), new_offset)
     return zeros, exchange, state.outer, new_offset, new_inner, jnp.where(stuck, 0, step)
 
-  if lengths.constant == 1 and bad is None:
-    result = round_ends(new_offset, new_inner)
+  flight = state.in_flight
+  if (rule is None) != (flight is None):
+    made, built = ("without", "with") if flight is None else ("with", "without")
+    raise TypeError(f"this local_steps state was made {made} overlap=, the optimizer is "
+                    f"{built} it: pass the state this optimizer's init made (or restored)")
+  if rule is None:
+    ends, rounds = round_ends, state.exchange.count
   else:
-    result = lax.cond(step >= lengths.at(state.exchange.count), round_ends, round_goes_on,
-                      new_offset, new_inner)
-  moved, exchange, new_outer, new_offset, new_inner, step = result
+    ends, rounds = functools.partial(_round_ends_late, rule, outer, state, params,
+                                     extra_args.get(ARRIVED), axis), flight.rounds
+
+  def goes_on(new_offset: Any, new_inner: Any) -> tuple[Any, ...]:
+    result = round_goes_on(new_offset, new_inner)
+    if flight is None:
+      return result
+    start = flight.start if stuck is None else jax.tree.map(
+        lambda x: jnp.where(stuck, jnp.zeros_like(x), x), flight.start)
+    return (*result, flight._replace(start=start))
+
+  if lengths.constant == 1 and bad is None:
+    result = ends(new_offset, new_inner)
+  else:
+    result = lax.cond(step >= lengths.at(rounds), ends, goes_on, new_offset, new_inner)
+  moved, exchange, new_outer, new_offset, new_inner, step, *late = result
   return moved, LocalStepsState(exchange, per_device_blocks(new_inner, axis),
                                 per_device_blocks(new_offset, axis), new_outer, step,
-                                state.every, skipped)
+                                state.every, skipped, *late)
+
+
+def _round_ends_late(rule: str, outer: optax.GradientTransformationExtraArgs,
+                     state: LocalStepsState, params: optax.Params,
+                     arrived: RoundArrived | None, axis: Any, new_offset: Any,
+                     new_inner: Any) -> tuple[Any, ...]:
+  """A round's end with ``overlap``: the round in flight's mean applied, this one sent.
+
+  The mean of the round sent at the last round's end (``arrived``, its
+  exchange run beside this round) moves the shared parameters through
+  ``outer``; this round's pseudo-gradient, measured from where the round
+  started, becomes the round in flight. Under the eager rule each device
+  starts the next round moved by ``outer``'s step of its own pseudo-gradient
+  over the device count, the share of the mean it knows already (Kale et
+  al., arXiv 2502.12996).
+  """
+  if arrived is None:
+    raise ValueError(
+        f"local_steps(overlap=...) needs, at a round's end, the mean of the round in "
+        f"flight, which its exchange delivers as a program of its own: drive it with "
+        f"topka2a_jax.train_step or nnx_train_step, which pass it as {ARRIVED}=. "
+        "A hand-written step runs local_steps without overlap.")
+  flight = state.in_flight
+  own = lambda tree: jax.tree.map(lambda x: x[0], tree)
+  start = own(flight.start)
+  pseudo = jax.tree.map(lambda s, o: as_varying(s - o, axis), start, new_offset)
+  applied = flight.pending & ~arrived.dropped
+  moved, new_outer = outer.update(arrived.means, state.outer, params)
+  new_outer = held_where(~applied, state.outer, new_outer)
+  moved = jax.tree.map(lambda m, p: jnp.where(applied, m, 0).astype(p.dtype), moved, params)
+  exchange = held_where(~flight.pending, state.exchange, arrived.exchange)
+  if rule == EAGER:
+    replicas = bound_axis_size(DataAxis.parse(axis).names[0])  # a node trains as one
+    share = jax.tree.map(lambda d: d / replicas, pseudo)
+    step, _ = outer.update(share, new_outer, optax.apply_updates(params, moved))
+    start = jax.tree.map(lambda d, u: as_varying(u.astype(d.dtype), axis), pseudo, step)
+  else:
+    start = jax.tree.map(jnp.zeros_like, pseudo)
+  sent = RoundInFlight(per_device_blocks(pseudo, axis), per_device_blocks(start, axis),
+                       jnp.ones_like(flight.pending), flight.rounds + 1)
+  return moved, exchange, new_outer, start, new_inner, jnp.zeros_like(state.step), sent
 
 
 def _refuse_kept_parameters(init: Any, params: optax.Params, per_device: Any) -> None:
