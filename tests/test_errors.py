@@ -71,7 +71,7 @@ def test_local_steps_names_its_own_arguments_and_itself():
   without a mesh named topka2a(..., mesh=mesh), which the user never called."""
   with pytest.raises(TypeError, match=r"unknown option evrey= \(did you mean every=\?\); the "
                      r"arguments of local_steps are average_inner_state, density, every, inner, "
-                     r"outer, and the options are algorithm, "):
+                     r"outer, overlap, and the options are algorithm, "):
     topka2a_jax.local_steps(optax.adam(1e-3), evrey=4)
   with pytest.raises(ValueError, match=r"local_steps does not know the mesh .* Build it with "
                                        r"local_steps\(\.\.\., mesh=mesh\)"):
