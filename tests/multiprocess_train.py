@@ -14,6 +14,7 @@ pseudo-gradient's form) and parameters, so that tests can check the two agree:
 """
 
 import sys
+import threading
 
 import topka2a_jax.distributed
 from topka2a_jax._src.runtime.distributed import launched
@@ -49,12 +50,36 @@ def loss_of(params, batch):
   return jnp.mean((jnp.tanh(x @ params["w"] + params["b"]) - y) ** 2)
 
 
+def held_back(step, tx):
+  """Each round's exchange held on its thread until the next round's first step has
+  returned with its results (a step that waited for it would wait a minute, in vain):
+  returns the gates and whether each exchange was released in time."""
+  flight = step._flight(tx)
+  program, gates, released = flight._program, [threading.Event() for _ in range(8)], []
+
+  def held(*args):
+    made = program(*args)
+
+    def run(*inputs):
+      released.append(gates[len(released)].wait(60))
+      return made(*inputs)
+
+    return run
+
+  flight._program = held
+  return gates, released
+
+
 def with_train_step(mesh, algorithm, params, batches, axis_name="data", local=False,
-                    adam=False):
-  """The same run through topka2a_jax.train_step: every step's loss and params."""
+                    adam=False, overlap=False):
+  """The same run through topka2a_jax.train_step: every step's loss and params.
+
+  With ``overlap``, the params only (the loss is each process's own devices'),
+  and each round's exchange held until the next round's first step returned.
+  """
   if local:  # rounds of two Adam steps, then the pseudo-gradient in `algorithm`
     tx = topka2a_jax.local_steps(optax.adam(0.05), every=2, algorithm=algorithm, min_size=0,
-                                 mesh=mesh, axis_name=axis_name)
+                                 mesh=mesh, axis_name=axis_name, overlap=overlap)
   else:  # adam: its count is made on one device, the step places it on every process
     tx = optax.chain(topka2a_jax.topka2a(0.1, algorithm=algorithm, min_size=0,
                                          mesh=mesh, axis_name=axis_name),
@@ -62,12 +87,22 @@ def with_train_step(mesh, algorithm, params, batches, axis_name="data", local=Fa
   params = jax.tree.map(lambda v: global_array(v, mesh, P()), params)
   step = topka2a_jax.train_step(loss_of, tx, mesh, axis_name=axis_name)
   state, record = tx.init(params), {}
+  gates, released = held_back(step, tx) if overlap else ([], [])
   for i, (x, y) in enumerate(batches):
     batch = (global_array(x, mesh, P(axis_name)), global_array(y, mesh, P(axis_name)))
     params, state, loss = step(params, state, batch)
-    record[f"loss{i}"] = local_copy(loss)
+    jax.block_until_ready((params, state))
+    if overlap and i % 2 == 0 and i:  # the first step of a round: the last exchange may go
+      gates[i // 2 - 1].set()
+    if not overlap:
+      record[f"loss{i}"] = local_copy(loss)
     for k in ("w", "b"):
       record[f"params{i}_{k}"] = local_copy(params[k])
+  for gate in gates:
+    gate.set()
+  step.settle()  # the last round's exchange has run
+  if overlap:
+    assert released[:2] == [True, True], f"a step waited for the exchange: {released}"
   return record
 
 
@@ -78,7 +113,7 @@ def main(algorithm, out, route="shard_map"):
   params = {"w": rng.normal(size=(24, 16)).astype(np.float32) / 5,
             "b": np.zeros(16, np.float32)}
   if route in ("train_step", "train_step_adam", "two_level", "local_steps",
-               "local_two_level"):
+               "local_two_level", "local_overlapped"):
     batches = []
     for _ in range(5):
       x = rng.normal(size=(32, 24)).astype(np.float32)
@@ -89,7 +124,8 @@ def main(algorithm, out, route="shard_map"):
       record = with_train_step(mesh, algorithm, params, batches, ("node", "local"), local)
     else:
       record = with_train_step(mesh, algorithm, params, batches, local=local,
-                               adam=route == "train_step_adam")
+                               adam=route == "train_step_adam",
+                               overlap=route == "local_overlapped")
     print(f"{jax.process_count()} processes, {jax.device_count()} devices")
     if jax.process_index() == 0:
       np.savez(out, **record)

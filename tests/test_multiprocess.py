@@ -34,6 +34,7 @@ def run(command, **env):
     ("onebit", "train_step", 15, 2), ("rotated_4_8", "train_step", 15, 2),
     ("quantized_8_8_fine", "train_step_adam", 15, 1),  # one device a process
     ("quantized_8_8_fine", "local_steps", 15, 1),
+    ("rotated_4_4", "local_overlapped", 10, 2),  # the exchange held past the next step
     ("quantized_8_8_fine", "local_two_level", 15, 4)])
 def test_two_processes_match_one_with_all_their_devices(tmp_path, algorithm, route,
                                                         files, per_process):

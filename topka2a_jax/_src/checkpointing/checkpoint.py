@@ -54,6 +54,7 @@ from topka2a_jax._src.checkpointing.integrity import (
   write_manifest,
 )
 from topka2a_jax._src.checkpointing.resize import RULES, Devices
+from topka2a_jax._src.runtime import in_flight
 from topka2a_jax._src.states import (
   RESIDUAL,
   AccumulatedGradientsState,
@@ -180,6 +181,7 @@ def save(directory: str | Path, state: Any, mesh: Mesh,
   axis.check_on(mesh)
   directory = Path(directory).absolute()
   layout = describe(state, mesh, axis)  # a state it cannot save is refused first
+  in_flight.settle()  # no exchange on its own stream while the barriers below run
   _claim(directory)
   try:
     with ocp.StandardCheckpointer() as checkpointer:

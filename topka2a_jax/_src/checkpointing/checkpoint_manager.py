@@ -49,6 +49,7 @@ from jax.sharding import Mesh
 
 from topka2a_jax._src.axis import DataAxis
 from topka2a_jax._src.checkpointing import checkpoint, integrity, step_claims
+from topka2a_jax._src.runtime import in_flight
 
 if TYPE_CHECKING:  # typing.Self from Python 3.11
   from typing_extensions import Self
@@ -229,6 +230,7 @@ class CheckpointManager:
     """
     root = Path(self._manager.directory)
     refused = None
+    in_flight.settle()  # no exchange on its own stream while the broadcast below runs
     if jax.process_index() == 0:
       refused = step_claims.claim(root, step, self._token)
     if jax.process_count() > 1:

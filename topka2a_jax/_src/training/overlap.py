@@ -35,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from topka2a_jax._src.axis import DataAxis, holds_tracer
+from topka2a_jax._src.runtime import in_flight
 from topka2a_jax._src.states import LocalStepsState
 from topka2a_jax._src.training import placement
 from topka2a_jax._src.transforms.clipping import held
@@ -89,6 +90,12 @@ class RoundsInFlight:
     self._in_flight: tuple[int, concurrent.futures.Future] | None = None
     self._known: tuple[Any, int, int, bool] | None = None  # (state's step array, counters)
     self._placeholders: dict[Any, RoundArrived] = {}
+    in_flight.register(self)
+
+  def settle(self) -> None:
+    """Returns once the exchange of the round in flight has ended (at once if none)."""
+    if self._in_flight is not None:
+      jax.block_until_ready(self._in_flight[1].result())
 
   def _program(self, local: LocalStepsState, spec_tree: Any, backward: float) -> Any:
     """The jitted exchange of a round's pseudo-gradients, for these layouts.

@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from topka2a_jax._src import layout
 from topka2a_jax._src.arguments import checked_count, checked_optimizer
-from topka2a_jax._src.axis import DataAxis, holds_tracer
+from topka2a_jax._src.axis import DataAxis, holds_tracer, per_device_blocks
 from topka2a_jax._src.planner import compute
 from topka2a_jax._src.runtime import watchdog
 from topka2a_jax._src.states import local_params
@@ -260,6 +260,19 @@ def _from_host_across_processes(inputs: Any, targets: Any) -> Any:
   return jax.tree.map(from_host, targets, inputs)  # each target covers a subtree
 
 
+def _placed_from_host(target: NamedSharding, tree: Any) -> Any:
+  """``tree`` placed by ``target`` as ``jax.device_put`` places it, without the check
+  that every process gave the same host values (a collective across processes);
+  each process's part is cut from its own copy."""
+  def placed(leaf: Any) -> Any:
+    if isinstance(leaf, jax.Array):
+      return jax.device_put(leaf, target)
+    value = np.asarray(leaf)
+    return jax.make_array_from_callback(value.shape, target, lambda index: value[index])
+
+  return jax.tree.map(placed, tree)
+
+
 def shardings(mesh: Mesh, axis: DataAxis, params: Any,
               specs: tuple[P, ...], opt_state: Any) -> tuple[Any, Any]:
   """Where the parameters and the optimizer state live on ``mesh``.
@@ -339,7 +352,7 @@ class DataParallelStep:
     handed = out[-1] if ends else None
     out = out[:-1] if ends else out
     flight.after(out[2], ends, handed, spec_tree, static["backward"])
-    return out
+    return (*out[:3], *(jax.tree.map(_over_this_process, tree) for tree in out[3:]))
 
   def _lower(self, inputs: tuple[Any, ...], static: dict[str, Any]) -> jax.stages.Lowered:
     """The lowered step (with rounds in flight, a step within a round)."""
@@ -375,6 +388,19 @@ class DataParallelStep:
 
     return (*jax.tree.map(once, inputs[:3]), *inputs[3:])
 
+  def settle(self) -> None:
+    """Waits until the exchange of the round in flight has ended.
+
+    With ``local_steps(..., overlap=...)`` across several processes, call it
+    before a collective of your own across them (``multihost_utils``, an
+    evaluation over sharded data): a collective issued while the exchange
+    runs on its own stream may be paired with the wrong peers. The
+    library's checkpoints wait by themselves. Returns at once otherwise.
+    """
+    for _, flight in self._flights:
+      if flight is not None:
+        flight.settle()
+
   def _gradient_fn(self, model: Any, keys: Any) -> tuple[Callable[..., Any], Any]:
     """On one device: ``(value_and_grad, key)`` for :func:`accumulated_gradients`."""
     raise NotImplementedError
@@ -405,9 +431,15 @@ class DataParallelStep:
         **{**extra, PARAM_SPECS: specs, BACKWARD_SECONDS: backward,
            GRADIENT_AT: AT_LOCAL_PARAMS},
         **({} if arrived is None else {ARRIVED: arrived}))
+    if arrived is None:
+      out = (optax.apply_updates(params, updates), self._agreed(carry), opt_state,
+             lax.pmean(loss, axis))
+      return out + (reduce_metrics(aux, axis),) if self._has_aux else out
+    # Rounds in flight: no collective between round ends, where it would wait on the
+    # wire behind the exchange; each device's loss and metrics, reduced on the host.
     out = (optax.apply_updates(params, updates), self._agreed(carry), opt_state,
-           lax.pmean(loss, axis))
-    out = out + (reduce_metrics(aux, axis),) if self._has_aux else out
+           per_device_blocks(loss, axis))
+    out = out + (per_device_blocks(aux, axis),) if self._has_aux else out
     if hand_over:  # the round just sent, in buffers of its own for its exchange
       local = local_state(opt_state)
       out = out + ((local.in_flight.sent, local.exchange),)
@@ -421,6 +453,8 @@ class DataParallelStep:
     arrived_specs = P()
     if arrived is not None:
       arrived_specs, handed_specs = self._flight(tx).specs(local_state(opt_state), spec_tree)
+      each = P(self._axis.name)  # each device's loss and metrics
+      out_specs = (P(), P(), state, each) + ((each,) if self._has_aux else ())
       out_specs = out_specs + ((handed_specs,) if hand_over else ())
     body = jax.shard_map(
         functools.partial(self._body, model=model, tx=tx, specs=spec_tree,
@@ -451,7 +485,11 @@ class DataParallelStep:
           self._mesh, self._axis, params, specs, opt_state)
       targets = (param_shardings, replicated, state_shardings, replicated,
                  NamedSharding(self._mesh, P(self._axis.name)), replicated)
-      inputs = jax.device_put(_from_host_across_processes(inputs, targets), targets)
+      inputs = _from_host_across_processes(inputs, targets)
+      if self._flight(tx) is None or jax.process_count() == 1:
+        inputs = jax.device_put(inputs, targets)
+      else:  # rounds in flight: no collective beside the exchange (device_put's check)
+        inputs = jax.tree.map(_placed_from_host, targets, inputs)
     backward = (self._backward_seconds(model, params, carry, keys, batch)
                 if self._overlaps else 0.0)
     return inputs, {"model": model, "tx": tx, "specs": specs, "backward": backward}
@@ -582,6 +620,18 @@ class TrainStep(DataParallelStep):
     return self._lower(inputs, static)
 
 
+def _over_this_process(each: jax.Array) -> jax.Array:
+  """Each device's value (a global array ``(P, ...)``) reduced over this process's
+  devices, on one of them: floats averaged, integers and booleans summed.
+
+  No collective runs: every process gets its own devices' reduction.
+  """
+  shards = [shard.data for shard in each.addressable_shards]
+  device = next(iter(shards[0].devices()))
+  rows = jnp.concatenate([jax.device_put(shard, device) for shard in shards])
+  return _reduce_over(rows, 0, None)
+
+
 def check_extra_args(extra: dict[str, Any]) -> None:
   """Refuses extra arguments the step cannot carry to ``tx.update``, saying why.
 
@@ -685,7 +735,9 @@ def train_step(
     the devices of each one's loss where it took its gradient: with
     :func:`topka2a_jax.local_steps`, at its own local parameters, not at the
     shared ``params`` the step returns (evaluate those with ``loss_fn``
-    itself to know how the shared parameters do). With a ``key``, device
+    itself to know how the shared parameters do); with ``local_steps(...,
+    overlap=...)``, over this process's devices only, and the metrics too, so
+    that no collective runs between round ends. With a ``key``, device
     ``i`` calls ``loss_fn`` with ``fold_in(fold_in(key, i), m)`` for
     micro-batch ``m``: different on every device, the same on every run.
     Concrete inputs are placed on the mesh first (batch split along its

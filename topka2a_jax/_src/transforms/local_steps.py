@@ -278,7 +278,9 @@ def local_steps(inner: optax.GradientTransformation, *,
       holds the round in flight (:class:`topka2a_jax.RoundInFlight`), so a
       checkpoint saved between rounds restores with it and its mean is
       applied once. The parameters the step returns lack the round in
-      flight. Not with ``average_inner_state``.
+      flight, and the loss it returns is over each process's own devices
+      (a collective between round ends would wait on the wire behind the
+      exchange). Not with ``average_inner_state``.
     **options: every option of the exchange, below.
 
   Returns:
