@@ -287,6 +287,22 @@ def test_local_steps_are_planned_as_a_rounds_exchange_over_its_steps(capsys):
   assert float(shown) == pytest.approx(20 + per_step, abs=2e-3)  # with the forward
 
 
+@pytest.mark.parametrize("network, backward_ms, bound", [
+    ("eth10", 40, "the round's compute hides its exchange"),
+    ("eth1", 4, "the exchange outlasts the round's compute")])
+def test_an_overlapped_round_takes_the_longer_of_its_compute_and_its_exchange(
+    capsys, network, backward_ms, bound):
+  out = run(capsys, "--params", "25000000", "--devices", "8", "--network", network,
+            "--optimizer", "adam", "--backward-ms", str(backward_ms), "--local-steps", "8")
+  compute = 1.5 * backward_ms
+  round_ms = float(re.search(r"once a round, .* MB a step\), ([0-9.]+) ms", out)[1])
+  found = re.search(r"overlap=True\)\): .* a step ([0-9.]+) ms, ([0-9.]+)x compute alone: "
+                    r"(.*)", out)
+  assert float(found[1]) == pytest.approx(max(compute, round_ms / 8), abs=2e-3)
+  assert float(found[2]) == pytest.approx(max(compute, round_ms / 8) / compute, abs=6e-3)
+  assert found[3] == bound
+
+
 def test_averaging_the_inner_state_adds_its_exchange_to_every_round(capsys):
   # Adam's two floats a parameter, 8 bits to the owners and 8 back, 7/8 of
   # them crossing the wire, one 4-byte scale per 4,096 entries and phase: a

@@ -28,7 +28,8 @@ only where its coding costs less than the wire it saves.
 ``--local-steps H`` adds the plan of ``local_steps(inner, every=H)``: one
 exchange of the pseudo-gradient a round of H steps, after the round's last
 backward pass (nothing to overlap), its time spread over the round's steps,
-against the step's compute alone (forward and backward);
+against the step's compute alone (forward and backward); and overlapped
+(``overlap=True``), the longer of a round's compute and its exchange;
 ``--average-inner-state N`` adds the inner state's mean to each round, N
 floats a parameter (``average_inner_state=True``; Adam's N is 2).
 ``--model`` takes the layer shapes of a
@@ -353,6 +354,9 @@ def _print_local_steps(args: argparse.Namespace, sizes: list[int], names: list[s
   if compute is None:
     print(f"  {exchange / every * 1e3:.3f} ms of exchange a step; give --model or "
           "--backward-ms to set it against the step's compute")
+    if args.average_inner_state is None:
+      print(f"  overlapped (local_steps(..., overlap=True)): hidden where a step's compute "
+            f"takes at least {exchange / every * 1e3:.3f} ms")
     return
   step = compute + exchange / every
   forward = compute - (_backward(args).get("backward_seconds") or 0.0)
@@ -363,6 +367,13 @@ def _print_local_steps(args: argparse.Namespace, sizes: list[int], names: list[s
   print(f"  with the forward pass, the per-step plan above takes {per_step * 1e3:.3f} ms "
         f"and all dense {dense * 1e3:.3f} ms: local steps' speedup {per_step / step:.2f}x "
         f"and {dense / step:.2f}x")
+  if args.average_inner_state is None:  # the state's mean runs in line: no overlap
+    late = max(compute, exchange / every)
+    bound = ("the round's compute hides its exchange" if exchange <= every * compute
+             else "the exchange outlasts the round's compute")
+    print(f"  overlapped (local_steps(..., overlap=True)): each round's exchange beside the "
+          f"next round's steps, a step {late * 1e3:.3f} ms, {late / compute:.2f}x compute "
+          f"alone: {bound}")
 
 
 def _round_bytes(plan) -> float:
