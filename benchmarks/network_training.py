@@ -155,6 +155,12 @@ RUNS = {
         "form": "local", "every": {0: first, start: later}, "algorithm": "rotated_4_4"}
        for first, start, later in ((4, 100, 2), (4, 100, 1), (8, 96, 2))},
     "local 1, rotated_4_4": {"form": "local", "every": 1, "algorithm": "rotated_4_4"},
+    # each round's exchange beside the next round's steps, its mean a round late
+    **{f"local {every}, rotated_4_4, overlapped {rule}": {
+        "form": "local", "every": every, "algorithm": "rotated_4_4", "overlap": rule}
+       for every in (1, 2, 4, 8) for rule in ("eager", "delayed")},
+    # the steps' compute alone: rounds longer than any run, so nothing is sent
+    "no exchange (compute alone)": {"form": "local", "every": 2**30, "algorithm": "dense"},
     # the pseudo-gradient's rotated signs both ways: a quarter of rotated_4_4's bytes
     **{f"local {every}, rotated_1_1": {"form": "local", "every": every,
                                        "algorithm": "rotated_1_1"} for every in (1, 4)},
@@ -207,16 +213,20 @@ def run_options(name: str) -> dict:
 
 
 def optimizer(name: str, density: float, mesh, schedule, b1: float,
-              backward_seconds: float = 0.0):
+              backward_seconds: float = 0.0, in_line: bool = False):
   """The optimizer of the run called ``name``: the gradient or the updates compressed.
 
-  ``backward_seconds`` stands for ``"estimated"`` in the run's options.
+  ``backward_seconds`` stands for ``"estimated"`` in the run's options;
+  ``in_line`` builds an overlapped run's rounds in line (the same exchange, in
+  the step's program, where ``comm_report`` reads its bytes).
   """
   import optax
 
   import topka2a_jax
 
   options = dict(run_options(name))
+  if in_line:
+    options.pop("overlap", None)
   if options.get("backward_seconds") == "estimated":
     options["backward_seconds"] = backward_seconds
   form = options.pop("form", "gradient")
@@ -369,9 +379,13 @@ def worker(args: argparse.Namespace) -> None:
         v.shape, NamedSharding(mesh, P()), lambda index, v=v: np.asarray(v)[index]),
         init(jax.random.key(args.seed)))
     state, step = tx.init(params), topka2a_jax.train_step(loss, tx, mesh)
-    # local_steps' program holds its round's exchange in a branch, taken once a round.
-    sent = topka2a_jax.comm_report(step.lower(params, state, batches[0])).step_bytes(
-        options.get("every", 1), steps=args.steps)
+    # local_steps' program holds its round's exchange in a branch, taken once a round;
+    # an overlapped run's exchange is its own program, the in-line one's branch.
+    priced = tx if "overlap" not in options else optimizer(
+        name, args.density, mesh, schedule, args.b1, backward, in_line=True)
+    sent = topka2a_jax.comm_report(topka2a_jax.train_step(loss, priced, mesh).lower(
+        params, priced.init(params), batches[0])).step_bytes(
+            options.get("every", 1), steps=args.steps)
     means = []  # (a program of its own, the steps between two runs of it)
     for only, rounds in options.get("inner_mean", ()):
       averaged = jax.jit(
@@ -382,15 +396,20 @@ def worker(args: argparse.Namespace) -> None:
       sent += topka2a_jax.comm_report(averaged.lower(state)).step_bytes() / (every * rounds)
     folded = jax.jit(functools.partial(momentum_from_mean_step, b1=args.b1), donate_argnums=0,
                      out_shardings=jax.tree.map(lambda leaf: leaf.sharding, state))
-    params, state, _ = step(params, state, batches[0])  # compiles
+    # compiles (an overlapped run: the steps that end a round, and its exchange's program)
+    for _ in range(2 * every if "overlap" in options else 1):
+      params, state, _ = step(params, state, batches[0])
     jax.block_until_ready(params)
+    step.settle()  # an overlapped run's last round, still in flight
     params = jax.tree.map(lambda v: jax.make_array_from_callback(
         v.shape, NamedSharding(mesh, P()), lambda index, v=v: np.asarray(v)[index]),
         init(jax.random.key(args.seed)))
     state = tx.init(params)
     seconds, evals = [], []
+    timeline = Timeline(step, tx) if "overlap" in options else None
     for i, batch in enumerate(batches, 1):
-      multihost_utils.sync_global_devices(f"{name} {i}")
+      if not timeline:  # (a barrier is a collective: not beside an exchange in flight)
+        multihost_utils.sync_global_devices(f"{name} {i}")
       start = time.perf_counter()
       fold = options.get("fold_momentum") and i % every == 0
       before = jax.tree.map(jnp.copy, params) if fold else None  # the step donates them
@@ -403,13 +422,63 @@ def worker(args: argparse.Namespace) -> None:
           state = averaged(state)
       jax.block_until_ready((params, state))
       seconds.append(time.perf_counter() - start)
+      if timeline:
+        timeline.stepped(start)
       if i % args.eval_every == 0 or i == args.steps:
+        step.settle()  # the evaluation places its windows with a collective
         evals.append((i, float(validation(params, valid_windows))))
-    rows.append({"run": name, "seconds": seconds, "evals": evals, "bytes": sent})
+    step.settle()  # the last round's exchange, before the next run's barriers
+    rows.append({"run": name, "seconds": seconds, "evals": evals, "bytes": sent,
+                 **({"timeline": timeline.finished()} if timeline else {})})
     if jax.process_index() == 0:
       print(f"{name:20s} {seconds_a_step(name, seconds):.3f} s/step, valid loss "
             f"{evals[-1][1]:.4f}", flush=True)
       Path(args.worker).write_text(json.dumps(rows))  # each run kept as it ends
+
+
+class Timeline:
+  """When each step and each round's exchange ran on this process, in seconds from the
+  run's first step: the overlap's evidence that a round's exchange runs during the
+  next round's steps.
+
+  A step's interval is from its dispatch to its results being ready; an
+  exchange's from the end of the step that handed its round over to its mean
+  being ready (a thread waits on it, so the steps are not held back).
+  """
+
+  def __init__(self, step, tx):
+    import threading
+
+    self._flight = step._flight(tx)  # the step's driver of the rounds in flight
+    self._origin, self._lock = None, threading.Lock()
+    self.steps, self.exchanges, self._watchers = [], [], []
+    self._seen = self._flight._in_flight  # the warm-up's last round: not this run's
+
+  def stepped(self, start: float) -> None:
+    """Records the step dispatched at ``start``, whose results are ready now."""
+    import threading
+
+    import jax
+
+    ended = time.perf_counter()
+    self._origin = start if self._origin is None else self._origin
+    flight = self._flight._in_flight
+    if flight is not None and flight is not self._seen:  # this step handed a round over
+      self._seen = flight
+
+      def watch(future=flight[1], handed=ended):
+        jax.block_until_ready(future.result())
+        with self._lock:
+          self.exchanges.append([handed - self._origin, time.perf_counter() - self._origin])
+
+      self._watchers.append(threading.Thread(target=watch, daemon=True))
+      self._watchers[-1].start()
+    self.steps.append([start - self._origin, ended - self._origin])
+
+  def finished(self) -> dict:
+    for watcher in self._watchers:
+      watcher.join()
+    return {"steps": self.steps, "exchanges": sorted(self.exchanges)}
 
 
 def average_inner_state(state, only: str | tuple[str, ...] | None = None, mesh=None,

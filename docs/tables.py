@@ -49,7 +49,25 @@ class Result:
   against: str = "dense"
 
 
-RESULTS: dict[str, Result] = {
+@dataclasses.dataclass(frozen=True)
+class StepTimes:
+  """A short timing run of ``benchmarks/network_training.py`` on the link: each run's step.
+
+  Attributes:
+    command: the command that wrote the JSON.
+    file: the JSON under ``evidence/data/``.
+    against: the run whose step the others are shown as a share of.
+    alone: the run without any exchange (the compute alone), whose step the
+      others are shown as a multiple of.
+  """
+
+  command: str
+  file: str
+  against: str
+  alone: str
+
+
+RESULTS: dict[str, Result | StepTimes] = {
     "local_steps_on_a_slow_link": Result(
         command=("python benchmarks/network_training.py --rate 100mbit --batch B --seed S "
                  "--runs dense quantized_8_8_fine \"local 4, rotated_4_8\" "
@@ -64,6 +82,13 @@ RESULTS: dict[str, Result] = {
                  "\"local 2\" \"local 4\" \"local 4, exact mean\" \"local 8\""),
         groups=(("local_steps_local_batch8_seed0_2026-12-05.json",
                  "local_steps_local_batch8_seed0_more_2026-12-05.json"),)),
+    "overlapped_steps_on_a_slow_link": StepTimes(
+        command=("python benchmarks/network_training.py --rate 100mbit --steps 24 "
+                 "--eval-every 24 --batch 8 --runs quantized_8_8_fine \"local 4, rotated_4_4\" "
+                 "\"local 4, rotated_4_4, overlapped eager\" "
+                 "\"local 4, rotated_4_4, overlapped delayed\" \"no exchange (compute alone)\""),
+        file="overlap_link_steps_100mbit_batch8_2026-12-07.json",
+        against="quantized_8_8_fine", alone="no exchange (compute alone)"),
 }
 """Every table of the evidence pages, by the name its page includes it under."""
 
@@ -98,7 +123,48 @@ def _target_cell(row: dict, base: dict, target: str, timed: bool) -> str:
   return f"{steps} / {mine / theirs:.2f}x" if mine and theirs else f"{steps} / {mine:.0f} s"
 
 
-def render(result: Result, data: Path = DATA) -> str:
+def render_steps(result: StepTimes, data: Path = DATA) -> str:
+  """The runs' steps in Markdown: each a share of ``against``'s and a multiple of ``alone``'s.
+
+  A local-steps run's step is its median round over the round's steps (the
+  benchmark's ``step_s``).
+
+  Raises:
+    KeyError: ``against`` or ``alone`` not among the JSON's runs.
+  """
+  loaded = json.loads((data / result.file).read_text())
+  by_run = {row["run"]: row for row in loaded["rows"]}
+  base, alone = by_run[result.against]["step_s"], by_run[result.alone]["step_s"]
+  lines = [(f"| run | MB/step | s/step | share of `{result.against}`'s | "
+            "multiple of the compute alone |"), "|---|---|---|---|---|"]
+  for row in loaded["rows"]:
+    lines.append(f"| `{row['run']}` | {row['bytes'] / 1e6:.3f} | {row['step_s']:.3f} | "
+                 f"{row['step_s'] / base:.2f}x | {row['step_s'] / alone:.2f}x |")
+  lines += ["", (f"{loaded['processes']} processes at {loaded['rate']}, "
+                 f"{len(loaded['rows'][0]['seconds'])} steps a run. From `{result.command}`; "
+                 f"JSON `{result.file}`.")]
+  timed = [row for row in loaded["rows"] if "timeline" in row]
+  if timed:
+    lines += ["", ("When each round's exchange ran on process 0, against the steps of the "
+                   "round after it (seconds from the run's first step):"), "",
+              "| run | round | its exchange | the next round's steps |", "|---|---|---|---|"]
+    for row in timed:
+      every = _first_length(row["run"])
+      steps = row["timeline"]["steps"]
+      for number, (handed, ended) in enumerate(row["timeline"]["exchanges"]):
+        after = steps[(number + 1) * every:(number + 2) * every]
+        if len(after) == every:
+          lines.append(f"| `{row['run']}` | {number + 1} | {handed:.2f} to {ended:.2f} | "
+                       f"{after[0][0]:.2f} to {after[-1][1]:.2f} |")
+  return "\n".join(lines) + "\n"
+
+
+def _first_length(run: str) -> int:
+  """The round length a ``local N, ...`` run's name starts with."""
+  return int(run.split(",")[0].split()[1])
+
+
+def render(result: Result | StepTimes, data: Path = DATA) -> str:
   """The result's table in Markdown, with the sentence that says where it comes from.
 
   Columns: the group's windows a device and seed (where there are several
@@ -113,6 +179,8 @@ def render(result: Result, data: Path = DATA) -> str:
     FileNotFoundError: a JSON that is not under ``data``.
     ValueError: groups that measured different targets.
   """
+  if isinstance(result, StepTimes):
+    return render_steps(result, data)
   lines, columns = [], []
   for group in result.groups:
     header, rows = _rows(group, data)

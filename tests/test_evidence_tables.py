@@ -64,3 +64,31 @@ def test_every_table_a_page_includes_is_a_named_result_that_renders():
   assert not unused, f"named results no page includes: {sorted(unused)}"
   for result in tables.RESULTS.values():
     assert tables.render(result).count("\n|") >= 2
+
+
+def test_a_step_times_table_is_its_json_with_each_exchange_beside_the_next_round(tmp_path):
+  tables = _tables()
+  (tmp_path / "steps.json").write_text(
+      (FIXTURE.parent / "steps_fixture.json").read_text())
+  result = tables.StepTimes(command="c", file="steps.json", against="quantized_8_8_fine",
+                            alone="no exchange (compute alone)")
+  # By hand: 1.2 s is 0.30x of 4.0 and 1.20x of 1.0; the first exchange (2 to 3.5 s)
+  # beside the second round's steps (2 to 4 s), the second's beside the third's (4
+  # to 6 s); the third has no round after it in the run.
+  assert tables.render(result, tmp_path) == (
+      "| run | MB/step | s/step | share of `quantized_8_8_fine`'s | "
+      "multiple of the compute alone |\n"
+      "|---|---|---|---|---|\n"
+      "| `quantized_8_8_fine` | 10.000 | 4.000 | 1.00x | 4.00x |\n"
+      "| `local 2, rotated_4_4, overlapped eager` | 1.500 | 1.200 | 0.30x | 1.20x |\n"
+      "| `no exchange (compute alone)` | 0.000 | 1.000 | 0.25x | 1.00x |\n"
+      "\n"
+      "4 processes at 100mbit, 2 steps a run. From `c`; JSON `steps.json`.\n"
+      "\n"
+      "When each round's exchange ran on process 0, against the steps of the round after "
+      "it (seconds from the run's first step):\n"
+      "\n"
+      "| run | round | its exchange | the next round's steps |\n"
+      "|---|---|---|---|\n"
+      "| `local 2, rotated_4_4, overlapped eager` | 1 | 2.00 to 3.50 | 2.00 to 4.00 |\n"
+      "| `local 2, rotated_4_4, overlapped eager` | 2 | 4.00 to 5.50 | 4.00 to 6.00 |\n")
