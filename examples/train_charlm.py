@@ -161,6 +161,7 @@ RUNS = {
     "local 4": {"every": 4, "algorithm": "quantized_8_8_fine"},
     "local 4, rotated_4_8": {"every": 4, "algorithm": "rotated_4_8"},
     "local 4, rotated_4_4": {"every": 4},  # local_steps' default form
+    "local 4, rotated_4_4, overlapped": {"every": 4, "overlap": True},
 }
 QUICK_RUNS = ("dense (pmean)", "topka2a 1%", "updates 1%")
 

@@ -55,7 +55,7 @@ def held_back(step, tx):
   returned with its results (a step that waited for it would wait a minute, in vain):
   returns the gates and whether each exchange was released in time."""
   flight = step._flight(tx)
-  program, gates, released = flight._program, [threading.Event() for _ in range(8)], []
+  program, gates, released = flight.program, [threading.Event() for _ in range(8)], []
 
   def held(*args):
     made = program(*args)
@@ -66,7 +66,7 @@ def held_back(step, tx):
 
     return run
 
-  flight._program = held
+  flight.program = held
   return gates, released
 
 

@@ -96,16 +96,34 @@ def test_the_exchange_runs_on_its_own_thread_while_the_next_steps_run(mesh):
   state = tx.init(params)
   threads = set()
   flight = step._flight(tx)
-  program = flight._program
+  program = flight.program
 
   def recording(*args):
     made = program(*args)
     return lambda *inputs: (threads.add(threading.current_thread().name), made(*inputs))[1]
 
-  flight._program = recording
+  flight.program = recording
   for _ in range(6):
     params, state, _ = step(params, state, batch)
   assert threads == {next(iter(threads))} and threads.pop().startswith("topka2a-round-exchange")
+
+
+@pytest.mark.parametrize("algorithm", ["dense", "rotated_4_4"])
+def test_comm_report_counts_the_round_the_step_dispatches(mesh, algorithm):
+  """The overlapped step's program holds no exchange; its lowered report holds the
+  round's, spread over the round as an in-line round's is (the same collectives)."""
+  params, batch = {"w": jnp.zeros((64, 3))}, (jnp.ones((DEVICES * ROWS, 64)),
+                                               jnp.ones((DEVICES * ROWS, 3)))
+  reports = {}
+  for overlap in (False, True):
+    tx = topka2a_jax.local_steps(optax.adam(LR), every=4, algorithm=algorithm, min_size=0,
+                                 overlap=overlap, mesh=mesh)
+    step = topka2a_jax.train_step(_least_squares, tx, mesh)
+    reports[overlap] = topka2a_jax.comm_report(step.lower(params, tx.init(params), batch))
+  exchanged = lambda report: sorted((row.kind, row.count, row.bytes)
+                                    for row in report.collectives if row.in_branch)
+  assert exchanged(reports[True]) and exchanged(reports[True]) == exchanged(reports[False])
+  assert reports[True].step_bytes(4) <= reports[False].step_bytes(4)  # no per-step loss mean
 
 
 def test_a_hand_written_step_is_told_to_use_the_training_steps(mesh):
@@ -195,7 +213,7 @@ def test_the_steps_between_round_ends_do_not_wait_for_the_exchange(mesh):
                                                jnp.ones((DEVICES * ROWS, 3)))
   state = tx.init(params)
   flight = step._flight(tx)
-  program, gates, waited = flight._program, [threading.Event() for _ in range(3)], []
+  program, gates, waited = flight.program, [threading.Event() for _ in range(3)], []
 
   def held_back(*args):
     made = program(*args)
@@ -206,7 +224,7 @@ def test_the_steps_between_round_ends_do_not_wait_for_the_exchange(mesh):
 
     return run
 
-  flight._program = held_back
+  flight.program = held_back
   for round_ in range(3):
     for _ in range(2):  # the round's steps before its end
       params, state, _ = step(params, state, batch)

@@ -167,7 +167,13 @@ class NnxTrainStep(DataParallelStep):
 
   def lower(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any,
             **kwargs: Any) -> jax.stages.Lowered:
-    """The lowered step, e.g. for :func:`topka2a_jax.comm_report`."""
+    """The lowered step, e.g. for :func:`topka2a_jax.comm_report`.
+
+    With ``local_steps(..., overlap=...)`` it also holds the round's exchange,
+    which the step dispatches as a program of its own, in a branch taken where
+    a round ends: ``comm_report(...).step_bytes(every)`` counts a round's bytes
+    as for rounds in line.
+    """
     inputs, static = self._prepare(model, optimizer, batch, kwargs)
     return self._lower(inputs, static)
 

@@ -97,7 +97,7 @@ class RoundsInFlight:
     if self._in_flight is not None:
       jax.block_until_ready(self._in_flight[1].result())
 
-  def _program(self, local: LocalStepsState, spec_tree: Any, backward: float) -> Any:
+  def program(self, local: LocalStepsState, spec_tree: Any, backward: float) -> Any:
     """The jitted exchange of a round's pseudo-gradients, for these layouts.
 
     ``spec_tree``: the parameters' specs over the other mesh axes, as the step's.
@@ -178,5 +178,5 @@ class RoundsInFlight:
 
   def _dispatch(self, rounds: int, local: LocalStepsState, spec_tree: Any,
                 backward: float, handed: Any) -> None:
-    program = self._program(local, spec_tree, backward)
+    program = self.program(local, spec_tree, backward)
     self._in_flight = (rounds, self._pool.submit(program, *handed))

@@ -355,12 +355,28 @@ class DataParallelStep:
     return (*out[:3], *(jax.tree.map(_over_this_process, tree) for tree in out[3:]))
 
   def _lower(self, inputs: tuple[Any, ...], static: dict[str, Any]) -> jax.stages.Lowered:
-    """The lowered step (with rounds in flight, a step within a round)."""
+    """The lowered step.
+
+    With rounds in flight, the step and, in a branch taken where the step
+    ends a round, the exchange it then dispatches as a program of its own:
+    what a round sends, for :func:`topka2a_jax.comm_report`, as an in-line
+    round's step holds it.
+    """
     flight = self._flight(static["tx"])
+    if flight is None:
+      return self._jitted.lower(*inputs, None, hand_over=False, **static)
     spec_tree = leaves_of(inputs[0]).structure.unflatten(static["specs"])
-    arrived = None if flight is None else flight.before(
-        inputs[0], inputs[2], spec_tree, static["backward"])[0]
-    return self._jitted.lower(*inputs, arrived, hand_over=False, **static)
+    arrived, _ = flight.before(inputs[0], inputs[2], spec_tree, static["backward"])
+    exchange = flight.program(local_state(inputs[2]), spec_tree, static["backward"])
+
+    def step_and_its_round(*args: Any) -> tuple[Any, ...]:
+      *out, handed = self._run(*args, hand_over=True, **static)
+      ended = jnp.ravel(local_state(out[2]).step)[0] == 0
+      nothing = lambda sent: jax.tree.map(lambda shape: jnp.zeros(shape.shape, shape.dtype),
+                                          jax.eval_shape(exchange, *sent))
+      return (*out, lax.cond(ended, lambda sent: exchange(*sent), nothing, handed))
+
+    return jax.jit(step_and_its_round).lower(*inputs, arrived)
 
   def _unaliased(self, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
     """``inputs`` with a copy of every donated leaf whose buffer an earlier one holds.
@@ -615,7 +631,13 @@ class TrainStep(DataParallelStep):
 
   def lower(self, params: Any, opt_state: Any, batch: Any,
             key: jax.Array | None = None, **extra_args: Any) -> jax.stages.Lowered:
-    """The lowered step, e.g. for :func:`topka2a_jax.comm_report`."""
+    """The lowered step, e.g. for :func:`topka2a_jax.comm_report`.
+
+    With ``local_steps(..., overlap=...)`` it also holds the round's exchange,
+    which the step dispatches as a program of its own, in a branch taken where
+    a round ends: ``comm_report(...).step_bytes(every)`` counts a round's bytes
+    as for rounds in line.
+    """
     inputs, static = self._prepare(params, opt_state, batch, key, extra_args)
     return self._lower(inputs, static)
 
