@@ -158,7 +158,7 @@ RUNS = {
     # each round's exchange beside the next round's steps, its mean a round late
     **{f"local {every}, rotated_4_4, overlapped {rule}": {
         "form": "local", "every": every, "algorithm": "rotated_4_4", "overlap": rule}
-       for every in (1, 2, 4, 8) for rule in ("eager", "delayed")},
+       for every in (1, 2, 4, 8) for rule in ("eager", "own", "delayed")},
     # the steps' compute alone: rounds longer than any run, so nothing is sent
     "no exchange (compute alone)": {"form": "local", "every": 2**30, "algorithm": "dense"},
     # the pseudo-gradient's rotated signs both ways: a quarter of rotated_4_4's bytes

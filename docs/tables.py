@@ -41,12 +41,15 @@ class Result:
     against: the run the other rows are compared with: their final loss as a
       signed percentage of its, and, on a link, their time to each target
       as a share of its.
+    also_against: a second run whose final loss the others' is also shown
+      as a signed percentage of, or None.
   """
 
   command: str
   groups: tuple[tuple[str, ...], ...]
   runs: tuple[str, ...] | None = None
   against: str = "dense"
+  also_against: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,8 +211,12 @@ def render(result: Result | StepTimes, data: Path = DATA) -> str:
       cells += [f"`{row['run']}`", f"{row['bytes'] / 1e6:.3f}"]
       cells += [f"{row['step_s']:.3f}"] if timed else []
       cells += [_target_cell(row, base, target, timed) for target in targets]
+      also = by_run.get(result.also_against)
+      shares = ([_percent(row["final"], base["final"])] if row is not base else []) + (
+          [f"{_percent(row['final'], also['final'])} of `{also['run']}`'s"]
+          if also and also is not row else [])
       final = f"{row['final']:.4f}"
-      cells.append(final if row is base else f"{final} ({_percent(row['final'], base['final'])})")
+      cells.append(f"{final} ({'; '.join(shares)})" if shares else final)
       lines.append("| " + " | ".join(cells) + " |")
   files = ", ".join(f"`{name}`" for group in result.groups for name in group)
   lines += ["", f"From `{result.command}`; JSON {files}."]

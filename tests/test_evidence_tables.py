@@ -40,6 +40,10 @@ def test_a_table_is_the_json_it_names_and_changes_with_it(tmp_path):
   changed["rows"][1]["final"] = 1.9
   (tmp_path / "run.json").write_text(json.dumps(changed))
   assert "| 1.9000 (-5.0%) |" in tables.render(result, tmp_path)
+  # Against local 4, and dense's too: 2.0 is 5.3% above 1.9, 1.9 5.0% below 2.0.
+  both = tables.render(dataclasses.replace(result, against="local 4", also_against="dense"),
+                       tmp_path)
+  assert "| 2.0000 (+5.3%) |" in both and "| 1.9000 (-5.0% of `dense`'s) |" in both
 
 
 def test_a_table_names_a_run_its_json_does_not_hold(tmp_path):

@@ -3,9 +3,10 @@
 References: a NumPy model (float64) of local SGD on per-device least squares
 with outer SGD with momentum, the round's mean applied a round late, under
 the delayed rule (the next round starts from the shared parameters without
-the round in flight) and the eager one (each device also moves at once by
-the outer step of its own pseudo-gradient over the device count; Kale et
-al., arXiv 2502.12996), written out by hand; and checkpoints restored with a
+the round in flight), the eager one (each device also moves at once by the
+outer step of its own pseudo-gradient over the device count; Kale et al.,
+arXiv 2502.12996) and the own one (by the outer step of its whole
+pseudo-gradient), written out by hand; and checkpoints restored with a
 round in flight, whose mean must move the shared parameters once.
 """
 
@@ -55,8 +56,9 @@ def _model(x, y, rule, every, rounds):
       trace = OUTER_MOMENTUM * trace + in_flight.mean(0)
       shared = shared - OUTER_LR * trace
     in_flight = pseudo
-    if rule == "eager":
-      start = -OUTER_LR * (OUTER_MOMENTUM * trace + pseudo / DEVICES)
+    if rule != "delayed":  # eager: its share of the mean; own: its whole round
+      share = pseudo / DEVICES if rule == "eager" else pseudo
+      start = -OUTER_LR * (OUTER_MOMENTUM * trace + share)
     else:
       start = np.zeros_like(start)
     local = shared + start
@@ -65,7 +67,7 @@ def _model(x, y, rule, every, rounds):
 
 
 @pytest.mark.parametrize("every", [3, 1])
-@pytest.mark.parametrize("rule", ["eager", "delayed"])
+@pytest.mark.parametrize("rule", ["eager", "own", "delayed"])
 def test_the_late_rules_match_the_numpy_model_step_by_step(mesh, rule, every):
   rng = np.random.default_rng(0)
   x = rng.normal(size=(DEVICES * ROWS, 12)).astype(np.float32)
@@ -142,8 +144,8 @@ def test_a_hand_written_step_is_told_to_use_the_training_steps(mesh):
 def test_overlap_is_refused_with_the_inner_state_averaged_and_bad_values_named():
   with pytest.raises(ValueError, match="average_inner_state=True.*in line.*Leave one"):
     topka2a_jax.local_steps(optax.adam(1e-3), overlap=True, average_inner_state=True)
-  with pytest.raises(ValueError, match=r"overlap must be False, True, 'eager' or 'delayed'; "
-                     r"got 'late'"):
+  with pytest.raises(ValueError, match=r"overlap must be False, True, 'eager', 'own' or "
+                                       r"'delayed'; got 'late'"):
     topka2a_jax.local_steps(optax.adam(1e-3), overlap="late")
 
 

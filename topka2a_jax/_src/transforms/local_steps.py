@@ -138,8 +138,9 @@ is dropped: its local parameters are where every gradient overflows, and no
 later step of the round could be taken."""
 
 
-EAGER, DELAYED = "eager", "delayed"
+EAGER, OWN, DELAYED = "eager", "own", "delayed"
 """How a round's mean that arrives a round late is applied (``overlap=``)."""
+RULES = (EAGER, OWN, DELAYED)
 
 DEFAULT_OVERLAP = EAGER
 """The rule ``overlap=True`` takes: the one the local steps evidence page's
@@ -154,7 +155,7 @@ class Overlapped(NamedTuple):
   """What a training step needs to run an overlapped ``local_steps``' exchanges.
 
   Attributes:
-    rule: ``"eager"`` or ``"delayed"``.
+    rule: ``"eager"``, ``"own"`` or ``"delayed"``.
     lengths: the rounds' lengths.
     exchange: ``exchange(sent, exchange_state, **extra_args) ->``
       :class:`RoundArrived`, inside ``shard_map`` over the data axis: the
@@ -168,7 +169,7 @@ class Overlapped(NamedTuple):
 
 
 def overlap_rule(overlap: Any) -> str | None:
-  """``overlap`` as a rule: None (in line), ``"eager"`` or ``"delayed"``.
+  """``overlap`` as a rule: None (in line), ``"eager"``, ``"own"`` or ``"delayed"``.
 
   Raises:
     ValueError: any other value, naming the ones taken.
@@ -177,9 +178,10 @@ def overlap_rule(overlap: Any) -> str | None:
     return None
   if overlap is True:
     return DEFAULT_OVERLAP
-  if overlap in (EAGER, DELAYED):
+  if overlap in RULES:
     return overlap
-  raise ValueError(f"overlap must be False, True, {EAGER!r} or {DELAYED!r}; got {overlap!r}")
+  raise ValueError(f"overlap must be False, True, {EAGER!r}, {OWN!r} or {DELAYED!r}; "
+                   f"got {overlap!r}")
 
 
 def default_outer() -> optax.GradientTransformation:
@@ -213,7 +215,7 @@ def local_steps(inner: optax.GradientTransformation, *,
                 every: int | Mapping[int, int] = DEFAULT_EVERY,
                 outer: optax.GradientTransformation | None = None,
                 density: float | None = None, average_inner_state: bool = False,
-                overlap: bool | Literal["eager", "delayed"] = False,
+                overlap: bool | Literal["eager", "own", "delayed"] = False,
                 **options: Unpack[CompressUpdatesOptions]
                 ) -> optax.GradientTransformationExtraArgs:
   """Trains ``every`` steps on each device alone, then exchanges the pseudo-gradients.
@@ -270,9 +272,12 @@ def local_steps(inner: optax.GradientTransformation, *,
       evidence page); ``"eager"``: each device moves by its own share of
       its pseudo-gradient (the outer step of it over the device count) at
       once, and the mean replaces that share when it arrives (Kale et al.);
-      ``"delayed"``: the next round starts from the shared parameters
-      without the round in flight. The step is then its compute alone where
-      the exchange takes no longer than a round. Driven by
+      ``"own"``: each device moves by the outer step of its whole
+      pseudo-gradient at once (it goes on from where its round ended), and
+      the mean replaces it when it arrives; ``"delayed"``: the next round
+      starts from the shared parameters without the round in flight. The
+      step is then its compute alone where the exchange takes no longer than
+      a round. Driven by
       :func:`topka2a_jax.train_step` and :func:`topka2a_jax.nnx_train_step`
       (which dispatch the exchange on its own execution stream); the state
       holds the round in flight (:class:`topka2a_jax.RoundInFlight`), so a
@@ -482,7 +487,8 @@ def _round_ends_late(rule: str, outer: optax.GradientTransformationExtraArgs,
   started, becomes the round in flight. Under the eager rule each device
   starts the next round moved by ``outer``'s step of its own pseudo-gradient
   over the device count, the share of the mean it knows already (Kale et
-  al., arXiv 2502.12996).
+  al., arXiv 2502.12996); under the own rule, by ``outer``'s step of its
+  whole pseudo-gradient, its own round standing in for the mean.
   """
   if arrived is None:
     raise ValueError(
@@ -499,9 +505,9 @@ def _round_ends_late(rule: str, outer: optax.GradientTransformationExtraArgs,
   new_outer = held_where(~applied, state.outer, new_outer)
   moved = jax.tree.map(lambda m, p: jnp.where(applied, m, 0).astype(p.dtype), moved, params)
   exchange = held_where(~flight.pending, state.exchange, arrived.exchange)
-  if rule == EAGER:
+  if rule in (EAGER, OWN):
     replicas = bound_axis_size(DataAxis.parse(axis).names[0])  # a node trains as one
-    share = jax.tree.map(lambda d: d / replicas, pseudo)
+    share = pseudo if rule == OWN else jax.tree.map(lambda d: d / replicas, pseudo)
     step, _ = outer.update(share, new_outer, optax.apply_updates(params, moved))
     start = jax.tree.map(lambda d, u: as_varying(u.astype(d.dtype), axis), pseudo, step)
   else:
