@@ -213,20 +213,16 @@ def run_options(name: str) -> dict:
 
 
 def optimizer(name: str, density: float, mesh, schedule, b1: float,
-              backward_seconds: float = 0.0, in_line: bool = False):
+              backward_seconds: float = 0.0):
   """The optimizer of the run called ``name``: the gradient or the updates compressed.
 
-  ``backward_seconds`` stands for ``"estimated"`` in the run's options;
-  ``in_line`` builds an overlapped run's rounds in line (the same exchange, in
-  the step's program, where ``comm_report`` reads its bytes).
+  ``backward_seconds`` stands for ``"estimated"`` in the run's options.
   """
   import optax
 
   import topka2a_jax
 
   options = dict(run_options(name))
-  if in_line:
-    options.pop("overlap", None)
   if options.get("backward_seconds") == "estimated":
     options["backward_seconds"] = backward_seconds
   form = options.pop("form", "gradient")
@@ -379,13 +375,9 @@ def worker(args: argparse.Namespace) -> None:
         v.shape, NamedSharding(mesh, P()), lambda index, v=v: np.asarray(v)[index]),
         init(jax.random.key(args.seed)))
     state, step = tx.init(params), topka2a_jax.train_step(loss, tx, mesh)
-    # local_steps' program holds its round's exchange in a branch, taken once a round;
-    # an overlapped run's exchange is its own program, the in-line one's branch.
-    priced = tx if "overlap" not in options else optimizer(
-        name, args.density, mesh, schedule, args.b1, backward, in_line=True)
-    sent = topka2a_jax.comm_report(topka2a_jax.train_step(loss, priced, mesh).lower(
-        params, priced.init(params), batches[0])).step_bytes(
-            options.get("every", 1), steps=args.steps)
+    # local_steps' lowered step holds its round's exchange in a branch, taken once a round
+    sent = topka2a_jax.comm_report(step.lower(params, state, batches[0])).step_bytes(
+        options.get("every", 1), steps=args.steps)
     means = []  # (a program of its own, the steps between two runs of it)
     for only, rounds in options.get("inner_mean", ()):
       averaged = jax.jit(

@@ -1,4 +1,5 @@
-"""Gradients for the tests, reading residuals back per device, a killed job's step claim."""
+"""Gradients for the tests, reading residuals back per device, a killed job's step claim,
+NNX training against the functional step."""
 
 import subprocess
 import sys
@@ -36,3 +37,44 @@ def claimed_by_a_process_that_ended(root, step=1):
              f"assert step_claims.claim(Path(sys.argv[1]), {step}, 'killed') is None")
   subprocess.run([sys.executable, "-c", program, str(root)], check=True)
   return root / ".topka2a_claims" / str(step)
+
+
+def nnx_against_functional(make_tx, mesh, steps, wrap=lambda train: train):
+  """Trains a small NNX model through ``nnx.Optimizer`` and ``nnx_train_step`` (inside
+  ``wrap``) and its split parameters through ``train_step``, from the same batches;
+  asserts every step's loss and the final parameters equal, bitwise.
+
+  Returns ``(model, optimizer, train, state, batch)``: the NNX run, its step and
+  the functional run's optimizer state after the last ``batch``.
+  """
+  import chex
+  import jax.numpy as jnp
+  from flax import nnx
+
+  import topka2a_jax
+
+  def make():
+    return nnx.Sequential(nnx.Linear(64, 48, rngs=nnx.Rngs(0)), nnx.relu,
+                          nnx.Linear(48, 8, rngs=nnx.Rngs(1)))
+
+  def loss(model, batch):
+    x, y = batch
+    return jnp.mean((model(x) - y) ** 2)
+
+  model = make()
+  optimizer = nnx.Optimizer(model, make_tx(), wrt=nnx.Param)
+  train = wrap(topka2a_jax.nnx_train_step(loss, mesh))
+  graphdef, params = nnx.split(make())
+  functional_tx = make_tx()
+  state = functional_tx.init(params)
+  functional = topka2a_jax.train_step(
+      lambda p, batch: loss(nnx.merge(graphdef, p), batch), functional_tx, mesh)
+  rng = np.random.default_rng(0)
+  for _ in range(steps):
+    batch = (rng.normal(size=(32, 64)).astype(np.float32),
+             rng.normal(size=(32, 8)).astype(np.float32))
+    got = train(model, optimizer, batch)
+    params, state, want = functional(params, state, batch)
+    np.testing.assert_array_equal(got, want)
+  chex.assert_trees_all_equal(nnx.as_pure(nnx.state(model, nnx.Param)), nnx.as_pure(params))
+  return model, optimizer, train, state, batch

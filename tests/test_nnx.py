@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 import train_digits
+from cases import nnx_against_functional
 from flax import nnx
 
 import topka2a_jax
@@ -186,34 +187,7 @@ EXCHANGE_STATES = {
 @pytest.mark.parametrize("name", list(EXCHANGE_STATES))
 def test_exchange_state_through_nnx_optimizer_is_the_functional_run(mesh, name):
   """nnx.Optimizer holds the exchange's state; three steps equal train_step's, bitwise."""
-  def make():
-    return nnx.Sequential(nnx.Linear(64, 48, rngs=nnx.Rngs(0)), nnx.relu,
-                          nnx.Linear(48, 8, rngs=nnx.Rngs(1)))
-
-  def loss(model, batch):
-    x, y = batch
-    return jnp.mean((model(x) - y) ** 2)
-
-  def tx():
-    return EXCHANGE_STATES[name](mesh)
-
-  model = make()
-  optimizer = nnx.Optimizer(model, tx(), wrt=nnx.Param)
-  train = nnx.jit(topka2a_jax.nnx_train_step(loss, mesh))
-  graphdef, params = nnx.split(make())
-  functional_tx = tx()
-  state = functional_tx.init(params)
-  functional = topka2a_jax.train_step(
-      lambda p, batch: loss(nnx.merge(graphdef, p), batch), functional_tx, mesh)
-  rng = np.random.default_rng(0)
-  for _ in range(3):
-    batch = (rng.normal(size=(32, 64)).astype(np.float32),
-             rng.normal(size=(32, 8)).astype(np.float32))
-    got = train(model, optimizer, batch)
-    params, state, want = functional(params, state, batch)
-    np.testing.assert_array_equal(got, want)
-  chex.assert_trees_all_equal(nnx.as_pure(nnx.state(model, nnx.Param)),
-                              nnx.as_pure(params))
+  nnx_against_functional(lambda: EXCHANGE_STATES[name](mesh), mesh, 3, wrap=nnx.jit)
 
 
 def scaled_by(name="scale"):

@@ -12,13 +12,13 @@ round in flight, whose mean must move the shared parameters once.
 
 import threading
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 import resumable
+from cases import nnx_against_functional
 from flax import nnx
 
 import topka2a_jax
@@ -242,36 +242,10 @@ def test_the_steps_between_round_ends_do_not_wait_for_the_exchange(mesh):
 def test_nnx_train_step_drives_the_rounds_as_train_step_does(mesh):
   """Five steps of rounds of two through nnx.Optimizer equal train_step's, bitwise;
   inside nnx.jit, where the exchange cannot be a program of its own, it is refused."""
-  def make():
-    return nnx.Sequential(nnx.Linear(64, 48, rngs=nnx.Rngs(0)), nnx.relu,
-                          nnx.Linear(48, 8, rngs=nnx.Rngs(1)))
-
-  def loss(model, batch):
-    x, y = batch
-    return jnp.mean((model(x) - y) ** 2)
-
-  def tx():
-    return topka2a_jax.local_steps(optax.adam(1e-2), every=2, overlap=True, mesh=mesh,
-                                   min_size=0)
-
-  model = make()
-  optimizer = nnx.Optimizer(model, tx(), wrt=nnx.Param)
-  train = topka2a_jax.nnx_train_step(loss, mesh)
-  graphdef, params = nnx.split(make())
-  functional_tx = tx()
-  state = functional_tx.init(params)
-  functional = topka2a_jax.train_step(
-      lambda p, batch: loss(nnx.merge(graphdef, p), batch), functional_tx, mesh)
-  rng = np.random.default_rng(0)
-  for _ in range(5):
-    batch = (rng.normal(size=(32, 64)).astype(np.float32),
-             rng.normal(size=(32, 8)).astype(np.float32))
-    got = train(model, optimizer, batch)
-    params, state, want = functional(params, state, batch)
-    np.testing.assert_array_equal(got, want)
+  model, optimizer, train, state, batch = nnx_against_functional(
+      lambda: topka2a_jax.local_steps(optax.adam(1e-2), every=2, overlap=True, mesh=mesh,
+                                      min_size=0), mesh, 5)
   assert int(state.exchange.count) == 1  # the first round's mean, applied at the second's end
-  chex.assert_trees_all_equal(nnx.as_pure(nnx.state(model, nnx.Param)),  # ... in both
-                              nnx.as_pure(params))
   with pytest.raises(ValueError, match="call the training step at top level, not inside "
                      "jax.jit or nnx.jit"):
     nnx.jit(train)(model, optimizer, batch)
