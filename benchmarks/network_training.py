@@ -154,7 +154,8 @@ RUNS = {
     **{f"local {first}, rotated_4_4, every {later} from step {start}": {
         "form": "local", "every": {0: first, start: later}, "algorithm": "rotated_4_4"}
        for first, start, later in ((4, 100, 2), (4, 100, 1), (8, 96, 2))},
-    "local 1, rotated_4_4": {"form": "local", "every": 1, "algorithm": "rotated_4_4"},
+    **{f"local {every}, rotated_4_4": {"form": "local", "every": every,
+                                       "algorithm": "rotated_4_4"} for every in (1, 2)},
     # each round's exchange beside the next round's steps, its mean a round late
     **{f"local {every}, rotated_4_4, overlapped {rule}": {
         "form": "local", "every": every, "algorithm": "rotated_4_4", "overlap": rule}

@@ -85,11 +85,32 @@ RESULTS: dict[str, Result | StepTimes] = {
                  "\"local 2\" \"local 4\" \"local 4, exact mean\" \"local 8\""),
         groups=(("local_steps_local_batch8_seed0_2026-12-05.json",
                  "local_steps_local_batch8_seed0_more_2026-12-05.json"),)),
+    "overlapped_rounds_loss": Result(
+        command=("python benchmarks/network_training.py --local --batch B --seed S --runs "
+                 "\"local 4, rotated_4_4\" \"local 4, rotated_4_4, overlapped eager\" "
+                 "\"local 4, rotated_4_4, overlapped delayed\"` and `... --runs "
+                 "\"local 4, rotated_4_4, overlapped own\""),
+        groups=tuple((f"overlap_local_batch{batch}_seed{seed}_2026-12-07.json",
+                      f"overlap_own_local_batch{batch}_seed{seed}_2026-12-07.json",
+                      f"local_steps_rotated_4_4_100mbit_batch{batch}_seed{seed}_2026-12-06.json")
+                     for batch in (8, 2) for seed in (0, 1)),
+        runs=("dense", "local 4, rotated_4_4", "local 4, rotated_4_4, overlapped own",
+              "local 4, rotated_4_4, overlapped eager", "local 4, rotated_4_4, overlapped delayed"),
+        against="local 4, rotated_4_4", also_against="dense"),
+    "overlapped_shorter_rounds": Result(
+        command=("python benchmarks/network_training.py --local --batch 8 --seed 0 --runs "
+                 "\"local 2, rotated_4_4, overlapped own\" \"local 2, rotated_4_4\""),
+        groups=(("overlap_local_batch8_seed0_2026-12-07.json",
+                 "overlap_shorter_local_batch8_seed0_2026-12-07.json"),),
+        runs=("local 4, rotated_4_4", "local 2, rotated_4_4",
+              "local 2, rotated_4_4, overlapped own"),
+        against="local 4, rotated_4_4"),
     "overlapped_steps_on_a_slow_link": StepTimes(
         command=("python benchmarks/network_training.py --rate 100mbit --steps 24 "
                  "--eval-every 24 --batch 8 --runs quantized_8_8_fine \"local 4, rotated_4_4\" "
+                 "\"local 4, rotated_4_4, overlapped own\" "
                  "\"local 4, rotated_4_4, overlapped eager\" "
-                 "\"local 4, rotated_4_4, overlapped delayed\" \"no exchange (compute alone)\""),
+                 "\"local 2, rotated_4_4, overlapped own\" \"no exchange (compute alone)\""),
         file="overlap_link_steps_100mbit_batch8_2026-12-07.json",
         against="quantized_8_8_fine", alone="no exchange (compute alone)"),
 }

@@ -142,9 +142,9 @@ EAGER, OWN, DELAYED = "eager", "own", "delayed"
 """How a round's mean that arrives a round late is applied (``overlap=``)."""
 RULES = (EAGER, OWN, DELAYED)
 
-DEFAULT_OVERLAP = EAGER
-"""The rule ``overlap=True`` takes: the one the local steps evidence page's
-comparison of the two chose."""
+DEFAULT_OVERLAP = OWN
+"""The rule ``overlap=True`` takes: the one that ended lowest in the local
+steps evidence page's comparison of the three."""
 
 OVERLAPPED = "topka2a_overlapped"
 """The attribute of an overlapped ``local_steps``' update function that holds
