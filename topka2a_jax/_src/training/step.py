@@ -447,15 +447,13 @@ class DataParallelStep:
         **{**extra, PARAM_SPECS: specs, BACKWARD_SECONDS: backward,
            GRADIENT_AT: AT_LOCAL_PARAMS},
         **({} if arrived is None else {ARRIVED: arrived}))
-    if arrived is None:
-      out = (optax.apply_updates(params, updates), self._agreed(carry), opt_state,
-             lax.pmean(loss, axis))
-      return out + (reduce_metrics(aux, axis),) if self._has_aux else out
     # Rounds in flight: no collective between round ends, where it would wait on the
     # wire behind the exchange; each device's loss and metrics, reduced on the host.
+    loss_of, metrics_of = ((lax.pmean, reduce_metrics) if arrived is None
+                           else (per_device_blocks, per_device_blocks))
     out = (optax.apply_updates(params, updates), self._agreed(carry), opt_state,
-           per_device_blocks(loss, axis))
-    out = out + (per_device_blocks(aux, axis),) if self._has_aux else out
+           loss_of(loss, axis))
+    out = out + (metrics_of(aux, axis),) if self._has_aux else out
     if hand_over:  # the round just sent, in buffers of its own for its exchange
       local = local_state(opt_state)
       out = out + ((local.in_flight.sent, local.exchange),)
