@@ -85,6 +85,95 @@ def topka2a_sparse(buffers: np.ndarray, density: float):
   return sent[:n] / num_devices, unsent[:, :n]
 
 
+def gtopk(buffers: np.ndarray, density: float):
+  """gTop-k: each device's top k, merged pairwise up a tree into the global top k.
+
+  Lists hold partial means (values over P). With P not a power of two
+  (2^m the largest below it), list 2^m + j first merges into list j. In
+  round r the groups [g, g + 2^r) and [g + 2^r, g + 2^(r+1)) merge: sums
+  where indices meet, the k largest (ties to the lower index) kept by
+  the whole group, the rest (times P) into device g's residual.
+  """
+  buffers = buffers.astype(np.float64)
+  num_devices, n = buffers.shape
+  k = count(n, density)
+  unsent = buffers.copy()
+  lists = []
+  for device in range(num_devices):
+    chosen = top_positions(buffers[device], k)
+    lists.append({int(i): buffers[device, i] / num_devices for i in chosen})
+    unsent[device, chosen] = 0.0
+
+  def merge(first, second, keeper):
+    summed = dict(first)
+    for i, v in second.items():
+      summed[i] = summed.get(i, 0.0) + v
+    order = sorted(summed, key=lambda i: (-abs(summed[i]), i))
+    for i in order[k:]:
+      unsent[keeper, i] += num_devices * summed[i]
+    return {i: summed[i] for i in order[:k]}
+
+  active = 1 << (num_devices.bit_length() - 1)
+  for j in range(num_devices - active):
+    lists[j] = merge(lists[j], lists[active + j], j)
+  step = 1
+  while step < active:
+    for group in range(0, active, 2 * step):
+      merged = merge(lists[group], lists[group + step], group)
+      for device in range(group, group + 2 * step):
+        lists[device] = merged
+    step *= 2
+  mean = np.zeros(n)
+  for i, v in lists[0].items():
+    mean[i] = v
+  return mean, unsent
+
+
+def oktopk(buffers: np.ndarray, density: float, capacity: int = 2,
+           bins_per_device: int = 64):
+  """Ok-Topk: each device's top k to the owners of balanced regions, each region's top back.
+
+  Bins of ``ceil(n / min(n, bins_per_device * P))`` positions; a bin goes to
+  owner ``min(P - 1, s // ceil(S / P))``, ``s`` the selected entries of all
+  devices in the bins before it and ``S`` all of them. Each device sends
+  each owner its largest ``min(k, capacity * ceil(k / P))`` selected entries
+  there (ties to the lower index); the rest stay. Each owner sums what it
+  got, sends the top ``ceil(k / P)`` sums over P, and keeps the other sums.
+  """
+  buffers = buffers.astype(np.float64)
+  num_devices, n = buffers.shape
+  k = count(n, density)
+  per_owner = math.ceil(k / num_devices)
+  per_pair = min(k, capacity * per_owner)
+  width = math.ceil(n / min(n, bins_per_device * num_devices))
+  chosen = [top_positions(buffers[device], k) for device in range(num_devices)]
+  hist = np.zeros(math.ceil(n / width), dtype=int)
+  for positions in chosen:
+    for i in positions:
+      hist[i // width] += 1
+  share = max(1, math.ceil(hist.sum() / num_devices))
+  before = np.cumsum(hist) - hist
+  owner_of = [min(num_devices - 1, int(before[i // width]) // share) for i in range(n)]
+  unsent = buffers.copy()
+  got = [{} for _ in range(num_devices)]
+  for device in range(num_devices):
+    row = buffers[device]
+    for owner in range(num_devices):
+      mine = sorted((i for i in chosen[device] if owner_of[i] == owner),
+                    key=lambda i: (-abs(row[i]), i))
+      for i in mine[:per_pair]:
+        got[owner][int(i)] = got[owner].get(int(i), 0.0) + row[i]
+        unsent[device, i] = 0.0
+  mean = np.zeros(n)
+  for owner in range(num_devices):
+    order = sorted(got[owner], key=lambda i: (-abs(got[owner][i]), i))
+    for i in order[:per_owner]:
+      mean[i] = got[owner][i] / num_devices
+    for i in order[per_owner:]:
+      unsent[owner, i] += got[owner][i]
+  return mean, unsent
+
+
 def _chunk_codes(values: np.ndarray, bits: int) -> tuple[np.ndarray, float]:
   """One chunk's decoded values and its scale, rounded to float32 as it travels.
 
@@ -260,7 +349,8 @@ def onebit(buffers: np.ndarray, density: float, gather_bits: int = 8,
 
 
 ALGORITHMS = {"dense": dense, "allgather": allgather, "topka2a": topka2a,
-              "topka2a_sparse": topka2a_sparse, "onebit": onebit,
+              "topka2a_sparse": topka2a_sparse, "gtopk": gtopk, "oktopk": oktopk,
+              "onebit": onebit,
               "onebit_4": functools.partial(onebit, gather_bits=4),
               "onebit_1": functools.partial(onebit, gather_bits=1),
               **{f"quantized_{up}_{back}": functools.partial(few_bit, bits=up,

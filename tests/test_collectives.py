@@ -11,7 +11,7 @@ from sharded import per_device
 import topka2a_jax
 from topka2a_jax._src.collectives import exchanges
 from topka2a_jax._src.collectives.algorithms import ALGORITHMS as ENTRIES
-from topka2a_jax._src.collectives.exchanges import COLLECTIVES
+from topka2a_jax._src.collectives.registry import COLLECTIVES
 
 ALGORITHMS = sorted(ENTRIES)
 SELECTING = sorted(name for name, entry in ENTRIES.items() if not entry.quantizes)
@@ -71,8 +71,10 @@ def test_nothing_is_lost(mesh, algorithm, density):
   )
 
 
-@pytest.mark.parametrize("algorithm", SELECTING)
+@pytest.mark.parametrize("algorithm", [name for name in SELECTING if name != "oktopk"])
 def test_density_one_equals_pmean(mesh, algorithm):
+  # Ok-Topk's owners send a fixed count from regions balanced to a bin
+  # (test_global_top_k.py).
   buffers = random_buffers(8, 333, seed=5)
   mean, unsent = exchange(mesh, algorithm, buffers, 1.0)
   pmean = per_device(lambda b: lax.pmean(b, "data"), mesh, buffers)

@@ -158,6 +158,7 @@ def test_an_explicit_top_k_before_adam_is_kept_and_warned_once(mesh):
 
 
 BURSTS_BEFORE_ADAM = {"allgather": "top-k", "topka2a": "top-k", "topka2a_sparse": "top-k",
+                      "gtopk": "top-k", "oktopk": "top-k",
                       "onebit": "signs", "onebit_4": "signs", "onebit_1": "signs",
                       "rotated_1_1": "signs"}
 """The exchanges whose error feedback hands Adam bursts, and what each sends: a

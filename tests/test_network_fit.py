@@ -31,8 +31,11 @@ def synthetic_rows(link, processes, per_element=0.0, per_entry=0.0, per_matrix=0
     for algorithm in ALGORITHMS:
       for density in [1.0] if algorithm == "dense" else [0.01, 0.1]:
         k = round(density * size)  # a multiple of 4: every shard gets k / 4
+        # gTop-k: its own k, then 2k in each of log2(4) merges; Ok-Topk: its
+        # own k, then 2k / 4 from each of 4 senders at the owner.
         entries = {"dense": 0, "allgather": k, "topka2a": k,
-                   "topka2a_sparse": k + k // processes}.get(algorithm, 0)
+                   "topka2a_sparse": k + k // processes, "gtopk": k + 2 * k * 2,
+                   "oktopk": k + 2 * k}.get(algorithm, 0)
         seconds = exchange_cost(algorithm, size, processes, density).seconds(link)
         # The quantizing exchanges pass over the buffer four times (codes,
         # residual, the owner's sum, the final decoding), the owner's shard
@@ -40,7 +43,8 @@ def synthetic_rows(link, processes, per_element=0.0, per_entry=0.0, per_matrix=0
         # inverse rotations), the owner's shard once more.
         rotated = algorithm.startswith("rotated")
         read = {"dense": 0, "allgather": size, "topka2a": size,
-                "topka2a_sparse": size + size // processes}.get(
+                "topka2a_sparse": size + size // processes, "gtopk": size,
+                "oktopk": size}.get(
             algorithm, (7 if rotated else 4) * size + (3 if rotated else 2) * (
                 size // processes))
         seconds += coding.get(algorithm, per_element) * read + per_entry * entries

@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import topka2a_jax
-from topka2a_jax._src.collectives.exchanges import COLLECTIVES
+from topka2a_jax._src.collectives.registry import COLLECTIVES
 from topka2a_jax._src.planner.cost import exchange_cost
 
 

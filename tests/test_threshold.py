@@ -8,7 +8,7 @@ import reference
 from sharded import per_device
 
 from topka2a_jax._src.collectives import exchanges, packed_flags, threshold
-from topka2a_jax._src.collectives.exchanges import COLLECTIVES
+from topka2a_jax._src.collectives.registry import COLLECTIVES
 from topka2a_jax._src.collectives.threshold import threshold_magnitudes
 from topka2a_jax._src.collectives.top_k import top_magnitudes
 

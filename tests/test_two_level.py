@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import topka2a_jax
-from topka2a_jax._src.collectives import exchanges
+from topka2a_jax._src.collectives import exchanges, registry
 from topka2a_jax._src.planner import cost
 
 NODES, LOCAL = 2, 4
@@ -27,8 +27,8 @@ AXES = ("node", "local")
 OUTER = {"topka2a": exchanges.topka2a, "topka2a_sparse": exchanges.topka2a_sparse,
          "allgather": exchanges.allgather, "dense": exchanges.dense,
          "onebit": exchanges.onebit,
-         "quantized_4_8": exchanges.COLLECTIVES["quantized_4_8"],
-         "rotated_4_8": exchanges.COLLECTIVES["rotated_4_8"]}
+         "quantized_4_8": registry.COLLECTIVES["quantized_4_8"],
+         "rotated_4_8": registry.COLLECTIVES["rotated_4_8"]}
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,11 @@ your own.
 * :func:`topka2a`: TopKA2A (Peng et al., ICPP 2024): shard-wise top-k, one
   AlltoAll to the shards' owners, an AllGather of the dense shards.
 * :func:`topka2a_sparse`: TopKA2A whose second phase is sparse too.
+* :func:`gtopk`: gTop-k (Shi et al., ICDCS 2019): every device's top-k
+  merged up a tree of recursive doubling into the global top-k.
+* :func:`oktopk`: Ok-Topk (Li and Hoefler, PPoPP 2022): a sparse
+  reduce-scatter over balanced regions, each region's top at its owner, an
+  all-gather of those.
 * :func:`few_bit`: every entry in a few bits (2 to 8, one scale per chunk)
   to its shard's owner, the owners' means back in a few bits, both
   roundings fed back; in :data:`COLLECTIVES`, ``"quantized_A_B"`` sends ``A``
@@ -41,8 +46,8 @@ Example:
   ...                                out_specs=P()))(rows)
   >>> [bool(jnp.allclose(mean(name, 1.0), rows.mean(0), atol=1e-6))
   ...  for name, entry in topka2a_jax.collectives.ALGORITHMS.items()
-  ...  if not entry.quantizes]  # density 1: the mean
-  [True, True, True, True]
+  ...  if not entry.quantizes and name != "oktopk"]  # density 1: the mean
+  [True, True, True, True, True]
   >>> error = mean("onebit", 1.0) - rows.mean(0)  # signs: the error fed back later
   >>> bool(jnp.abs(error).mean() < jnp.abs(rows.mean(0)).mean())
   True
@@ -56,7 +61,7 @@ from topka2a_jax._src import lazy as _lazy
 
 if TYPE_CHECKING:  # the namespace; at run time each name is imported on first use
   from topka2a_jax._src.collectives import algorithms as _algorithms
-  from topka2a_jax._src.collectives import exchanges as _exchanges
+  from topka2a_jax._src.collectives import registry as _registry
   from topka2a_jax._src.collectives import selection as _selection
   from topka2a_jax._src.collectives.algorithms import Algorithm
   from topka2a_jax._src.collectives.exchanges import (
@@ -70,6 +75,7 @@ if TYPE_CHECKING:  # the namespace; at run time each name is imported on first u
     topka2a_sparse,
     two_level,
   )
+  from topka2a_jax._src.collectives.global_top_k import gtopk, oktopk
   from topka2a_jax._src.collectives.low_rank import initial_factor, powersgd
   from topka2a_jax._src.collectives.relative import relative_mean
   from topka2a_jax._src.collectives.selection import auto_choice, get_selection
@@ -78,7 +84,7 @@ if TYPE_CHECKING:  # the namespace; at run time each name is imported on first u
   """Every exchange of a flat buffer by the name ``topka2a(algorithm=...)`` takes:
   an :class:`Algorithm` (its phases, cost terms and where unsent entries wait)."""
 
-  COLLECTIVES = _exchanges.COLLECTIVES
+  COLLECTIVES = _registry.COLLECTIVES
   """The collective of every name in :data:`ALGORITHMS`, by that name
   (``COLLECTIVES["topka2a"]`` is :func:`topka2a`)."""
 
@@ -101,13 +107,15 @@ _LAZY = {  # each name, its module (":attribute" where the name differs); the
     "topka2a": "topka2a_jax._src.collectives.exchanges",
     "topka2a_sparse": "topka2a_jax._src.collectives.exchanges",
     "two_level": "topka2a_jax._src.collectives.exchanges",
+    "gtopk": "topka2a_jax._src.collectives.global_top_k",
+    "oktopk": "topka2a_jax._src.collectives.global_top_k",
     "initial_factor": "topka2a_jax._src.collectives.low_rank",
     "powersgd": "topka2a_jax._src.collectives.low_rank",
     "relative_mean": "topka2a_jax._src.collectives.relative",
     "auto_choice": "topka2a_jax._src.collectives.selection",
     "get_selection": "topka2a_jax._src.collectives.selection",
     "ALGORITHMS": "topka2a_jax._src.collectives.algorithms",
-    "COLLECTIVES": "topka2a_jax._src.collectives.exchanges",
+    "COLLECTIVES": "topka2a_jax._src.collectives.registry",
     "SELECTIONS": "topka2a_jax._src.collectives.selection",
 }
 
@@ -123,7 +131,9 @@ __all__ = [
   "dense",
   "few_bit",
   "get_selection",
+  "gtopk",
   "initial_factor",
+  "oktopk",
   "onebit",
   "powersgd",
   "relative_mean",

@@ -16,17 +16,27 @@ bytes per value and index:
 | allgather (TopkA) | P-1 | (P-1) · k(v+i) | d | k |
 | topka2a | 2(P-1) | (P-1) · (q(v+i) + s·v) | d | P·q |
 | topka2a_sparse | 2(P-1) | (P-1) · 2q(v+i) | d + s | P·q + q |
+| gtopk | t + P-1 | t·k(v+i) + (P-1)·q(v+i) | d | k + 2k(t - e) |
+| oktopk | 4(P-1) | 2(P-1)/P · 4B + (P-1)·(c + q)(v+i) | d | k + P·c |
 | onebit (b bits back) | 2(P-1) | (P-1) · s'(1 + b + 64/C)/8 | 4d + 2s | 0 |
 | quantized_a_b (a bits up, b back) | 2(P-1) | (P-1) · s'(a + b + 64/C)/8 | 4d + 2s | 0 |
 | rotated_4_b (each chunk rotated first) | 2(P-1) | (P-1) · s'(4 + b + 64/C)/8 | 7d + 3s | 0 |
 
-(``s'``: the shard rounded up to whole chunks of ``C`` entries, at most
+(gTop-k: ``t = m + 2e`` rounds, ``2^m`` the largest power of two up to
+``P``, ``e`` 1 where ``P`` is not one, else 0. Ok-Topk: ``c = 2q`` pairs to
+each owner at most, ``B`` counts in the histogram that balances its
+regions. ``s'``: the shard rounded up to whole chunks of ``C`` entries, at most
 ``sizes.CHUNK``, a power of two for a rotated code; each chunk sends one
 float32 scale per phase.)
 
 Values and indices travel in one message (``wire.py``), so TopkA and
 TopKA2A pay one latency term per phase. Indices are as narrow as the
-positions they address allow: a shard, or for TopkA the whole buffer.
+positions they address allow: a shard, or for TopkA, gTop-k and Ok-Topk
+the whole buffer. gTop-k's rounds run one after another, each a message of
+``k`` pairs to one partner, so its bytes are those of its longest path; an
+all-gather of a slice of the result from each device ends it, which gives
+the mean the type JAX gives a value the same on every device
+(``global_top_k.py``).
 
 Each exchange is a sequence of :class:`Phase` s, each with its pattern:
 all-reduce and all-gather pass data around a ring (each device sends to one
@@ -86,6 +96,10 @@ RING = "ring"
 
 PAIRS = "pairs"
 """A phase in which every device sends its own piece to every peer (AlltoAll)."""
+
+TREE = "tree"
+"""Rounds of recursive doubling: in round ``r`` each device swaps with the
+device ``2^r`` away."""
 
 
 class Phase(NamedTuple):
@@ -286,6 +300,48 @@ def _to_owners_then_pairs(c: Counts) -> tuple[Phase, ...]:
   return owners, owners._replace(pattern=RING)
 
 
+def _doubling(c: Counts) -> tuple[Phase, ...]:
+  """gTop-k's rounds, each ``k`` pairs to one partner (``global_top_k.py``)."""
+  rounds = int(c.devices).bit_length() - 1
+  rounds += 2 * (c.devices > 1 << rounds)
+  pair = c.value_bytes + c.index_bytes
+  typed = Phase(RING, c.devices - 1, (c.devices - 1) * math.ceil(c.k / c.devices) * pair)
+  return (Phase(TREE, rounds, rounds * c.k * pair), typed) if rounds else ()
+
+
+OKTOPK_CAPACITY = 2
+"""Ok-Topk's entries to each owner, in units of ``ceil(k / P)`` (``global_top_k.py``)."""
+
+OKTOPK_BINS_PER_DEVICE = 64
+"""Bins per device of the histogram that balances Ok-Topk's regions."""
+
+
+def oktopk_bins(length: float, devices: int) -> tuple[int, int]:
+  """``(bins, width)`` of the histogram that balances Ok-Topk's regions.
+
+  Example:
+    >>> oktopk_bins(10_000, 4), oktopk_bins(100, 4)
+    ((250, 40), (100, 1))
+  """
+  length = max(1, math.ceil(length))
+  width = ceil_div(length, min(length, OKTOPK_BINS_PER_DEVICE * devices))
+  return ceil_div(length, width), width
+
+
+def oktopk_capacity(k: float, devices: int) -> float:
+  """Pairs one device sends one owner in Ok-Topk's reduce-scatter."""
+  return min(k, OKTOPK_CAPACITY * math.ceil(k / devices))
+
+
+def _balanced_scatter_then_pairs(c: Counts) -> tuple[Phase, ...]:
+  pair = c.value_bytes + c.index_bytes
+  peers = c.devices - 1
+  return (Phase(RING, 2 * peers, 2 * peers / c.devices * 4 * oktopk_bins(c.length,
+                                                                        c.devices)[0]),
+          Phase(PAIRS, peers, peers * oktopk_capacity(c.k, c.devices) * pair),
+          Phase(RING, peers, peers * math.ceil(c.k / c.devices) * pair))
+
+
 def _codes_then(codes: Codes) -> Callable[[Counts], tuple[Phase, ...]]:
   """The phases of :func:`few_bit <topka2a_jax.collectives.few_bit>`.
 
@@ -357,6 +413,24 @@ TOPKA2A_SPARSE = Algorithm(
     reads=lambda length, devices: length + ceil_div(length, devices),
     selects=lambda c: (c.devices + 1) * c.per_shard, holds_back=True)
 
+GTOPK = Algorithm(
+    name="gtopk", title="gTop-k",
+    summary="every device's top-k merged up a tree of recursive doubling: the global top-k",
+    sparse=True, unsent_at="the sender, and each merge's first device for what it drops",
+    compresses_values=True, global_indices=True, traffic=_doubling,
+    reads=lambda length, devices: length,
+    selects=lambda c: c.k + 2 * c.k * (int(c.devices).bit_length() - 1
+                                       + (c.devices & (c.devices - 1) != 0)),
+    holds_back=True)
+
+OKTOPK = Algorithm(
+    name="oktopk", title="Ok-Topk",
+    summary="top-k, a sparse reduce-scatter over balanced regions, their tops all-gathered",
+    sparse=True, unsent_at="the sender, and the owner for its region's rest",
+    compresses_values=True, global_indices=True, traffic=_balanced_scatter_then_pairs,
+    reads=lambda length, devices: length,
+    selects=lambda c: c.k + c.devices * oktopk_capacity(c.k, c.devices), holds_back=True)
+
 ONEBIT = _quantized(1, 8)
 """Signs to the owners, 8-bit means back: 1.125 bytes per entry in all."""
 
@@ -385,7 +459,8 @@ ways, each 512 with their mean magnitude."""
 
 ALGORITHMS: dict[str, Algorithm] = {
     algorithm.name: algorithm for algorithm in (
-        DENSE, ALLGATHER, TOPKA2A, TOPKA2A_SPARSE, ONEBIT, ONEBIT_4, ONEBIT_1,
+        DENSE, ALLGATHER, TOPKA2A, TOPKA2A_SPARSE, GTOPK, OKTOPK, ONEBIT, ONEBIT_4,
+        ONEBIT_1,
         *FEW_BIT)}
 """Every exchange of a flat buffer, by the name ``topka2a(algorithm=...)`` takes."""
 

@@ -59,7 +59,6 @@ References:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Hashable
 from typing import NamedTuple, Protocol
 
@@ -69,7 +68,7 @@ from jax import lax
 
 from topka2a_jax._src.axis import bound_axis_size
 from topka2a_jax._src.buffers import padded_rows
-from topka2a_jax._src.collectives import algorithms, quantized, rotation
+from topka2a_jax._src.collectives import quantized, rotation
 from topka2a_jax._src.collectives.received import top_of_received
 from topka2a_jax._src.collectives.selection import Selection, get_selection
 from topka2a_jax._src.collectives.wire import WireFormat
@@ -117,7 +116,7 @@ class OwnedShard(NamedTuple):
   received: jax.Array
 
 
-def _check_buffer(buffer: jax.Array) -> None:
+def check_buffer(buffer: jax.Array) -> None:
   if buffer.ndim != 1 or buffer.shape[0] == 0:
     raise ValueError(
         f"expected a non-empty 1-D buffer, got shape {buffer.shape}; flatten "
@@ -127,7 +126,7 @@ def _check_buffer(buffer: jax.Array) -> None:
     raise TypeError(f"expected a floating buffer, got dtype {buffer.dtype}")
 
 
-def _gated(values: jax.Array, send: jax.Array | None) -> jax.Array:
+def gated(values: jax.Array, send: jax.Array | None) -> jax.Array:
   """``values``, or zeros where ``send`` is False (a skipped step sends nothing)."""
   return values if send is None else jnp.where(send, values, jnp.zeros_like(values))
 
@@ -179,7 +178,7 @@ def dense(
     Array([3.5, 3.5, 3.5], dtype=float32)
   """
   del density, value_dtype, selection
-  _check_buffer(buffer)
+  check_buffer(buffer)
   bound_axis_size(axis_name)
   if send is None:
     return ExchangeResult(lax.pmean(buffer, axis_name), jnp.zeros_like(buffer))
@@ -219,13 +218,13 @@ def allgather(
     ...               mesh=mesh, in_specs=P("data"), out_specs=P()))(rows)
     Array([1., 1., 1., 1., 1., 1., 1., 1.], dtype=float32)
   """
-  _check_buffer(buffer)
+  check_buffer(buffer)
   num_devices = bound_axis_size(axis_name)
   length = buffer.shape[0]
   fmt = WireFormat.create(value_dtype, length, buffer.dtype)
   select = get_selection(selection)
   values, indices = select(buffer[None], sparse_count(length, density))
-  values = _gated(fmt.rounded(values), send)
+  values = gated(fmt.rounded(values), send)
   gathered = lax.all_gather(fmt.encode(values, indices), axis_name, tiled=True,
                             to="invarying")
   all_values, all_indices = fmt.decode(gathered, buffer.dtype)
@@ -247,13 +246,13 @@ def to_owners(
     The :class:`OwnedShard`: this device's summed shard, its unsent entries
     and the positions it received.
   """
-  _check_buffer(buffer)
+  check_buffer(buffer)
   num_devices = bound_axis_size(axis_name)
   layout = ShardLayout.create(buffer.shape[0], num_devices, density)
   fmt = WireFormat.create(value_dtype, layout.shard_length, buffer.dtype)
   shards = padded_rows(buffer, num_devices)  # (P, shard_length)
   values, indices = select(shards, layout.per_shard)
-  values = _gated(fmt.rounded(values), send)
+  values = gated(fmt.rounded(values), send)
   received = lax.all_to_all(fmt.encode(values, indices), axis_name, 0, 0,
                             tiled=True)
   from_values, from_indices = fmt.decode(received, buffer.dtype)
@@ -467,7 +466,7 @@ def codes_to_owners(
     ...                       mesh=mesh, in_specs=P("data"), out_specs=P("data")))(rows)
     Array([8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8.], dtype=float32)
   """
-  _check_buffer(buffer)
+  check_buffer(buffer)
   num_devices = bound_axis_size(axis_name)
   length, dtype = buffer.shape[0], jnp.promote_types(buffer.dtype, jnp.float32)
   width = ceil_div(length, num_devices)
@@ -550,7 +549,7 @@ def few_bit(
     True
   """
   del density, value_dtype, selection
-  _check_buffer(buffer)
+  check_buffer(buffer)
   num_devices = bound_axis_size(axis_name)
   length, dtype = buffer.shape[0], jnp.promote_types(buffer.dtype, jnp.float32)
   cut = chunking(ceil_div(length, num_devices), chunk, powers_of_two=rotated)
@@ -603,27 +602,6 @@ def onebit(
   return few_bit(buffer, axis_name, density, value_dtype=value_dtype,
                  selection=selection, send=send, bits=1, gather_bits=gather_bits,
                  chunk=chunk)
-
-
-_SELECTING: dict[str, Collective] = {
-    algorithms.DENSE.name: dense, algorithms.ALLGATHER.name: allgather,
-    algorithms.TOPKA2A.name: topka2a, algorithms.TOPKA2A_SPARSE.name: topka2a_sparse}
-"""The collectives that send a selection (or everything), by their registry names."""
-
-
-def _collective(entry: algorithms.Algorithm) -> Collective:
-  if entry.codes is None:
-    return _SELECTING[entry.name]
-  return functools.partial(few_bit, bits=entry.codes.bits,
-                           gather_bits=entry.codes.gather_bits, chunk=entry.codes.chunk,
-                           rotated=entry.codes.rotated)
-
-
-COLLECTIVES: dict[str, Collective] = {
-    name: _collective(entry) for name, entry in algorithms.ALGORITHMS.items()}
-"""The collective of every exchange in :data:`topka2a_jax.collectives.ALGORITHMS`, by name.
-
-Read from the registry: a few-bit row is :func:`few_bit` at its widths."""
 
 
 def two_level(
@@ -685,7 +663,7 @@ def two_level(
     >>> bool(jnp.allclose(8 * mean + owed, rows.sum(0)))  # nothing lost
     True
   """
-  _check_buffer(buffer)
+  check_buffer(buffer)
   outer_axis, inner_axis = axis_name
   per_node = bound_axis_size(inner_axis)
   length = buffer.shape[0]

@@ -354,6 +354,11 @@ def _flat_phase(phase: algorithms.Phase, cluster: Cluster) -> ClusterCost:
   if phase.pattern == algorithms.RING:  # one edge per node crosses, one per device
     outer = phase.bytes if nodes > 1 else 0.0
     inner = phase.bytes if per_node > 1 else 0.0
+  elif phase.pattern == algorithms.TREE:  # rounds to partners 2^r away: the last
+    # log2(N) of log2(N L) rounds cross, for every device of the node at once
+    crossing = math.log2(nodes) / math.log2(cluster.devices) if nodes > 1 else 0.0
+    outer = per_node * crossing * phase.bytes
+    inner = (1 - crossing) * phase.bytes
   else:  # every device sends to each peer directly
     outer = per_node * (cluster.devices - per_node) / peers * phase.bytes
     inner = (per_node - 1) / peers * phase.bytes

@@ -53,7 +53,7 @@ from topka2a_jax._src.axis import (
   vary_like,
 )
 from topka2a_jax._src.buffers import padded_rows, split_by_widths
-from topka2a_jax._src.collectives import exchanges, low_rank
+from topka2a_jax._src.collectives import exchanges, low_rank, registry
 from topka2a_jax._src.collectives.algorithms import ALGORITHMS, DENSE
 from topka2a_jax._src.collectives.selection import get_selection
 from topka2a_jax._src.planner.buckets import Bucket
@@ -202,7 +202,7 @@ def _two_level_pieces(plan: ExchangePlan, algorithm: Any, rows: list[jax.Array],
   per_node = axis.per_node()
   result = exchanges.two_level(
       jnp.concatenate(rows, axis=1).ravel(), axis.name, options.density,
-      outer=exchanges.COLLECTIVES[algorithm.name], limit=limit,
+      outer=registry.COLLECTIVES[algorithm.name], limit=limit,
       value_dtype=options.value_dtype, selection=options.selection, send=send)
   mean_pieces = [piece.ravel()[:size] for piece, size in zip(
       split_by_widths(result.mean.reshape(per_node, -1), widths), sizes)]
@@ -217,7 +217,7 @@ def _flat_pieces(plan: ExchangePlan, algorithm: Any, rows: list[jax.Array],
   axis, options = plan.options.axis, plan.options
   dtype = jnp.result_type(*rows)
   sent, held = clipped_to_wire([r.ravel()[:size] for r, size in zip(rows, sizes)], limit)
-  result = exchanges.COLLECTIVES[algorithm.name](
+  result = registry.COLLECTIVES[algorithm.name](
       pack_bucket(sent, dtype), axis.name, options.density,
       value_dtype=options.value_dtype, selection=options.selection, send=send)
   # What the clip held back joins what was not sent, before a pair of data
