@@ -70,7 +70,20 @@ class StepTimes:
   alone: str
 
 
-RESULTS: dict[str, Result | StepTimes] = {
+@dataclasses.dataclass(frozen=True)
+class ExchangeTimes:
+  """One run of ``benchmarks/network.py`` on the link: each exchange's time, and the model's.
+
+  Attributes:
+    command: the command that wrote the JSON.
+    file: the JSON under ``evidence/data/``: its rows and the model fitted to them.
+  """
+
+  command: str
+  file: str
+
+
+RESULTS: dict[str, Result | StepTimes | ExchangeTimes] = {
     "local_steps_on_a_slow_link": Result(
         command=("python benchmarks/network_training.py --rate 100mbit --batch B --seed S "
                  "--runs dense quantized_8_8_fine \"local 4, rotated_4_8\" "
@@ -113,6 +126,11 @@ RESULTS: dict[str, Result | StepTimes] = {
                  "\"local 2, rotated_4_4, overlapped own\" \"no exchange (compute alone)\""),
         file="overlap_link_steps_100mbit_batch8_2026-12-07.json",
         against="quantized_8_8_fine", alone="no exchange (compute alone)"),
+    "sparse_allreduces_on_the_link": ExchangeTimes(
+        command=("python benchmarks/network.py --rate 1gbit --processes 4 --sizes 25000000 "
+                 "--densities 0.001 0.01 0.1 --ranks --algorithms dense allgather topka2a "
+                 "topka2a_sparse gtopk oktopk"),
+        file="global_top_k_1gbit_2026-12-07.json"),
 }
 """Every table of the evidence pages, by the name its page includes it under."""
 
@@ -188,7 +206,38 @@ def _first_length(run: str) -> int:
   return int(run.split(",")[0].split()[1])
 
 
-def render(result: Result | StepTimes, data: Path = DATA) -> str:
+def render_exchanges(result: ExchangeTimes, data: Path = DATA) -> str:
+  """Each exchange's time on the link beside the cost model's under the run's own fit.
+
+  The model's seconds are the planner's: α-β on the fitted link, plus the
+  fitted rates of the elements its selection reads and the entries it
+  selects (:mod:`topka2a_jax.cost`).
+  """
+  from topka2a_jax import cost
+  from topka2a_jax.collectives import ALGORITHMS
+
+  run = json.loads((data / result.file).read_text())
+  fit, processes = run["fit"], run["processes"]
+  link = cost.Network(fit["alpha"], fit["bandwidth"], "fitted")
+  rows = [row for row in run["rows"] if row["algorithm"] in ALGORITHMS
+          and row.get("kind") is None]
+  dense = {row["size"]: row["seconds"] for row in rows if row["algorithm"] == "dense"}
+  lines = ["| exchange | density | measured s | x dense | model s | measured / model |",
+           "|---|---|---|---|---|---|"]
+  for row in sorted(rows, key=lambda r: (r["size"], r["density"], r["seconds"])):
+    name, size, density = row["algorithm"], row["size"], row["density"]
+    model = (cost.exchange_cost(name, size, processes, density).seconds(link)
+             + fit["per_element"] * cost.elements_read(name, size, processes)
+             + fit["per_entry"] * cost.selected_entries(name, size, processes, density))
+    lines.append(f"| {ALGORITHMS[name].title} | {density:g} | "
+                 f"{row['seconds']:.3f} | {row['seconds'] / dense[size]:.3f}x | "
+                 f"{model:.3f} | {row['seconds'] / model:.2f} |")
+  lines += ["", f"{processes} processes, {', '.join(f'{s:,}' for s in sorted(dense))} "
+            f"elements, `{run['rate']}`. From `{result.command}`; JSON `{result.file}`."]
+  return "\n".join(lines) + "\n"
+
+
+def render(result: Result | StepTimes | ExchangeTimes, data: Path = DATA) -> str:
   """The result's table in Markdown, with the sentence that says where it comes from.
 
   Columns: the group's windows a device and seed (where there are several
@@ -205,6 +254,8 @@ def render(result: Result | StepTimes, data: Path = DATA) -> str:
   """
   if isinstance(result, StepTimes):
     return render_steps(result, data)
+  if isinstance(result, ExchangeTimes):
+    return render_exchanges(result, data)
   lines, columns = [], []
   for group in result.groups:
     header, rows = _rows(group, data)

@@ -103,8 +103,9 @@ def make_task() -> Task:
 
 
 def optimizer(weight_decay: float, decay_first: bool = False, sharded: bool = False,
-              updates: bool = False, **options) -> optax.GradientTransformation:
-  """Momentum SGD with weight decay around the sparse exchange.
+              updates: bool = False, learning_rate: float = LEARNING_RATE,
+              momentum: float | None = MOMENTUM, **options) -> optax.GradientTransformation:
+  """Momentum SGD (plain SGD with ``momentum=None``) with weight decay around the exchange.
 
   The recommended order is exchange, then weight decay, then momentum:
   the decay is computed from the replicated parameters, identical on every
@@ -117,7 +118,7 @@ def optimizer(weight_decay: float, decay_first: bool = False, sharded: bool = Fa
   (:func:`topka2a_jax.compress_updates`).
   """
   decay = optax.add_decayed_weights(weight_decay)
-  sgd = optax.sgd(LEARNING_RATE, momentum=MOMENTUM)
+  sgd = optax.sgd(learning_rate, momentum=momentum)
   if updates:
     return topka2a_jax.compress_updates(optax.chain(decay, sgd), **options)
   if sharded:
@@ -142,10 +143,14 @@ RUNS = {
     "updates 1%": {"density": 0.01, "updates": True},
     "updates, onebit": {"algorithm": "onebit", "updates": True},
     "onebit (gradient)": {"algorithm": "onebit"},
+    "gtopk 1%": {"density": 0.01, "algorithm": "gtopk", "selection": "exact"},
+    "oktopk 1%": {"density": 0.01, "algorithm": "oktopk", "selection": "exact"},
 }
 """Every run of ``--all``: name -> options of :func:`optimizer`. The
 ``onebit`` runs send every entry's sign and the owners' means back in 8 bits
-(``topka2a(algorithm="onebit")``): the step of momentum SGD, or the gradient."""
+(``topka2a(algorithm="onebit")``): the step of momentum SGD, or the gradient.
+``gtopk`` and ``oktopk`` are the global top-k exchanges the TopKA2A paper
+compares against (gTop-k, Ok-Topk), with an exact top-k as ``topka2a 1%``."""
 
 DEFAULT_RUNS = ("dense (pmean)", "defaults 1%", "updates 1%")
 """The runs without ``--all``: dense, the one-liner and the step's form."""
@@ -161,17 +166,24 @@ def main(argv: list[str] | None = None) -> None:
                     help=("these runs (the first is the baseline of the bytes "
                           f"ratio) among: {'; '.join(RUNS)}").replace("%", "%%"))
   parser.add_argument("--weight-decay", type=float, default=WEIGHT_DECAY)
+  parser.add_argument("--learning-rate", type=float, default=LEARNING_RATE)
+  parser.add_argument("--momentum", type=float, default=MOMENTUM,
+                      help="0 trains with plain SGD")
   parser.add_argument("--out", default="digits",
                       help="writes OUT.png (curves) and OUT.json (all figures)")
   args = parser.parse_args(argv)
   names = list(RUNS) if args.all else args.runs or list(DEFAULT_RUNS)
 
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  momentum = args.momentum or None  # optax.sgd's plain SGD
   print(f"{jax.device_count()} devices, {args.steps} steps of "
         f"{BATCH_PER_DEVICE * jax.device_count()} images, seeds {args.seeds}, "
-        f"sgd(lr={LEARNING_RATE}, momentum={MOMENTUM}), weight decay {args.weight_decay:g}")
+        f"sgd(lr={args.learning_rate}, momentum={momentum}), "
+        f"weight decay {args.weight_decay:g}")
   start = time.perf_counter()
-  runs = {name: functools.partial(optimizer, args.weight_decay, **RUNS[name])
+  runs = {name: functools.partial(optimizer, args.weight_decay,
+                                  learning_rate=args.learning_rate, momentum=momentum,
+                                  **RUNS[name])
           for name in names}
   results = compare(runs, make_task(),
                     steps=args.steps, seeds=tuple(args.seeds),

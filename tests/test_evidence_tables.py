@@ -96,3 +96,25 @@ def test_a_step_times_table_is_its_json_with_each_exchange_beside_the_next_round
       "|---|---|---|---|\n"
       "| `local 2, rotated_4_4, overlapped eager` | 1 | 2.00 to 3.50 | 2.00 to 4.00 |\n"
       "| `local 2, rotated_4_4, overlapped eager` | 2 | 4.00 to 5.50 | 4.00 to 6.00 |\n")
+
+
+def test_an_exchange_times_table_puts_the_fitted_model_beside_each_measurement(tmp_path):
+  tables = _tables()
+  # A link of α = 1 ms and 1e8 bytes/s, no selection cost; 4 processes,
+  # 1,000 elements. By hand: dense is 6 messages and 1.5 * 4,000 = 6,000
+  # bytes: 6 ms + 0.06 ms = 6.060 ms. TopkA at 0.01: k = 10 pairs of 4 + 2
+  # bytes to 3 peers, 3 messages: 3 ms + 180 / 1e8 s = 3.002 ms.
+  run = {"rate": "1gbit", "processes": 4,
+         "fit": {"alpha": 1e-3, "bandwidth": 1e8, "per_element": 0.0, "per_entry": 0.0},
+         "rows": [{"size": 1000, "algorithm": "dense", "density": 1.0, "seconds": 0.01},
+                  {"size": 1000, "algorithm": "allgather", "density": 0.01,
+                   "seconds": 0.004}]}
+  (tmp_path / "exchanges.json").write_text(json.dumps(run))
+  result = tables.ExchangeTimes(command="c", file="exchanges.json")
+  assert tables.render(result, tmp_path) == (
+      "| exchange | density | measured s | x dense | model s | measured / model |\n"
+      "|---|---|---|---|---|---|\n"
+      "| TopkA | 0.01 | 0.004 | 0.400x | 0.003 | 1.33 |\n"
+      "| dense | 1 | 0.010 | 1.000x | 0.006 | 1.65 |\n"
+      "\n"
+      "4 processes, 1,000 elements, `1gbit`. From `c`; JSON `exchanges.json`.\n")

@@ -131,3 +131,13 @@ def test_oktopk_at_density_one_loses_nothing_and_misses_only_a_regions_excess(me
   assert 0 < len(missed) <= 8
   np.testing.assert_allclose(mean[0], reference.oktopk(buffers, 1.0)[0], rtol=1e-5,
                              atol=1e-6)
+
+
+@pytest.mark.parametrize("algorithm", GLOBAL)
+def test_ties_go_to_the_lower_index_as_in_the_model(mesh, algorithm):
+  # Small integers: most magnitudes tie, at the devices and in every merge.
+  buffers = np.random.default_rng(4).integers(-3, 4, size=(8, 200)).astype(np.float32)
+  mean, unsent = exchange(mesh, algorithm, buffers, 0.1)
+  want_mean, want_unsent = reference.ALGORITHMS[algorithm](buffers, 0.1)
+  np.testing.assert_allclose(mean[0], want_mean, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(unsent, want_unsent, rtol=1e-6, atol=1e-6)

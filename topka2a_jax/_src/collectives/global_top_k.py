@@ -64,6 +64,8 @@ from topka2a_jax._src.collectives.algorithms import (
   oktopk_capacity,
 )
 from topka2a_jax._src.collectives.exchanges import ExchangeResult, check_buffer, gated
+from topka2a_jax._src.collectives.packed_flags import set_positions
+from topka2a_jax._src.collectives.received import top_of_keys
 from topka2a_jax._src.collectives.selection import get_selection
 from topka2a_jax._src.collectives.wire import WireFormat
 from topka2a_jax._src.sizes import ceil_div, sparse_count
@@ -81,28 +83,54 @@ def doubling_rounds(num_devices: int) -> tuple[int, int]:
   return rounds, num_devices - (1 << rounds)
 
 
-def _merged(ours: tuple[jax.Array, jax.Array], theirs: tuple[jax.Array, jax.Array],
-            k: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-  """Two lists of ``k`` (value, index) pairs, each's indices distinct, merged.
+def _magnitude_keys(values: jax.Array) -> jax.Array:
+  """Keys that order entries by magnitude: float32 magnitudes' bit patterns."""
+  return lax.bitcast_convert_type(jnp.abs(values).astype(jnp.float32), jnp.int32)
 
-  Sums the values where indices meet and keeps the ``k`` largest sums by
-  magnitude (ties to the lower index). The same two lists give the same
-  bits in either order: the sum of two floats does not depend on it.
+
+def _top_of(values: jax.Array, keys: jax.Array, k: int) -> jax.Array:
+  """Positions of the ``k`` largest ``keys``, in list order (ties to the first).
+
+  A bisection over the keys' bits (``received.top_of_keys``), where a sort
+  costs several times more on XLA's CPU backend; wider floats sort.
+  """
+  if values.dtype.itemsize > 4:
+    _, top = lax.top_k(jnp.where(keys < 0, -1.0, jnp.abs(values)), k)
+  else:
+    top = top_of_keys(keys, k)  # those above the k-th first, then its ties
+  taken = jnp.zeros(keys.shape[0], jnp.int32).at[top].set(1, unique_indices=True)
+  return set_positions([taken[None]], k)[0]
+
+
+def _merged(first: tuple[jax.Array, jax.Array], second: tuple[jax.Array, jax.Array],
+            k: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """Two lists of ``k`` (value, index) pairs, each sorted by distinct indices, merged.
+
+  The lists interleave by index (``first``'s entry before ``second``'s at
+  an index both hold), the values are summed where indices meet, and the
+  ``k`` largest sums by magnitude are kept in index order (ties to the
+  lower index). The same two lists give the same bits on every device.
 
   Returns:
-    ``(values, indices, dropped, at)``: the ``k`` kept pairs, and ``2k``
-    values that the merge did not keep at their indices (zeros elsewhere).
+    ``(values, indices, dropped, at)``: the ``k`` kept pairs, sorted by
+    index, and ``2k`` values that the merge did not keep at their indices
+    (zeros elsewhere).
   """
-  indices, values = lax.sort((jnp.concatenate([ours[1], theirs[1]]),
-                              jnp.concatenate([ours[0], theirs[0]])), num_keys=1)
-  repeats_next = jnp.append(indices[1:] == indices[:-1], False)
+  slots = jnp.arange(k)
+  to_first = slots + jnp.searchsorted(second[1], first[1], side="left")
+  to_second = slots + jnp.searchsorted(first[1], second[1], side="right")
+  at = jnp.zeros(2 * k, jnp.int32).at[to_first].set(first[1], unique_indices=True).at[
+      to_second].set(second[1], unique_indices=True)
+  values = jnp.zeros(2 * k, first[0].dtype).at[to_first].set(
+      first[0], unique_indices=True).at[to_second].set(second[0], unique_indices=True)
+  repeats_next = jnp.append(at[1:] == at[:-1], False)
   summed = values + jnp.where(repeats_next, jnp.append(values[1:], 0), 0)
   repeat = jnp.concatenate([jnp.zeros(1, bool), repeats_next[:-1]])
   summed = jnp.where(repeat, jnp.zeros_like(summed), summed)
-  # A repeat scores below every entry, and at least k indices are distinct.
-  _, top = lax.top_k(jnp.where(repeat, -1.0, jnp.abs(summed).astype(jnp.float32)), k)
+  # A repeat is never kept: at least k indices are distinct.
+  top = _top_of(summed, jnp.where(repeat, -1, _magnitude_keys(summed)), k)
   dropped = summed.at[top].set(0, unique_indices=True)
-  return summed[top], indices[top], dropped, indices
+  return summed[top], at[top], dropped, at
 
 
 def _swap(fmt: WireFormat, values: jax.Array, indices: jax.Array, axis_name: Hashable,
@@ -218,7 +246,7 @@ def gtopk(
   active = 1 << rounds
 
   picked, chosen = get_selection(selection)(buffer[None], k)
-  picked, indices = gated(picked[0], send), chosen[0]
+  indices, picked = lax.sort((chosen[0], gated(picked[0], send)), num_keys=1)
   unsent = buffer.at[indices].add(-picked, unique_indices=True)
   values, unsent = _rounded(fmt, picked / num_devices, indices, unsent, True, num_devices)
   if extra:  # devices past the power of two hand their lists down
@@ -356,7 +384,7 @@ def oktopk(
   sums = _run_sums(key, got_values, num_devices)
   last = (key < length) & jnp.append(key[1:] != key[:-1], True)
   sums = jnp.where(last, sums, jnp.zeros_like(sums))
-  _, top = lax.top_k(jnp.where(last, jnp.abs(sums).astype(jnp.float32), -1.0), per_owner)
+  top = _top_of(sums, jnp.where(last, _magnitude_keys(sums), -1), per_owner)
   means = fmt.rounded(sums[top] / num_devices)
   kept = sums.at[top].add(-means * num_devices, unique_indices=True)
   unsent = unsent.at[got_indices].add(kept)

@@ -78,6 +78,29 @@ def top_of_received(shard: jax.Array, received: jax.Array,
   # -1 for a repeat of a listed position: below every bound, never taken.
   listed = jnp.where(last[positions] == order, keys, -1)[None]
 
+  indices = positions[top_of_keys(listed[0], k)]
+  return shard[indices][None], indices[None]
+
+
+def top_of_keys(keys: jax.Array, k: int) -> jax.Array:
+  """The positions of the ``k`` largest of ``keys``, in list order, without a sort.
+
+  Args:
+    keys: ``(m,)`` int32 in [-1, 2^31): float32 magnitudes' bit patterns,
+      or -1 for an entry never to take (unless fewer than ``k`` others exist).
+    k: positions to return, ``1 <= k <= m``.
+
+  Returns:
+    ``(k,)`` int32 distinct positions into ``keys``: those of every key
+    above the ``k``-th largest in list order, then those of the keys equal
+    to it in list order (ties to the first listed).
+
+  Example:
+    >>> top_of_keys(jnp.array([3, -1, 7, 3, 0], jnp.int32), 2).tolist()
+    [2, 0]
+  """
+  listed = keys[None]
+
   def halve(_, bracket):  # the smallest t >= 1 that at most k listed keys reach
     lo, hi = bracket
     mid = lo + (hi - lo) // 2
@@ -89,5 +112,4 @@ def top_of_received(shard: jax.Array, received: jax.Array,
                        (jnp.ones_like(row), jnp.full_like(row, MAX_KEY)))
   above = at_least(listed, t)
   tied = at_least(listed, t - 1) - above
-  indices = positions[set_positions([above, tied], k)]
-  return shard[indices], indices
+  return set_positions([above, tied], k)[0]
