@@ -83,7 +83,30 @@ class ExchangeTimes:
   file: str
 
 
-RESULTS: dict[str, Result | StepTimes | ExchangeTimes] = {
+@dataclasses.dataclass(frozen=True)
+class ModelTimes:
+  """The cost model's time of each exchange of one buffer, by device count.
+
+  Computed at the build from :func:`topka2a_jax.cost.exchange_cost` (α-β
+  alone: the messages and bytes of each exchange, no selection), so it
+  reads no JSON: it is the model, not a measurement.
+
+  Attributes:
+    algorithms: the exchanges, in order.
+    devices: the device counts, one column each.
+    length: elements in the buffer.
+    density: fraction sent.
+    network: a name in :data:`topka2a_jax.cost.NETWORKS`.
+  """
+
+  algorithms: tuple[str, ...]
+  devices: tuple[int, ...]
+  length: int
+  density: float
+  network: str
+
+
+RESULTS: dict[str, Result | StepTimes | ExchangeTimes | ModelTimes] = {
     "local_steps_on_a_slow_link": Result(
         command=("python benchmarks/network_training.py --rate 100mbit --batch B --seed S "
                  "--runs dense quantized_8_8_fine \"local 4, rotated_4_8\" "
@@ -131,6 +154,10 @@ RESULTS: dict[str, Result | StepTimes | ExchangeTimes] = {
                  "--densities 0.001 0.01 0.1 --ranks --algorithms dense allgather topka2a "
                  "topka2a_sparse gtopk oktopk"),
         file="global_top_k_1gbit_2026-12-07.json"),
+    **{f"sparse_allreduces_model_{network}": ModelTimes(
+        algorithms=("dense", "allgather", "topka2a", "topka2a_sparse", "gtopk", "oktopk"),
+        devices=(8, 16, 32), length=25_000_000, density=0.01, network=network)
+       for network in ("eth10", "ib100")},
 }
 """Every table of the evidence pages, by the name its page includes it under."""
 
@@ -232,12 +259,33 @@ def render_exchanges(result: ExchangeTimes, data: Path = DATA) -> str:
     lines.append(f"| {ALGORITHMS[name].title} | {density:g} | "
                  f"{row['seconds']:.3f} | {row['seconds'] / dense[size]:.3f}x | "
                  f"{model:.3f} | {row['seconds'] / model:.2f} |")
-  lines += ["", f"{processes} processes, {', '.join(f'{s:,}' for s in sorted(dense))} "
-            f"elements, `{run['rate']}`. From `{result.command}`; JSON `{result.file}`."]
+  sizes = ", ".join(f"{size:,}" for size in sorted(dense))
+  lines += ["", (f"{processes} processes, {sizes} elements, `{run['rate']}`. "
+                 f"From `{result.command}`; JSON `{result.file}`.")]
   return "\n".join(lines) + "\n"
 
 
-def render(result: Result | StepTimes | ExchangeTimes, data: Path = DATA) -> str:
+def render_model(result: ModelTimes) -> str:
+  """Each exchange's milliseconds under the α-β model, a column per device count."""
+  from topka2a_jax import cost
+  from topka2a_jax.collectives import ALGORITHMS
+
+  network = cost.get_network(result.network)
+  head = ["exchange"] + [f"P = {p}" for p in result.devices]
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for name in result.algorithms:
+    seconds = [cost.exchange_cost(name, result.length, p, result.density).seconds(network)
+               for p in result.devices]
+    cells = [f"{s * 1e3:.2f} ms" for s in seconds]
+    lines.append(f"| {ALGORITHMS[name].title} | " + " | ".join(cells) + " |")
+  lines += ["", (f"The cost model on `{result.network}` ({network.source}): "
+                 f"{result.length:,} float32 elements at density {result.density:g}, "
+                 "messages and bytes only (`topka2a_jax.cost.exchange_cost`).")]
+  return "\n".join(lines) + "\n"
+
+
+def render(result: Result | StepTimes | ExchangeTimes | ModelTimes,
+           data: Path = DATA) -> str:
   """The result's table in Markdown, with the sentence that says where it comes from.
 
   Columns: the group's windows a device and seed (where there are several
@@ -256,6 +304,8 @@ def render(result: Result | StepTimes | ExchangeTimes, data: Path = DATA) -> str
     return render_steps(result, data)
   if isinstance(result, ExchangeTimes):
     return render_exchanges(result, data)
+  if isinstance(result, ModelTimes):
+    return render_model(result)
   lines, columns = [], []
   for group in result.groups:
     header, rows = _rows(group, data)

@@ -82,6 +82,10 @@ DRAINED = {
     "topka2a, bfloat16 residuals": optax.chain(topka2a_jax.topka2a(
         0.05, min_size=64, residual_dtype=jnp.bfloat16), optax.sgd(0.1)),
 }
+
+GLOBAL_TOP_K = {name: optax.chain(topka2a_jax.topka2a(0.05, algorithm=name, min_size=64),
+                                  optax.sgd(0.1)) for name in ("gtopk", "oktopk")}
+"""The global top-k exchanges, whose merges and owners hold back mass: on two resizes."""
 """Linear optimizers, so that what is delivered later does not depend on when:
 the parameters after a full drain are fixed by what was owed at the save."""
 
@@ -103,7 +107,7 @@ def drained(state, mesh, tx, steps=60):
 @functools.cache
 def saved_run(name, devices, directory):
   """Three real steps on ``devices``, saved; and the uninterrupted drain after them."""
-  tx, mesh = DRAINED[name], sub_mesh(devices)
+  tx, mesh = {**DRAINED, **GLOBAL_TOP_K}[name], sub_mesh(devices)
   state = resumable.train(resumable.fresh(mesh, tx), mesh, range(3), tx)
   at_save = jax.tree.map(lambda p: np.asarray(p, np.float64), state["params"])
   topka2a_jax.save(Path(directory) / f"{name}_{devices}", state, mesh)
@@ -115,10 +119,20 @@ def saved_run(name, devices, directory):
 def test_a_restart_on_another_device_count_delivers_what_was_owed(
     tmp_path_factory, name, old, new):
   """Saved on ``old`` devices, restored on ``new``, drained: the uninterrupted run's parameters."""
+  check_a_restart_delivers_what_was_owed(tmp_path_factory, name, old, new)
+
+
+@pytest.mark.parametrize("old, new", [(8, 3), (4, 8)])
+@pytest.mark.parametrize("name", list(GLOBAL_TOP_K))
+def test_a_global_top_k_restart_delivers_what_was_owed(tmp_path_factory, name, old, new):
+  check_a_restart_delivers_what_was_owed(tmp_path_factory, name, old, new)
+
+
+def check_a_restart_delivers_what_was_owed(tmp_path_factory, name, old, new):
   directory = tmp_path_factory.getbasetemp() / "drained"
   directory.mkdir(exist_ok=True)
   at_save, want = saved_run(name, old, str(directory))
-  tx, mesh = DRAINED[name], sub_mesh(new)
+  tx, mesh = {**DRAINED, **GLOBAL_TOP_K}[name], sub_mesh(new)
   restored = topka2a_jax.restore(directory / f"{name}_{old}",
                                  resumable.fresh(mesh, tx), mesh)
   got = drained(restored, mesh, tx)

@@ -118,3 +118,16 @@ def test_an_exchange_times_table_puts_the_fitted_model_beside_each_measurement(t
       "| dense | 1 | 0.010 | 1.000x | 0.006 | 1.65 |\n"
       "\n"
       "4 processes, 1,000 elements, `1gbit`. From `c`; JSON `exchanges.json`.\n")
+
+
+def test_a_model_table_is_the_cost_model_by_device_count():
+  tables = _tables()
+  result = tables.ModelTimes(algorithms=("dense", "allgather"), devices=(2, 4),
+                             length=1_000_000, density=0.01, network="eth10")
+  table = tables.render(result)
+  # By hand, on 50 µs and 1.25e9 bytes/s: dense on 2 devices, 2 messages and
+  # 4e6 bytes, 0.1 + 3.2 ms; on 4, 6 messages and 6e6 bytes, 0.3 + 4.8 ms.
+  # TopkA: 10,000 pairs of 4 + 4 bytes to each peer, one message each: on 2,
+  # 0.05 + 0.064 ms; on 4, 0.15 + 0.192 ms.
+  assert table.splitlines()[2] == "| dense | 3.30 ms | 5.10 ms |"
+  assert table.splitlines()[3] == "| TopkA | 0.11 ms | 0.34 ms |"
