@@ -106,7 +106,23 @@ class ModelTimes:
   network: str
 
 
-RESULTS: dict[str, Result | StepTimes | ExchangeTimes | ModelTimes] = {
+@dataclasses.dataclass(frozen=True)
+class Accuracy:
+  """One run of an example's comparison (``examples/comparison.py``'s JSON): the final scores.
+
+  Attributes:
+    command: the command that wrote the JSON.
+    file: the JSON under ``evidence/data/``.
+    against: the run whose mean final score the others are shown against,
+      in points.
+  """
+
+  command: str
+  file: str
+  against: str
+
+
+RESULTS: dict[str, Result | StepTimes | ExchangeTimes | ModelTimes | Accuracy] = {
     "local_steps_on_a_slow_link": Result(
         command=("python benchmarks/network_training.py --rate 100mbit --batch B --seed S "
                  "--runs dense quantized_8_8_fine \"local 4, rotated_4_8\" "
@@ -154,6 +170,11 @@ RESULTS: dict[str, Result | StepTimes | ExchangeTimes | ModelTimes] = {
                  "--densities 0.001 0.01 0.1 --ranks --algorithms dense allgather topka2a "
                  "topka2a_sparse gtopk oktopk"),
         file="global_top_k_1gbit_2026-12-07.json"),
+    "sparse_allreduces_digits_plain_sgd": Accuracy(
+        command=("cd examples && python train_digits.py --momentum 0 --learning-rate 0.5 "
+                 "--runs \"topka2a 1%\" \"dense (pmean)\" \"allgather (TopkA) 1%\" "
+                 "\"topka2a_sparse 1%, threshold selection\" \"gtopk 1%\" \"oktopk 1%\""),
+        file="digits_plain_sgd_global_top_k_2026-12-07.json", against="topka2a 1%"),
     **{f"sparse_allreduces_model_{network}": ModelTimes(
         algorithms=("dense", "allgather", "topka2a", "topka2a_sparse", "gtopk", "oktopk"),
         devices=(8, 16, 32), length=25_000_000, density=0.01, network=network)
@@ -284,7 +305,26 @@ def render_model(result: ModelTimes) -> str:
   return "\n".join(lines) + "\n"
 
 
-def render(result: Result | StepTimes | ExchangeTimes | ModelTimes,
+def render_accuracy(result: Accuracy, data: Path = DATA) -> str:
+  """Each run's final score over the seeds (mean, then each seed's), and its bytes a step."""
+  run = json.loads((data / result.file).read_text())
+  means = {r["name"]: sum(s[-1] for s in r["scores"]) / len(r["scores"]) for r in run["runs"]}
+  base = means[result.against]
+  lines = [(f"| run | final accuracy, mean | each seed | points against "
+            f"`{result.against}` | bytes a step |"), "|---|---|---|---|---|"]
+  for r in run["runs"]:
+    seeds = " / ".join(f"{s[-1]:.2%}" for s in r["scores"])
+    points = round(100 * (means[r["name"]] - base), 2) + 0.0  # no "-0.00"
+    versus = "" if r["name"] == result.against else f"{points:+.2f}"
+    lines.append(f"| `{r['name']}` | {means[r['name']]:.2%} | {seeds} | {versus} | "
+                 f"{r['bytes_per_step']:,.0f} |")
+  meta = run["meta"]
+  lines += ["", (f"{meta['steps']} steps, seeds {', '.join(map(str, meta['seeds']))}. "
+                 f"From `{result.command}`; JSON `{result.file}`.")]
+  return "\n".join(lines) + "\n"
+
+
+def render(result: Result | StepTimes | ExchangeTimes | ModelTimes | Accuracy,
            data: Path = DATA) -> str:
   """The result's table in Markdown, with the sentence that says where it comes from.
 
@@ -306,6 +346,8 @@ def render(result: Result | StepTimes | ExchangeTimes | ModelTimes,
     return render_exchanges(result, data)
   if isinstance(result, ModelTimes):
     return render_model(result)
+  if isinstance(result, Accuracy):
+    return render_accuracy(result, data)
   lines, columns = [], []
   for group in result.groups:
     header, rows = _rows(group, data)

@@ -131,3 +131,17 @@ def test_a_model_table_is_the_cost_model_by_device_count():
   # 0.05 + 0.064 ms; on 4, 0.15 + 0.192 ms.
   assert table.splitlines()[2] == "| dense | 3.30 ms | 5.10 ms |"
   assert table.splitlines()[3] == "| TopkA | 0.11 ms | 0.34 ms |"
+
+
+def test_an_accuracy_table_is_the_comparisons_json(tmp_path):
+  tables = _tables()
+  run = {"meta": {"steps": 10, "seeds": [0, 1]},
+         "runs": [{"name": "a", "scores": [[0.5, 0.9], [0.5, 0.95]], "bytes_per_step": 1000.0},
+                  {"name": "b", "scores": [[0.5, 0.92], [0.5, 0.9]], "bytes_per_step": 10.0}]}
+  (tmp_path / "scores.json").write_text(json.dumps(run))
+  table = tables.render(tables.Accuracy(command="c", file="scores.json", against="a"),
+                        tmp_path)
+  # By hand: a's mean 92.5%, b's 91%: 1.5 points below.
+  assert table.splitlines()[2:4] == [
+      "| `a` | 92.50% | 90.00% / 95.00% |  | 1,000 |",
+      "| `b` | 91.00% | 92.00% / 90.00% | -1.50 | 10 |"]

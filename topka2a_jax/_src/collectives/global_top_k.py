@@ -11,13 +11,16 @@ feedback exact: whatever is not delivered waits in some device's residual.
   merge up a tree of recursive doubling. In round ``r`` each device swaps
   its list with the device ``2^r`` away (``lax.ppermute``), and both sum
   where indices meet and keep the top ``k`` of the merge. After
-  ``log2(P)`` rounds every device holds the same global top ``k``. What a
-  merge drops waits in the residual of the merged group's first device
-  (the paper hands each device back its own dropped entries, which loses
-  the mass of an index that one merge drops and a later merge keeps).
-  With ``P`` not a power of two, the devices past the largest power of two
-  first hand their lists to devices ``0, 1, ...`` and get the result back
-  at the end: two more rounds.
+  ``log2(P)`` rounds every device holds the same global top ``k``, where
+  the authors' code (in ``Shigangli/Ok-Topk``) reduces up a binomial tree
+  to device 0 and broadcasts from there. What a merge drops waits in the
+  residual of the merged group's first device; that code hands each device
+  back its own entries outside the global top ``k``, which loses the mass
+  of an index that one merge drops and a later merge keeps. With ``P`` not
+  a power of two, the devices past the largest power of two first hand
+  their lists to devices ``0, 1, ...`` and get the result back at the end:
+  two more rounds. One all-gather of a ``1 / P`` slice from each device
+  ends it (:func:`gtopk` says why).
 * :func:`oktopk` (Li and Hoefler, PPoPP 2022): a sparse reduce-scatter over
   ``P`` regions of the buffer whose boundaries balance the selected entries
   across the owners, the top of each region at its owner, and an
@@ -30,9 +33,9 @@ feedback exact: whatever is not delivered waits in some device's residual.
   balancing for some steps: a collective carries no state from step to
   step.
 
-Both send values divided by ``P`` (partial means), so that a narrow
-``value_dtype`` holds them, and round them to it before each message,
-keeping the rounding in the residuals.
+gTop-k's lists hold values divided by ``P`` (partial means) and Ok-Topk's
+owners send means, so that a narrow ``value_dtype`` holds what travels;
+each rounds to it before a message and keeps the rounding in a residual.
 
 Example:
   >>> mesh = jax.make_mesh((8,), ("data",))
