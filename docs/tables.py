@@ -170,6 +170,10 @@ RESULTS: dict[str, Result | StepTimes | ExchangeTimes | ModelTimes | Accuracy] =
                  "--densities 0.001 0.01 0.1 --ranks --algorithms dense allgather topka2a "
                  "topka2a_sparse gtopk oktopk"),
         file="global_top_k_1gbit_2026-12-07.json"),
+    "sparse_allreduces_on_the_link_earlier": ExchangeTimes(
+        command=("the same, before Ok-Topk sent each owner its entries in index order "
+                 "(8d5c911)"),
+        file="global_top_k_1gbit_earlier_2026-12-07.json"),
     "sparse_allreduces_digits_plain_sgd": Accuracy(
         command=("cd examples && python train_digits.py --momentum 0 --learning-rate 0.5 "
                  "--runs \"topka2a 1%\" \"dense (pmean)\" \"allgather (TopkA) 1%\" "

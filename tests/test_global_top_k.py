@@ -141,3 +141,14 @@ def test_ties_go_to_the_lower_index_as_in_the_model(mesh, algorithm):
   want_mean, want_unsent = reference.ALGORITHMS[algorithm](buffers, 0.1)
   np.testing.assert_allclose(mean[0], want_mean, rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(unsent, want_unsent, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("algorithm", GLOBAL)
+def test_a_bfloat16_buffer_is_exchanged_like_the_model_to_its_rounding(mesh, algorithm):
+  buffers = np.random.default_rng(6).normal(size=(8, 600)).astype(jnp.bfloat16)
+  mean, unsent = exchange(mesh, algorithm, buffers, 0.05)
+  assert mean.dtype == unsent.dtype == jnp.bfloat16
+  for device in range(1, 8):
+    np.testing.assert_array_equal(mean[device], mean[0])
+  want_mean, _ = reference.ALGORITHMS[algorithm](buffers.astype(np.float32), 0.05)
+  np.testing.assert_allclose(mean[0].astype(np.float32), want_mean, rtol=2e-2, atol=2e-2)

@@ -373,14 +373,17 @@ def oktopk(
      ``P`` contiguous regions holding about equal shares of the selections;
      device ``i`` owns region ``i``.
   3. Each device sends each owner its largest selected entries in that
-     region, at most ``c = algorithms.OKTOPK_CAPACITY * ceil(k / P)`` (one AlltoAll of
-     ``c`` pairs a peer); the rest of its selection waits in its residual.
+     region, at most ``c = algorithms.OKTOPK_CAPACITY * ceil(k / P)``
+     (one AlltoAll of ``c`` pairs a peer); the rest of its selection waits
+     in its residual.
   4. Each owner sums what it received, sends the top ``ceil(k / P)`` sums
      of its region divided by ``P`` (one AllGather of pairs), and keeps the
      other sums in its residual.
 
-  Indices address the whole buffer. Entries of value zero carry nothing,
-  and are not selected at the owner. A region is balanced to within one bin
+  Indices address the whole buffer. Each device's entries for an owner
+  travel in rising index order, then zeros at index 0 fill the message: the
+  owner tells them apart by where the rise ends, and merges the rows
+  without a sort. A region is balanced to within one bin
   of the histogram, so it can hold more sums than its owner sends, even at
   density 1: those wait a step in the owner's residual (this exchange is
   not ``lax.pmean`` at density 1).
