@@ -300,10 +300,22 @@ def _to_owners_then_pairs(c: Counts) -> tuple[Phase, ...]:
   return owners, owners._replace(pattern=RING)
 
 
+def doubling_rounds(num_devices: int) -> tuple[int, int]:
+  """``(rounds, extra)``: gTop-k's rounds of recursive doubling, and the
+  devices past the largest power of two, which take two rounds more.
+
+  Example:
+    >>> doubling_rounds(8), doubling_rounds(6)
+    ((3, 0), (2, 2))
+  """
+  rounds = num_devices.bit_length() - 1
+  return rounds, num_devices - (1 << rounds)
+
+
 def _doubling(c: Counts) -> tuple[Phase, ...]:
   """gTop-k's rounds, each ``k`` pairs to one partner (``global_top_k.py``)."""
-  rounds = int(c.devices).bit_length() - 1
-  rounds += 2 * (c.devices > 1 << rounds)
+  rounds, extra = doubling_rounds(c.devices)
+  rounds += 2 * (extra > 0)
   pair = c.value_bytes + c.index_bytes
   typed = Phase(RING, c.devices - 1, (c.devices - 1) * math.ceil(c.k / c.devices) * pair)
   return (Phase(TREE, rounds, rounds * c.k * pair), typed) if rounds else ()
@@ -419,8 +431,8 @@ GTOPK = Algorithm(
     sparse=True, unsent_at="the sender, and each merge's first device for what it drops",
     compresses_values=True, global_indices=True, traffic=_doubling,
     reads=lambda length, devices: length,
-    selects=lambda c: c.k + 2 * c.k * (int(c.devices).bit_length() - 1
-                                       + (c.devices & (c.devices - 1) != 0)),
+    selects=lambda c: c.k + 2 * c.k * (doubling_rounds(c.devices)[0]
+                                       + (doubling_rounds(c.devices)[1] > 0)),
     holds_back=True)
 
 OKTOPK = Algorithm(

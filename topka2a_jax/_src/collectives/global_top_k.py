@@ -63,6 +63,7 @@ from jax import lax
 
 from topka2a_jax._src.axis import bound_axis_size
 from topka2a_jax._src.collectives.algorithms import (
+  doubling_rounds,
   oktopk_bins,
   oktopk_capacity,
 )
@@ -72,18 +73,6 @@ from topka2a_jax._src.collectives.received import top_of_keys
 from topka2a_jax._src.collectives.selection import get_selection
 from topka2a_jax._src.collectives.wire import WireFormat
 from topka2a_jax._src.sizes import ceil_div, sparse_count
-
-
-def doubling_rounds(num_devices: int) -> tuple[int, int]:
-  """``(rounds, extra)``: gTop-k's rounds of recursive doubling, and the
-  devices past the largest power of two, which take two rounds more.
-
-  Example:
-    >>> doubling_rounds(8), doubling_rounds(6)
-    ((3, 0), (2, 2))
-  """
-  rounds = num_devices.bit_length() - 1
-  return rounds, num_devices - (1 << rounds)
 
 
 def _magnitude_keys(values: jax.Array) -> jax.Array:
