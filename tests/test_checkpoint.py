@@ -126,8 +126,7 @@ def test_a_restart_on_another_device_count_delivers_what_was_owed(
   check_a_restart_delivers_what_was_owed(tmp_path_factory, name, old, new)
 
 
-@pytest.mark.parametrize("old, new", [(8, 3), (4, 8)])
-@pytest.mark.parametrize("name", list(GLOBAL_TOP_K))
+@pytest.mark.parametrize(("name", "old", "new"), [("gtopk", 8, 3), ("oktopk", 4, 8)])
 def test_a_global_top_k_restart_delivers_what_was_owed(tmp_path_factory, name, old, new):
   check_a_restart_delivers_what_was_owed(tmp_path_factory, name, old, new)
 

@@ -39,10 +39,12 @@ def exchange(mesh, algorithm, buffers, density):
   return per_device(lambda b: fn(b, "data", density), mesh, buffers)
 
 
-@pytest.mark.parametrize("algorithm", SELECTING)
+@pytest.mark.parametrize("algorithm", [name for name in SELECTING
+                                       if name not in ("gtopk", "oktopk")])
 @pytest.mark.parametrize("length", LENGTHS)
 @pytest.mark.parametrize("density", DENSITIES)
 def test_matches_numpy_model(mesh, algorithm, length, density):
+  # gTop-k and Ok-Topk: a shorter matrix in test_global_top_k.py.
   buffers = random_buffers(8, length, seed=length)
   mean, unsent = exchange(mesh, algorithm, buffers, density)
   want_mean, want_unsent = reference.ALGORITHMS[algorithm](buffers, density)

@@ -26,6 +26,18 @@ def exchange(mesh, algorithm, buffers, density, **options):
 
 
 @pytest.mark.parametrize("algorithm", GLOBAL)
+@pytest.mark.parametrize(("length", "density"),
+                         [(1, 0.3), (13, 0.3), (64, 1.0), (1001, 0.01), (1001, 0.1)])
+def test_matches_the_model_on_8_devices(mesh, algorithm, length, density):
+  buffers = np.random.default_rng(length).normal(size=(8, length)).astype(np.float32)
+  mean, unsent = exchange(mesh, algorithm, buffers, density)
+  want_mean, want_unsent = reference.ALGORITHMS[algorithm](buffers, density)
+  np.testing.assert_allclose(mean, np.broadcast_to(want_mean, mean.shape), rtol=1e-5,
+                             atol=1e-6)
+  np.testing.assert_allclose(unsent, want_unsent, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("algorithm", GLOBAL)
 @pytest.mark.parametrize("devices", [2, 3, 6])
 def test_matches_the_model_on_other_device_counts(algorithm, devices):
   # 3 and 6 are not powers of two: gTop-k's extra devices merge in first
@@ -90,8 +102,8 @@ def test_oktopk_sends_each_owner_its_capacity_and_keeps_the_rest():
                              atol=1e-6)
 
 
-@pytest.mark.parametrize("algorithm", GLOBAL)
-@pytest.mark.parametrize("devices", [8, 6])
+@pytest.mark.parametrize(("algorithm", "devices"), [("gtopk", 8), ("gtopk", 6),
+                                                    ("oktopk", 8)])
 def test_compiled_bytes_are_the_cost_models(algorithm, devices):
   mesh, length = on_devices(devices), 100_000
   fn = COLLECTIVES[algorithm]
