@@ -123,7 +123,12 @@ def _runs(mesh, shapes, density: float, names: tuple[str, ...] = ROWS) -> dict:
 
   pmean = lambda g: [lax.pmean(x, "data") for x in g]
   # The mean is applied as it is (plain SGD): say so, as a chain would show it.
-  defaults = topka2a_jax.topka2a(density, mesh=mesh, follows="sgd")
+  # A version from before ``follows=`` (``benchmarks/ab_step.py`` runs older
+  # ones) planned for plain SGD by default.
+  try:
+    defaults = topka2a_jax.topka2a(density, mesh=mesh, follows="sgd")
+  except TypeError:
+    defaults = topka2a_jax.topka2a(density, mesh=mesh)
 
   def dropped():
     state = topka2a_jax.init(defaults, fresh_params(), mesh)
