@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 from sharded import per_device
 
 import topka2a_jax
+from topka2a_jax._src.collectives import exchanges
 from topka2a_jax._src.collectives.algorithms import ALGORITHMS
 from topka2a_jax._src.collectives.registry import COLLECTIVES
 
@@ -164,3 +165,21 @@ def test_a_bfloat16_buffer_is_exchanged_like_the_model_to_its_rounding(mesh, alg
     np.testing.assert_array_equal(mean[device], mean[0])
   want_mean, _ = reference.ALGORITHMS[algorithm](buffers.astype(np.float32), 0.05)
   np.testing.assert_allclose(mean[0].astype(np.float32), want_mean, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("algorithm", GLOBAL)
+def test_between_nodes_of_a_two_level_mesh_nothing_is_lost(algorithm):
+  mesh = jax.make_mesh((2, 4), ("node", "local"))
+  rows = np.random.default_rng(8).normal(size=(8, 400)).astype(np.float32)
+  outer = COLLECTIVES[algorithm]
+  run = jax.jit(jax.shard_map(
+      lambda row: tuple(x[None] for x in exchanges.two_level(
+          row[0], ("node", "local"), 0.05, outer=outer)),
+      mesh=mesh, in_specs=P(("node", "local")), out_specs=P(("node", "local"))))
+  mean, unsent = map(np.asarray, run(jax.device_put(
+      rows, NamedSharding(mesh, P(("node", "local"))))))
+  for device in range(1, 8):
+    np.testing.assert_array_equal(mean[device], mean[0])
+  # Each device keeps the unsent part of its slice (100 entries) of its node's sum.
+  owed = unsent.reshape(2, 400).sum(0)
+  np.testing.assert_allclose(8 * mean[0] + owed, rows.sum(0), rtol=1e-5, atol=1e-5)
