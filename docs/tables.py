@@ -261,16 +261,17 @@ def _first_length(run: str) -> int:
 def render_exchanges(result: ExchangeTimes, data: Path = DATA) -> str:
   """Each exchange's time on the link beside the cost model's under the run's own fit.
 
-  The model's seconds are the planner's: α-β on the fitted link, plus the
-  fitted rates of the elements its selection reads and the entries it
-  selects (:mod:`topka2a_jax.cost`).
+  The model's seconds are the planner's (:class:`topka2a_jax.cost.StepModel`
+  under :func:`topka2a_jax.cost.from_link_fit` of the run's fit): α-β on the
+  fitted link, plus the fitted rates of the elements its selection reads and
+  the entries it selects.
   """
   from topka2a_jax import cost
   from topka2a_jax.collectives import ALGORITHMS
 
   run = json.loads((data / result.file).read_text())
   fit, processes = run["fit"], run["processes"]
-  link = cost.Network(fit["alpha"], fit["bandwidth"], "fitted")
+  settings = cost.PlannerSettings(**cost.from_link_fit(fit))
   rows = [row for row in run["rows"] if row["algorithm"] in ALGORITHMS
           and row.get("kind") is None]
   dense = {row["size"]: row["seconds"] for row in rows if row["algorithm"] == "dense"}
@@ -278,9 +279,7 @@ def render_exchanges(result: ExchangeTimes, data: Path = DATA) -> str:
            "|---|---|---|---|---|---|"]
   for row in sorted(rows, key=lambda r: (r["size"], r["density"], r["seconds"])):
     name, size, density = row["algorithm"], row["size"], row["density"]
-    model = (cost.exchange_cost(name, size, processes, density).seconds(link)
-             + fit["per_element"] * cost.elements_read(name, size, processes)
-             + fit["per_entry"] * cost.selected_entries(name, size, processes, density))
+    model = cost.StepModel((size,), processes, density, settings).seconds(name, size)
     lines.append(f"| {ALGORITHMS[name].title} | {density:g} | "
                  f"{row['seconds']:.3f} | {row['seconds'] / dense[size]:.3f}x | "
                  f"{model:.3f} | {row['seconds'] / model:.2f} |")

@@ -105,7 +105,8 @@ def test_an_exchange_times_table_puts_the_fitted_model_beside_each_measurement(t
   # bytes: 6 ms + 0.06 ms = 6.060 ms. TopkA at 0.01: k = 10 pairs of 4 + 2
   # bytes to 3 peers, 3 messages: 3 ms + 180 / 1e8 s = 3.002 ms.
   run = {"rate": "1gbit", "processes": 4,
-         "fit": {"alpha": 1e-3, "bandwidth": 1e8, "per_element": 0.0, "per_entry": 0.0},
+         "fit": {"alpha": 1e-3, "bandwidth": 1e8, "per_element": 0.0, "per_entry": 0.0,
+                 "coding": {}},
          "rows": [{"size": 1000, "algorithm": "dense", "density": 1.0, "seconds": 0.01},
                   {"size": 1000, "algorithm": "allgather", "density": 0.01,
                    "seconds": 0.004}]}

@@ -312,6 +312,12 @@ def doubling_rounds(num_devices: int) -> tuple[int, int]:
   return rounds, num_devices - (1 << rounds)
 
 
+def _merges(devices: int) -> int:
+  """gTop-k's merges on the busiest device: one a round, one more for the extra devices."""
+  rounds, extra = doubling_rounds(devices)
+  return rounds + (extra > 0)
+
+
 def _doubling(c: Counts) -> tuple[Phase, ...]:
   """gTop-k's rounds, each ``k`` pairs to one partner (``global_top_k.py``)."""
   rounds, extra = doubling_rounds(c.devices)
@@ -431,8 +437,7 @@ GTOPK = Algorithm(
     sparse=True, unsent_at="the sender, and each merge's first device for what it drops",
     compresses_values=True, global_indices=True, traffic=_doubling,
     reads=lambda length, devices: length,
-    selects=lambda c: c.k + 2 * c.k * (doubling_rounds(c.devices)[0]
-                                       + (doubling_rounds(c.devices)[1] > 0)),
+    selects=lambda c: c.k + 2 * c.k * _merges(c.devices),
     holds_back=True)
 
 OKTOPK = Algorithm(

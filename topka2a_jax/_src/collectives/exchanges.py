@@ -117,6 +117,7 @@ class OwnedShard(NamedTuple):
 
 
 def check_buffer(buffer: jax.Array) -> None:
+  """Raises a ValueError or TypeError unless ``buffer`` is a non-empty 1-D float array."""
   if buffer.ndim != 1 or buffer.shape[0] == 0:
     raise ValueError(
         f"expected a non-empty 1-D buffer, got shape {buffer.shape}; flatten "

@@ -136,6 +136,8 @@ def _swap(fmt: WireFormat, values: jax.Array, indices: jax.Array, axis_name: Has
 def _rounded(fmt: WireFormat, values: jax.Array, indices: jax.Array, unsent: jax.Array,
              keeper: jax.Array | bool, num_devices: int) -> tuple[jax.Array, jax.Array]:
   """A list of partial means as it travels; ``keeper`` keeps the rounding, times ``P``."""
+  if fmt.value_dtype == values.dtype:  # nothing rounds: no scatter of zeros
+    return values, unsent
   sent = fmt.rounded(values)
   owed = jnp.where(keeper, (values - sent) * num_devices, 0)
   return sent, unsent.at[indices].add(owed, unique_indices=True)
