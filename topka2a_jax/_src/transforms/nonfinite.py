@@ -48,18 +48,20 @@ from topka2a_jax._src.transforms.extra_args import NONFINITE
 def _holds_nonfinite(leaf: jax.Array, devices: int) -> jax.Array:
   """Whether ``leaf`` holds a NaN, an infinity, or a magnitude whose sum over ``devices`` overflows.
 
-  One fused reduction, nothing written: the largest magnitude, with every
-  NaN read as infinity first. The maximum alone is not enough: XLA's CPU
-  backend reduces float32 arrays of 4096 entries or more in vectorized
-  pieces that drop NaN (one NaN gives the largest of the rest, an all-NaN
-  array ``-inf``), while ``jnp.any(~jnp.isfinite(leaf))`` writes a flag per
-  entry first there. An entry above the largest float32 (float64 for
-  float64 leaves) over ``devices`` could make the exchange's sum infinite
-  from finite gradients; such a step counts as bad too.
+  The largest magnitude, plus a sum of every entry times zero: the sum is
+  zero, or NaN where an entry is NaN or infinite. The maximum alone is not
+  enough: XLA's CPU backend reduces float32 arrays of 4096 entries or more
+  in vectorized pieces that drop NaN (one NaN gives the largest of the rest,
+  an all-NaN array ``-inf``). Reading NaN as infinity inside the maximum
+  stops its vectorization there (several times a read of the leaf), and
+  ``jnp.any(~jnp.isfinite(leaf))`` writes a flag per entry first; two plain
+  reductions read the leaf at about a read each. An entry above the largest
+  float32 (float64 for float64 leaves) over ``devices`` could make the
+  exchange's sum infinite from finite gradients; such a step counts as bad
+  too.
   """
   wide = jnp.promote_types(jnp.float32, leaf.dtype)  # the sum's dtype, and the limit's
-  magnitude = jnp.where(jnp.isnan(leaf), jnp.inf, jnp.abs(leaf))
-  largest = jnp.max(magnitude).astype(wide)
+  largest = jnp.max(jnp.abs(leaf)).astype(wide) + jnp.sum(leaf * 0).astype(wide)
   return ~(largest <= jnp.asarray(float(jnp.finfo(wide).max) / devices, wide))
 
 
