@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -77,10 +78,68 @@ class ExchangeTimes:
   Attributes:
     command: the command that wrote the JSON.
     file: the JSON under ``evidence/data/``: its rows and the model fitted to them.
+    algorithms: the exchanges shown (dense is always shown); ``None`` shows
+      every one the run timed.
   """
 
   command: str
   file: str
+  algorithms: tuple[str, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CodingTimes:
+  """The few-bit exchanges of one ``benchmarks/network.py`` run: where their time goes.
+
+  Attributes:
+    command: the command that wrote the JSON.
+    file: the JSON under ``evidence/data/``, with the run's ``codes`` rows.
+  """
+
+  command: str
+  file: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StepUpdates:
+  """``benchmarks/network_step.py`` runs of one step's update, side by side.
+
+  Attributes:
+    command: the command that wrote the JSON.
+    files: (label, JSON under ``evidence/data/``) pairs, one column pair each.
+  """
+
+  command: str
+  files: tuple[tuple[str, str], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Interleaved:
+  """One ``benchmarks/ab_step.py`` run: two versions' updates, alternated on one link.
+
+  Attributes:
+    command: the command that wrote the JSON.
+    file: the JSON under ``evidence/data/``.
+  """
+
+  command: str
+  file: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+  """A benchmark's JSON rows as they are: one column per key.
+
+  Attributes:
+    command: the command that wrote the JSON.
+    file: the JSON under ``evidence/data/``, whose ``"rows"`` is a list of objects.
+    columns: (heading, key, format spec) for each column, in order; a
+      missing or empty value leaves its cell empty.
+  """
+
+  command: str
+  file: str
+  columns: tuple[tuple[str, str, str], ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +181,11 @@ class Accuracy:
   against: str
 
 
-RESULTS: dict[str, Result | StepTimes | ExchangeTimes | ModelTimes | Accuracy] = {
+Named = (Result | StepTimes | ExchangeTimes | CodingTimes | StepUpdates | Interleaved | Rows
+         | ModelTimes | Accuracy)
+"""Every kind of named result."""
+
+RESULTS: dict[str, Named] = {
     "local_steps_on_a_slow_link": Result(
         command=("python benchmarks/network_training.py --rate 100mbit --batch B --seed S "
                  "--runs dense quantized_8_8_fine \"local 4, rotated_4_8\" "
@@ -165,6 +228,40 @@ RESULTS: dict[str, Result | StepTimes | ExchangeTimes | ModelTimes | Accuracy] =
                  "\"local 2, rotated_4_4, overlapped own\" \"no exchange (compute alone)\""),
         file="overlap_link_steps_100mbit_batch8_2026-12-07.json",
         against="quantized_8_8_fine", alone="no exchange (compute alone)"),
+    "link_every_exchange": ExchangeTimes(
+        command="python benchmarks/network.py --json out.json",
+        file="network_2026-12-04.json"),
+    "link_coding": CodingTimes(
+        command="python benchmarks/network.py --json out.json",
+        file="network_2026-12-04.json"),
+    "link_fast": ExchangeTimes(
+        command=("python benchmarks/network.py --rate 100gbit --sizes 1000000 8000000 "
+                 "25000000 --densities 0.01 --ranks --algorithms topka2a topka2a_sparse "
+                 "allgather quantized_8_8_fine quantized_4_8 rotated_4_8 --json out.json"),
+        file="network_2026-12-04_100gbit.json"),
+    "link_fast_coding": CodingTimes(
+        command="the same",
+        file="network_2026-12-04_100gbit.json"),
+    "link_step_updates": StepUpdates(
+        command="python benchmarks/network_step.py --gradients flat gpt2 --json OUT",
+        files=(("before (1fcd0da)", "network_step_1fcd0da_2026-12-01.json"),
+               ("after (d9d8e06)", "network_step_d9d8e06_2026-12-01.json"),
+               ("again (a91be7e)", "network_step_a91be7e_2026-12-01.json"))),
+    "link_regression_found": Interleaved(
+        command="python benchmarks/ab_step.py --a 06f68f3 --b HEAD --rounds 3",
+        file="ab_step_gpt2_06f68f3_vs_a9057c7_2026-12-03.json"),
+    "link_regression_undone": Interleaved(
+        command="the same, after the revert",
+        file="ab_step_gpt2_06f68f3_vs_a5735d0_2026-12-03.json"),
+    "nonfinite_check_forms": Rows(
+        command="python benchmarks/nonfinite_check.py --json out.json",
+        file="nonfinite_check_2026-12-07.json",
+        columns=(("form", "form", ""), ("seconds", "seconds", ".4f"),
+                 ("x one read", "vs_read", ".1f"), ("sees one NaN", "sees_nan", ""))),
+    "nonfinite_check_on_the_link": Interleaved(
+        command=("python benchmarks/ab_step.py --a 711436b --b DIR --rounds 4, DIR holding "
+                 "the library with the check as two reductions"),
+        file="ab_step_gpt2_711436b_vs_nonfinite_sum_2026-12-07.json"),
     "sparse_allreduces_on_the_link": ExchangeTimes(
         command=("python benchmarks/network.py --rate 1gbit --processes 4 --sizes 25000000 "
                  "--densities 0.001 0.01 0.1 --ranks --algorithms dense allgather topka2a "
@@ -258,13 +355,26 @@ def _first_length(run: str) -> int:
   return int(run.split(",")[0].split()[1])
 
 
+def _fit_sentence(fit: dict) -> str:
+  """The link's fitted terms, as a sentence."""
+  return (f"Fitted: α = {fit['alpha'] * 1e6:.0f} µs, {fit['bandwidth'] / 1e6:.1f} MB/s per "
+          f"process, selection {fit['per_element'] * 1e9:.1f} ns per element + "
+          f"{fit['per_entry'] * 1e9:.0f} ns per selected entry.")
+
+
+def _setting(row: dict) -> str:
+  """A row's density, or PowerSGD's rank."""
+  return f"rank {row['rank']}" if row.get("rank") is not None else f"{row['density']:g}"
+
+
 def render_exchanges(result: ExchangeTimes, data: Path = DATA) -> str:
   """Each exchange's time on the link beside the cost model's under the run's own fit.
 
   The model's seconds are the planner's (:class:`topka2a_jax.cost.StepModel`
   under :func:`topka2a_jax.cost.from_link_fit` of the run's fit): α-β on the
   fitted link, plus the fitted rates of the elements its selection reads and
-  the entries it selects.
+  the entries it selects. PowerSGD's is the benchmark's own ratio to dense
+  (priced by the matrix shape it chose for the buffer) times dense's model.
   """
   from topka2a_jax import cost
   from topka2a_jax.collectives import ALGORITHMS
@@ -272,20 +382,115 @@ def render_exchanges(result: ExchangeTimes, data: Path = DATA) -> str:
   run = json.loads((data / result.file).read_text())
   fit, processes = run["fit"], run["processes"]
   settings = cost.PlannerSettings(**cost.from_link_fit(fit))
-  rows = [row for row in run["rows"] if row["algorithm"] in ALGORITHMS
-          and row.get("kind") is None]
+  shown = set(result.algorithms or ()) | {"dense"}
+  rows = [row for row in run["rows"] if row.get("kind") is None
+          and (row["algorithm"] in ALGORITHMS or row["algorithm"] == "powersgd")
+          and (result.algorithms is None or row["algorithm"] in shown)]
   dense = {row["size"]: row["seconds"] for row in rows if row["algorithm"] == "dense"}
-  lines = ["| exchange | density | measured s | x dense | model s | measured / model |",
-           "|---|---|---|---|---|---|"]
-  for row in sorted(rows, key=lambda r: (r["size"], r["density"], r["seconds"])):
-    name, size, density = row["algorithm"], row["size"], row["density"]
-    model = cost.StepModel((size,), processes, density, settings).seconds(name, size)
-    lines.append(f"| {ALGORITHMS[name].title} | {density:g} | "
-                 f"{row['seconds']:.3f} | {row['seconds'] / dense[size]:.3f}x | "
-                 f"{model:.3f} | {row['seconds'] / model:.2f} |")
+  several = len(dense) > 1
+
+  def model(row: dict) -> float:
+    priced = cost.StepModel((row["size"],), processes, row["density"] or 1.0, settings)
+    if row["algorithm"] == "powersgd":
+      return row["model_ratio"] * priced.seconds("dense", row["size"])
+    return priced.seconds(row["algorithm"], row["size"])
+
+  head = (["elements"] if several else []) + [
+      "exchange", "density", "measured s", "x dense", "model s", "measured / model"]
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  order = [*ALGORITHMS, "powersgd"]
+  for row in sorted(rows, key=lambda r: (r["size"], order.index(r["algorithm"]),
+                                         r.get("rank") or r["density"])):
+    name, size = row["algorithm"], row["size"]
+    cells = [f"{size:,}"] if several else []
+    cells += [f"`{name}`", _setting(row), f"{row['seconds']:.3f}",
+              f"{row['seconds'] / dense[size]:.3f}x", f"{model(row):.3f}",
+              f"{row['seconds'] / model(row):.2f}"]
+    lines.append("| " + " | ".join(cells) + " |")
   sizes = ", ".join(f"{size:,}" for size in sorted(dense))
   lines += ["", (f"{processes} processes, {sizes} elements, `{run['rate']}`. "
-                 f"From `{result.command}`; JSON `{result.file}`.")]
+                 f"{_fit_sentence(fit)} From `{result.command}`; JSON `{result.file}`.")]
+  return "\n".join(lines) + "\n"
+
+
+def render_coding(result: CodingTimes, data: Path = DATA) -> str:
+  """Each few-bit exchange's time on the link beside its coding alone and its wire time.
+
+  The coding alone is the same exchange of one process's buffer on a mesh of
+  its one device (nothing crosses the link), run on every process at once;
+  the wire is the fitted link's time for the exchange's bytes.
+  """
+  from topka2a_jax.collectives import ALGORITHMS
+
+  run = json.loads((data / result.file).read_text())
+  rows = [row for row in run["rows"] if row.get("kind") == "codes"]
+  several = len({row["size"] for row in rows}) > 1
+  head = (["elements"] if several else []) + [
+      "exchange", "on the link s", "coding alone s", "wire (fit) s", "messages (fit) s"]
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for row in sorted(rows, key=lambda r: (r["size"], list(ALGORITHMS).index(r["algorithm"]))):
+    cells = [f"{row['size']:,}"] if several else []
+    cells += [f"`{row['algorithm']}`", f"{row['link_seconds']:.3f}",
+              f"{row['seconds']:.3f}", f"{row['wire_seconds']:.3f}",
+              f"{row['latency_seconds']:.3f}"]
+    lines.append("| " + " | ".join(cells) + " |")
+  lines += ["", (f"{run['processes']} processes, `{run['rate']}`. From `{result.command}`; "
+                 f"JSON `{result.file}`.")]
+  return "\n".join(lines) + "\n"
+
+
+def render_step_updates(result: StepUpdates, data: Path = DATA) -> str:
+  """Each run's update, seconds and share of dense's, a column pair per file."""
+  runs = [(label, json.loads((data / file).read_text())) for label, file in result.files]
+  head = ["gradient", "run"]
+  for label, _ in runs:
+    head += [f"{label} s", "x dense"]
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  keys = list(dict.fromkeys((row["gradient"], row["run"]) for _, run in runs
+                            for row in run["rows"]))
+  for gradient, name in keys:
+    cells = [gradient, f"`{name}`"]
+    for _, run in runs:
+      row = next((r for r in run["rows"] if (r["gradient"], r["run"]) == (gradient, name)),
+                 None)
+      cells += ["", ""] if row is None else [f"{row['seconds']:.3f}", f"{row['ratio']:.3f}x"]
+    lines.append("| " + " | ".join(cells) + " |")
+  first = runs[0][1]
+  files = ", ".join(f"`{file}`" for _, file in result.files)
+  limits = "; ".join(f"{label} {run['flat_limit_s']:.3f} s" for label, run in runs)
+  lines += ["", (f"{first['processes']} processes, `{first['rate']}`, density "
+                 f"{first['density']:g}. The α-β time of the exchange planned for the flat "
+                 f"buffer, under each run's fitted link: {limits}. From `{result.command}`; "
+                 f"JSON {files}.")]
+  return "\n".join(lines) + "\n"
+
+
+def render_interleaved(result: Interleaved, data: Path = DATA) -> str:
+  """Each version's ratios to ``lax.pmean`` round by round, and their median."""
+  run = json.loads((data / result.file).read_text())
+  lines = ["| version | revision | each round, x dense | median |", "|---|---|---|---|"]
+  for version in sorted({r["version"] for r in run["runs"]}):
+    mine = sorted((r for r in run["runs"] if r["version"] == version),
+                  key=lambda r: r["round"])
+    median = statistics.median(r["ratio"] for r in mine)
+    each = ", ".join(f"{r['ratio']:.3f}x" for r in mine)
+    lines.append(f"| {version} | `{mine[0]['revision']}` | {each} | {median:.3f}x |")
+  lines += ["", (f"{run['gradient']} leaves, {run['processes']} processes, `{run['rate']}`, "
+                 f"density {run['density']:g}. From `{result.command}`; "
+                 f"JSON `{result.file}`.")]
+  return "\n".join(lines) + "\n"
+
+
+def render_rows(result: Rows, data: Path = DATA) -> str:
+  """The JSON's rows, each key in its column and format."""
+  run = json.loads((data / result.file).read_text())
+  lines = ["| " + " | ".join(head for head, _, _ in result.columns) + " |",
+           "|" + "---|" * len(result.columns)]
+  for row in run["rows"]:
+    cells = ["" if row.get(key) in (None, "") else format(row[key], spec).replace("|", "\\|")
+             for _, key, spec in result.columns]
+    lines.append("| " + " | ".join(cells) + " |")
+  lines += ["", f"From `{result.command}`; JSON `{result.file}`."]
   return "\n".join(lines) + "\n"
 
 
@@ -327,8 +532,7 @@ def render_accuracy(result: Accuracy, data: Path = DATA) -> str:
   return "\n".join(lines) + "\n"
 
 
-def render(result: Result | StepTimes | ExchangeTimes | ModelTimes | Accuracy,
-           data: Path = DATA) -> str:
+def render(result: Named, data: Path = DATA) -> str:
   """The result's table in Markdown, with the sentence that says where it comes from.
 
   Columns: the group's windows a device and seed (where there are several
@@ -347,6 +551,14 @@ def render(result: Result | StepTimes | ExchangeTimes | ModelTimes | Accuracy,
     return render_steps(result, data)
   if isinstance(result, ExchangeTimes):
     return render_exchanges(result, data)
+  if isinstance(result, CodingTimes):
+    return render_coding(result, data)
+  if isinstance(result, StepUpdates):
+    return render_step_updates(result, data)
+  if isinstance(result, Interleaved):
+    return render_interleaved(result, data)
+  if isinstance(result, Rows):
+    return render_rows(result, data)
   if isinstance(result, ModelTimes):
     return render_model(result)
   if isinstance(result, Accuracy):

@@ -115,10 +115,71 @@ def test_an_exchange_times_table_puts_the_fitted_model_beside_each_measurement(t
   assert tables.render(result, tmp_path) == (
       "| exchange | density | measured s | x dense | model s | measured / model |\n"
       "|---|---|---|---|---|---|\n"
-      "| TopkA | 0.01 | 0.004 | 0.400x | 0.003 | 1.33 |\n"
-      "| dense | 1 | 0.010 | 1.000x | 0.006 | 1.65 |\n"
+      "| `dense` | 1 | 0.010 | 1.000x | 0.006 | 1.65 |\n"
+      "| `allgather` | 0.01 | 0.004 | 0.400x | 0.003 | 1.33 |\n"
       "\n"
-      "4 processes, 1,000 elements, `1gbit`. From `c`; JSON `exchanges.json`.\n")
+      "4 processes, 1,000 elements, `1gbit`. Fitted: α = 1000 µs, 100.0 MB/s per "
+      "process, selection 0.0 ns per element + 0 ns per selected entry. From `c`; "
+      "JSON `exchanges.json`.\n")
+  # PowerSGD's model is the benchmark's ratio to dense times dense's model:
+  # 0.5 x 6.060 ms = 3.030 ms; a second size adds the elements column, and
+  # ``algorithms`` leaves TopkA out.
+  run["rows"] += [{"size": 1000, "algorithm": "powersgd", "density": None, "rank": 2,
+                   "seconds": 0.002, "model_ratio": 0.5},
+                  {"size": 10, "algorithm": "dense", "density": 1.0, "seconds": 0.001}]
+  (tmp_path / "exchanges.json").write_text(json.dumps(run))
+  table = tables.render(dataclasses.replace(result, algorithms=("powersgd",)), tmp_path)
+  assert table.splitlines()[3:5] == [
+      "| 1,000 | `dense` | 1 | 0.010 | 1.000x | 0.006 | 1.65 |",
+      "| 1,000 | `powersgd` | rank 2 | 0.002 | 0.200x | 0.003 | 0.66 |"]
+  assert "allgather" not in table
+
+
+def test_a_coding_table_is_each_few_bit_exchange_beside_its_coding_and_wire(tmp_path):
+  tables = _tables()
+  run = {"rate": "1gbit", "processes": 4, "rows": [
+      {"size": 8, "algorithm": "quantized_8_8", "density": 1.0, "seconds": 0.5},
+      {"size": 8, "algorithm": "quantized_8_8", "density": 1.0, "kind": "codes",
+       "seconds": 0.25, "link_seconds": 0.5, "wire_seconds": 0.125,
+       "latency_seconds": 0.001}]}
+  (tmp_path / "codes.json").write_text(json.dumps(run))
+  table = tables.render(tables.CodingTimes(command="c", file="codes.json"), tmp_path)
+  assert table.splitlines()[2] == "| `quantized_8_8` | 0.500 | 0.250 | 0.125 | 0.001 |"
+  assert len(table.splitlines()) == 5  # the exchange's own row is not a coding row
+
+
+def test_step_updates_and_interleaved_runs_are_their_jsons_side_by_side(tmp_path):
+  tables = _tables()
+  header = {"rate": "1gbit", "processes": 4, "density": 0.01}
+  for name, seconds in (("a.json", 0.5), ("b.json", 0.25)):
+    (tmp_path / name).write_text(json.dumps({**header, "flat_limit_s": 0.1, "rows": [
+        {"gradient": "flat", "run": "dense", "seconds": 5.0, "ratio": 1.0},
+        {"gradient": "flat", "run": "defaults", "seconds": seconds,
+         "ratio": seconds / 5.0}]}))
+  table = tables.render(tables.StepUpdates(
+      command="c", files=(("before", "a.json"), ("after", "b.json"))), tmp_path)
+  assert table.splitlines()[3] == "| flat | `defaults` | 0.500 | 0.100x | 0.250 | 0.050x |"
+
+  runs = [{"version": v, "revision": r, "round": i, "ratio": x}
+          for i, (v, r, x) in enumerate([("a", "old", 0.1), ("b", "new", 0.2),
+                                          ("b", "new", 0.4), ("a", "old", 0.3)])]
+  (tmp_path / "ab.json").write_text(json.dumps(
+      {"gradient": "gpt2", "processes": 4, "rate": "1gbit", "density": 0.01, "runs": runs}))
+  table = tables.render(tables.Interleaved(command="c", file="ab.json"), tmp_path)
+  # By hand: a's rounds 0.1 and 0.3, median 0.2; b's 0.2 and 0.4, median 0.3.
+  assert table.splitlines()[2:4] == ["| a | `old` | 0.100x, 0.300x | 0.200x |",
+                                     "| b | `new` | 0.200x, 0.400x | 0.300x |"]
+
+
+def test_a_rows_table_is_each_key_in_its_format(tmp_path):
+  tables = _tables()
+  (tmp_path / "rows.json").write_text(json.dumps({"rows": [
+      {"form": "x", "seconds": 0.01234, "seen": "yes"}, {"form": "y", "seconds": 2.0}]}))
+  result = tables.Rows(command="c", file="rows.json",
+                       columns=(("form", "form", ""), ("s", "seconds", ".3f"),
+                                ("sees", "seen", "")))
+  assert tables.render(result, tmp_path).splitlines()[:4] == [
+      "| form | s | sees |", "|---|---|---|", "| x | 0.012 | yes |", "| y | 2.000 |  |"]
 
 
 def test_a_model_table_is_the_cost_model_by_device_count():
@@ -146,3 +207,19 @@ def test_an_accuracy_table_is_the_comparisons_json(tmp_path):
   assert table.splitlines()[2:4] == [
       "| `a` | 92.50% | 90.00% / 95.00% |  | 1,000 |",
       "| `b` | 91.00% | 92.00% / 90.00% | -1.50 | 10 |"]
+
+
+STILL_TYPED_BY_HAND = {"accuracy.md", "compressed_tensor.md", "first_call.md", "forms.md",
+                       "local_steps_speed.md", "nodes.md", "quickstart.md", "selection.md",
+                       "training.md"}
+"""Evidence pages whose tables are still typed; each leaves this set as it is generated."""
+
+
+def test_no_evidence_page_types_a_table_by_hand_beyond_those_still_to_move():
+  typed = {page.name for page in (ROOT / "docs" / "evidence").glob("*.md")
+           if re.search(r"^\|.*\|\s*$", page.read_text(), re.MULTILINE)}
+  assert typed <= STILL_TYPED_BY_HAND, (
+      f"{sorted(typed - STILL_TYPED_BY_HAND)} type a table by hand: name the result in "
+      "docs/tables.py and include its generated table")
+  assert typed == STILL_TYPED_BY_HAND, (
+      f"{sorted(STILL_TYPED_BY_HAND - typed)} no longer type a table: drop them from the set")
