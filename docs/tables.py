@@ -253,6 +253,11 @@ RESULTS: dict[str, Named] = {
     "link_regression_undone": Interleaved(
         command="the same, after the revert",
         file="ab_step_gpt2_06f68f3_vs_a5735d0_2026-12-03.json"),
+    "local_steps_memory": Rows(
+        command="python benchmarks/local_steps_memory.py --json out.json",
+        file="local_steps_memory_2026-12-06.json",
+        columns=(("step", "run", ""), ("arguments MB", "arguments_mb", ".0f"),
+                 ("temporaries MB", "temporaries_mb", ".0f"))),
     "nonfinite_check_forms": Rows(
         command="python benchmarks/nonfinite_check.py --json out.json",
         file="nonfinite_check_2026-12-07.json",
