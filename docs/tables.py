@@ -72,6 +72,27 @@ class StepTimes:
 
 
 @dataclasses.dataclass(frozen=True)
+class Finals:
+  """Runs of ``benchmarks/network_training.py`` over seeds: each run's final loss, a row a seed.
+
+  Attributes:
+    command: the command that wrote the JSON (one seed's).
+    groups: the JSON under ``evidence/data/``, one group for each seed (read
+      as :class:`Result`'s groups).
+    runs: the runs, one column each.
+    against: the run the others' final losses are a signed percentage of.
+    steps_of: a run whose steps to each of the benchmark's targets the last
+      column shows, with ``against``'s in parentheses; ``None`` shows none.
+  """
+
+  command: str
+  groups: tuple[tuple[str, ...], ...]
+  runs: tuple[str, ...]
+  against: str = "dense"
+  steps_of: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class ExchangeTimes:
   """One run of ``benchmarks/network.py`` on the link: each exchange's time, and the model's.
 
@@ -181,8 +202,8 @@ class Accuracy:
   against: str
 
 
-Named = (Result | StepTimes | ExchangeTimes | CodingTimes | StepUpdates | Interleaved | Rows
-         | ModelTimes | Accuracy)
+Named = (Result | Finals | StepTimes | ExchangeTimes | CodingTimes | StepUpdates | Interleaved
+         | Rows | ModelTimes | Accuracy)
 """Every kind of named result."""
 
 RESULTS: dict[str, Named] = {
@@ -228,6 +249,44 @@ RESULTS: dict[str, Named] = {
                  "\"local 2, rotated_4_4, overlapped own\" \"no exchange (compute alone)\""),
         file="overlap_link_steps_100mbit_batch8_2026-12-07.json",
         against="quantized_8_8_fine", alone="no exchange (compute alone)"),
+    "training_rotated": Result(
+        command=("python benchmarks/network_training.py --from-json LOCAL.json --link-seconds "
+                 "LINK.json"),
+        groups=tuple((f"network_training_rotated_batch{batch}_seed{seed}_2026-12-04.json",)
+                     for batch in (2, 8) for seed in (0, 1))),
+    "training_rotated_seeds": Finals(
+        command="python benchmarks/network_training.py --local --batch 2 --seed S --runs ...",
+        groups=(*((f"network_training_fine_batch2_seed{seed}_2026-12-03.json",
+                   f"rotated_local_batch2_seed{seed}_2026-12-04.json") for seed in (0, 1)),
+                *((f"fewbit_local_batch2_seed{seed}_2026-12-03.json",
+                   f"fewbit_fine_local_batch2_seed{seed}_2026-12-03.json",
+                   f"rotated_local_batch2_seed{seed}_2026-12-04.json") for seed in (2, 3, 4, 5))),
+        runs=("dense", "quantized_8_8_fine", "rotated_4_8"), steps_of="rotated_4_8"),
+    "training_fine": Result(
+        command=("python benchmarks/network_training.py --from-json LOCAL.json --link-seconds "
+                 "LINK.json"),
+        groups=tuple((f"network_training_fine_batch{batch}_seed{seed}_2026-12-03.json",)
+                     for batch in (8, 2) for seed in (0, 1))),
+    "training_fine_seeds": Finals(
+        command="python benchmarks/network_training.py --local --batch 2 --seed S --runs ...",
+        groups=(*((f"network_training_fine_batch2_seed{seed}_2026-12-03.json",)
+                  for seed in (0, 1)),
+                *((f"fewbit_local_batch2_seed{seed}_2026-12-03.json",
+                   f"fewbit_fine_local_batch2_seed{seed}_2026-12-03.json")
+                  for seed in (2, 3, 4, 5))),
+        runs=("dense", "quantized_8_8", "quantized_8_8_fine")),
+    "training_fewbit": Result(
+        command=("python benchmarks/network_training.py --from-json LOCAL.json --link-seconds "
+                 "LINK.json"),
+        groups=tuple((f"network_training_fewbit_batch{batch}_seed{seed}_2026-12-03.json",)
+                     for batch in (2, 8) for seed in (0, 1))),
+    "training_fewbit_seeds": Finals(
+        command=("python benchmarks/network_training.py --local --batch 2 --seed S --runs dense "
+                 "quantized_8_8"),
+        groups=(*((f"network_training_fewbit_batch2_seed{seed}_2026-12-03.json",)
+                  for seed in (0, 1)),
+                *((f"fewbit_local_batch2_seed{seed}_2026-12-03.json",) for seed in (2, 3, 4, 5))),
+        runs=("dense", "quantized_8_8"), steps_of="quantized_8_8"),
     "link_every_exchange": ExchangeTimes(
         command="python benchmarks/network.py --json out.json",
         file="network_2026-12-04.json"),
@@ -317,6 +376,32 @@ def _target_cell(row: dict, base: dict, target: str, timed: bool) -> str:
     return f"{steps} / {figures['seconds']:.0f} s"
   mine, theirs = figures.get("seconds"), base["targets"].get(target, {}).get("seconds")
   return f"{steps} / {mine / theirs:.2f}x" if mine and theirs else f"{steps} / {mine:.0f} s"
+
+
+def render_finals(result: Finals, data: Path = DATA) -> str:
+  """Each seed's final losses, a column per run, and the steps to the targets of one."""
+  head = ["seed", *(f"`{run}`" for run in result.runs)]
+  if result.steps_of:
+    head.append(f"`{result.steps_of}`'s steps to each target (`{result.against}`'s)")
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for group in result.groups:
+    header, rows = _rows(group, data)
+    by_run = {row["run"]: row for row in rows}
+    base = by_run[result.against]
+    cells = [str(header["seed"])]
+    for run in result.runs:
+      row = by_run[run]
+      shown = f"{row['final']:.4f}"
+      cells.append(shown if row is base else f"{shown} ({_percent(row['final'], base['final'])})")
+    if result.steps_of:
+      named = [str(target) for target in header["targets"]]
+      mine = " / ".join(_target_cell(by_run[result.steps_of], base, t, False) for t in named)
+      theirs = " / ".join(_target_cell(base, base, t, False) for t in named)
+      cells.append(f"{mine} ({theirs})")
+    lines.append("| " + " | ".join(cells) + " |")
+  files = ", ".join(f"`{name}`" for group in result.groups for name in group)
+  lines += ["", f"From `{result.command}`, one run a seed; JSON {files}."]
+  return "\n".join(lines) + "\n"
 
 
 def render_steps(result: StepTimes, data: Path = DATA) -> str:
@@ -554,6 +639,8 @@ def render(result: Named, data: Path = DATA) -> str:
   """
   if isinstance(result, StepTimes):
     return render_steps(result, data)
+  if isinstance(result, Finals):
+    return render_finals(result, data)
   if isinstance(result, ExchangeTimes):
     return render_exchanges(result, data)
   if isinstance(result, CodingTimes):

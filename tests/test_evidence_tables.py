@@ -223,3 +223,19 @@ def test_no_evidence_page_types_a_table_by_hand_beyond_those_still_to_move():
       "docs/tables.py and include its generated table")
   assert typed == STILL_TYPED_BY_HAND, (
       f"{sorted(STILL_TYPED_BY_HAND - typed)} no longer type a table: drop them from the set")
+
+
+def test_a_finals_table_is_each_seeds_final_loss_and_one_runs_steps(tmp_path):
+  tables = _tables()
+  for seed, (dense, coded) in enumerate([(2.0, 2.05), (2.2, 2.09)]):
+    rows = [{"run": "dense", "final": dense,
+             "targets": {"2.6": {"steps": 10}, "2.4": {"steps": 20}}},
+            {"run": "coded", "final": coded, "targets": {"2.6": {"steps": 30}}}]
+    (tmp_path / f"s{seed}.json").write_text(
+        json.dumps({"seed": seed, "targets": [2.6, 2.4], "rows": rows}))
+  result = tables.Finals(command="c", groups=(("s0.json",), ("s1.json",)),
+                         runs=("dense", "coded"), steps_of="coded")
+  # By hand: 2.05 is 2.5% above 2.0, 2.09 5.0% below 2.2; coded never reached 2.4.
+  assert tables.render(result, tmp_path).splitlines()[2:4] == [
+      "| 0 | 2.0000 | 2.0500 (+2.5%) | 30 / never (10 / 20) |",
+      "| 1 | 2.2000 | 2.0900 (-5.0%) | 30 / never (10 / 20) |"]
