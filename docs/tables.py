@@ -287,6 +287,20 @@ RESULTS: dict[str, Named] = {
                   for seed in (0, 1)),
                 *((f"fewbit_local_batch2_seed{seed}_2026-12-03.json",) for seed in (2, 3, 4, 5))),
         runs=("dense", "quantized_8_8"), steps_of="quantized_8_8"),
+    "local_steps_round_candidates": Result(
+        command=("python benchmarks/network_training.py --local --batch 8 --seed 0 --runs dense "
+                 "\"local 4\"` and `... --runs \"local 4, exact mean\" \"local 2\" \"local 8\"` "
+                 "and `... --runs \"local 4, rotated_4_8\" \"local 4, top-k 3%\""),
+        groups=(("local_steps_local_batch8_seed0_2026-12-05.json",
+                 "local_steps_local_batch8_seed0_more_2026-12-05.json",
+                 "local_steps_candidates_local_batch8_seed0_2026-12-05.json"),),
+        runs=("dense", "local 2", "local 4", "local 4, exact mean", "local 4, rotated_4_8",
+              "local 4, top-k 3%", "local 8")),
+    "local_steps_first_link_run": Result(
+        command=("python benchmarks/network_training.py --from-json LOCAL.json --link-seconds "
+                 "local_steps_link_steps_100mbit_batch8_2026-12-05.json"),
+        groups=(("local_steps_100mbit_batch8_seed0_2026-12-05.json",),),
+        runs=("dense", "quantized_8_8_fine", "local 2", "local 4", "local 8")),
     "link_every_exchange": ExchangeTimes(
         command="python benchmarks/network.py --json out.json",
         file="network_2026-12-04.json"),
