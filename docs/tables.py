@@ -44,6 +44,7 @@ class Result:
       as a share of its.
     also_against: a second run whose final loss the others' is also shown
       as a signed percentage of, or None.
+    highest: also show each run's highest validation loss on the way.
   """
 
   command: str
@@ -51,6 +52,7 @@ class Result:
   runs: tuple[str, ...] | None = None
   against: str = "dense"
   also_against: str | None = None
+  highest: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +166,29 @@ class Rows:
 
 
 @dataclasses.dataclass(frozen=True)
+class Pivot:
+  """A benchmark's JSON rows laid out as a grid: one key down, another across.
+
+  Attributes:
+    command: the command that wrote the JSON.
+    file: the JSON under ``evidence/data/``, whose ``"rows"`` is a list of objects.
+    down: the key whose values name the grid's rows, in the JSON's order.
+    across: the key whose values name its columns.
+    columns: the values of ``across`` shown, in order.
+    cell: a format string over a row's keys, e.g. ``"{ratio:.2f}x"``.
+    headings: the columns' headings, where they differ from ``columns``.
+  """
+
+  command: str
+  file: str
+  down: str
+  across: str
+  columns: tuple[str, ...]
+  cell: str
+  headings: tuple[str, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelTimes:
   """The cost model's time of each exchange of one buffer, by device count.
 
@@ -203,7 +228,7 @@ class Accuracy:
 
 
 Named = (Result | Finals | StepTimes | ExchangeTimes | CodingTimes | StepUpdates | Interleaved
-         | Rows | ModelTimes | Accuracy)
+         | Rows | Pivot | ModelTimes | Accuracy)
 """Every kind of named result."""
 
 RESULTS: dict[str, Named] = {
@@ -301,6 +326,41 @@ RESULTS: dict[str, Named] = {
                  "local_steps_link_steps_100mbit_batch8_2026-12-05.json"),
         groups=(("local_steps_100mbit_batch8_seed0_2026-12-05.json",),),
         runs=("dense", "quantized_8_8_fine", "local 2", "local 4", "local 8")),
+    "forms_by_optimizer": Pivot(
+        command="python benchmarks/forms_by_optimizer.py --json out.json",
+        file="forms_by_optimizer_2026-12-04.json", down="optimizer", across="form",
+        columns=("top-k 1%", "8 bits", "4 / 8 bits", "headline"),
+        headings=("top-k 1%", "8 bits", "4 / 8 bits", "`topka2a(0.01)`"),
+        cell="{ratio:,.2f}x ({bytes:,.0f} B)"),
+    "forms_defaults_before_adam": Result(
+        command="python benchmarks/network_training.py --local --batch B --seed S --runs dense "
+                "defaults",
+        groups=(("defaults_local_b4_seed11_2026-12-04.json",),
+                ("defaults_local_b2_seed0_2026-12-04.json",),
+                ("defaults_local_b8_seed0_2026-12-04.json",))),
+    "updates_at_a_larger_batch": Result(
+        command="python benchmarks/network_training.py --seed S --batch 8 --runs dense updates "
+                "defaults",
+        groups=(("network_training_batch8_2026-12-01.json",),
+                ("network_training_batch8_seed1_2026-12-01.json",)),
+        highest=True),
+    "onebit_at_a_larger_batch": Result(
+        command="python benchmarks/network_training.py --batch 8 --seed 0 --runs dense updates "
+                "\"updates, onebit\" \"updates, onebit_4\" onebit \"momentum, variance "
+                "frozen at 30, onebit\"",
+        groups=(("network_training_onebit_batch8_2026-12-02.json",),), highest=True),
+    "onebit_both_batches": Result(
+        command="python benchmarks/network_training.py --batch B --seed S --runs dense updates "
+                "\"updates, onebit\" \"updates, onebit_4\" \"momentum, variance frozen at "
+                "30, onebit\" onebit",
+        groups=(("network_training_onebit_batch2_2026-12-02.json",),
+                ("network_training_onebit_batch2_seed1_2026-12-02.json",),
+                ("network_training_onebit_batch8_seed1_2026-12-02.json",)),
+        highest=True),
+    "onebit_back": Result(
+        command="python benchmarks/network_training.py --batch 8 --seed 0 --runs dense "
+                "\"updates, onebit_1\"",
+        groups=(("network_training_onebit_1_batch8_2026-12-02.json",),), highest=True),
     "link_every_exchange": ExchangeTimes(
         command="python benchmarks/network.py --json out.json",
         file="network_2026-12-04.json"),
@@ -598,6 +658,19 @@ def render_rows(result: Rows, data: Path = DATA) -> str:
   return "\n".join(lines) + "\n"
 
 
+def render_pivot(result: Pivot, data: Path = DATA) -> str:
+  """The JSON's rows as a grid, each cell its row formatted by ``result.cell``."""
+  rows = json.loads((data / result.file).read_text())["rows"]
+  cells = {(row[result.down], row[result.across]): result.cell.format(**row) for row in rows}
+  lines = ["| " + " | ".join([result.down, *(result.headings or result.columns)]) + " |",
+           "|" + "---|" * (len(result.columns) + 1)]
+  for down in dict.fromkeys(row[result.down] for row in rows):
+    shown = [cells.get((down, across), "") for across in result.columns]
+    lines.append("| " + " | ".join([f"`{down}`", *shown]) + " |")
+  lines += ["", f"From `{result.command}`; JSON `{result.file}`."]
+  return "\n".join(lines) + "\n"
+
+
 def render_model(result: ModelTimes) -> str:
   """Each exchange's milliseconds under the α-β model, a column per device count."""
   from topka2a_jax import cost
@@ -665,6 +738,8 @@ def render(result: Named, data: Path = DATA) -> str:
     return render_interleaved(result, data)
   if isinstance(result, Rows):
     return render_rows(result, data)
+  if isinstance(result, Pivot):
+    return render_pivot(result, data)
   if isinstance(result, ModelTimes):
     return render_model(result)
   if isinstance(result, Accuracy):
@@ -690,6 +765,7 @@ def render(result: Named, data: Path = DATA) -> str:
       columns = names
       head = (["windows", "seed"] if len(result.groups) > 1 else []) + ["run", "MB/step"]
       head += (["s/step"] if timed else []) + names + ["final"]
+      head += ["highest"] if result.highest else []
       lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in shown:
       cells = [str(header["batch"]), str(header["seed"])] if len(result.groups) > 1 else []
@@ -702,6 +778,7 @@ def render(result: Named, data: Path = DATA) -> str:
           if also and also is not row else [])
       final = f"{row['final']:.4f}"
       cells.append(f"{final} ({'; '.join(shares)})" if shares else final)
+      cells += [f"{row['highest']:.2f}"] if result.highest else []
       lines.append("| " + " | ".join(cells) + " |")
   files = ", ".join(f"`{name}`" for group in result.groups for name in group)
   lines += ["", f"From `{result.command}`; JSON {files}."]
