@@ -189,6 +189,26 @@ class Pivot:
 
 
 @dataclasses.dataclass(frozen=True)
+class Losses:
+  """Runs of an example's comparison (``examples/comparison.py``'s JSON) scored by a loss.
+
+  Attributes:
+    command: the command that wrote the first JSON.
+    files: the JSON under ``evidence/data/``, of the same seeds; a later
+      file's run of a name already shown is left out.
+    against: the run whose final loss the others' is a signed percentage
+      of, seed by seed, and whose bytes a step theirs are a share of.
+    at: steps whose validation loss is shown too, before the final one (a
+      single seed's runs only).
+  """
+
+  command: str
+  files: tuple[str, ...]
+  against: str
+  at: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelTimes:
   """The cost model's time of each exchange of one buffer, by device count.
 
@@ -228,7 +248,7 @@ class Accuracy:
 
 
 Named = (Result | Finals | StepTimes | ExchangeTimes | CodingTimes | StepUpdates | Interleaved
-         | Rows | Pivot | ModelTimes | Accuracy)
+         | Rows | Pivot | ModelTimes | Accuracy | Losses)
 """Every kind of named result."""
 
 RESULTS: dict[str, Named] = {
@@ -361,6 +381,19 @@ RESULTS: dict[str, Named] = {
         command="python benchmarks/network_training.py --batch 8 --seed 0 --runs dense "
                 "\"updates, onebit_1\"",
         groups=(("network_training_onebit_1_batch8_2026-12-02.json",),), highest=True),
+    "charlm_few_bit": Losses(
+        command=("python examples/train_charlm.py --seeds 0 1 --runs \"dense (pmean)\" "
+                 "quantized_8_8 quantized_4_8 \"updates, onebit_4\"`, then `--runs "
+                 "quantized_8_8_fine` and `--runs rotated_4_8 rotated_4_4"),
+        files=("charlm_fewbit_2026-12-03.json", "charlm_fewbit_fine_2026-12-03.json",
+               "charlm_rotated_2026-12-04.json"),
+        against="dense (pmean)"),
+    "charlm_3000_steps": Losses(
+        command=("python examples/train_charlm.py --steps 3000 --runs \"dense (pmean)\" "
+                 "quantized_8_8 \"updates, onebit_4\"`, then `--steps 3000 --runs rotated_4_8 "
+                 "rotated_4_4"),
+        files=("charlm_fewbit_3000_2026-12-03.json", "charlm_rotated_3000_2026-12-04.json"),
+        against="dense (pmean)", at=(250, 500, 1000, 1500, 2000, 2500)),
     "link_every_exchange": ExchangeTimes(
         command="python benchmarks/network.py --json out.json",
         file="network_2026-12-04.json"),
@@ -709,6 +742,40 @@ def render_accuracy(result: Accuracy, data: Path = DATA) -> str:
   return "\n".join(lines) + "\n"
 
 
+def render_losses(result: Losses, data: Path = DATA) -> str:
+  """Each run's final loss a seed, against ``result.against``'s, and its bytes a step."""
+  runs, seeds = {}, None
+  for name in result.files:
+    loaded = json.loads((data / name).read_text())
+    if seeds is not None and loaded["meta"]["seeds"] != seeds:
+      raise ValueError(f"{name} holds seeds {loaded['meta']['seeds']}, the files before it "
+                       f"{seeds}: one table holds one set of seeds")
+    seeds = loaded["meta"]["seeds"]
+    for run in loaded["runs"]:
+      runs.setdefault(run["name"], run)
+  base = runs[result.against]
+  if result.at and len(seeds) != 1:
+    raise ValueError(f"losses at steps {result.at} need one seed's runs, not seeds {seeds}")
+  head = ["run", *(f"step {step}" for step in result.at),
+          *("final" if result.at else f"seed {seed}" for seed in seeds),
+          f"vs `{result.against}`",
+          "bytes/step", f"x `{result.against}`'s"]
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for name, run in runs.items():
+    finals = [scores[-1] for scores in run["scores"]]
+    versus = "" if run is base else " / ".join(
+        _percent(mine, theirs[-1]) for mine, theirs in zip(finals, base["scores"]))
+    steps = [run["scores"][0][run["eval_steps"].index(step)] for step in result.at]
+    cells = [f"`{name}`", *(f"{score:.3f}" for score in steps),
+             *(f"{final:.4f}" for final in finals), versus,
+             f"{run['bytes_per_step']:,.0f}",
+             f"{run['bytes_per_step'] / base['bytes_per_step']:.3f}"]
+    lines.append("| " + " | ".join(cells) + " |")
+  files = ", ".join(f"`{name}`" for name in result.files)
+  lines += ["", f"From `{result.command}`; JSON {files}."]
+  return "\n".join(lines) + "\n"
+
+
 def render(result: Named, data: Path = DATA) -> str:
   """The result's table in Markdown, with the sentence that says where it comes from.
 
@@ -744,6 +811,8 @@ def render(result: Named, data: Path = DATA) -> str:
     return render_model(result)
   if isinstance(result, Accuracy):
     return render_accuracy(result, data)
+  if isinstance(result, Losses):
+    return render_losses(result, data)
   lines, columns = [], []
   for group in result.groups:
     header, rows = _rows(group, data)

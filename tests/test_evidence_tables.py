@@ -239,3 +239,28 @@ def test_a_finals_table_is_each_seeds_final_loss_and_one_runs_steps(tmp_path):
   assert tables.render(result, tmp_path).splitlines()[2:4] == [
       "| 0 | 2.0000 | 2.0500 (+2.5%) | 30 / never (10 / 20) |",
       "| 1 | 2.2000 | 2.0900 (-5.0%) | 30 / never (10 / 20) |"]
+
+
+def test_a_losses_table_is_each_seeds_final_loss_against_one_run(tmp_path):
+  tables = _tables()
+  run = lambda name, finals, sent: {"name": name, "eval_steps": [5, 10], "bytes_per_step": sent,
+                                    "scores": [[3.0, final] for final in finals]}
+  (tmp_path / "a.json").write_text(json.dumps({"meta": {"seeds": [0, 1]}, "runs": [
+      run("dense", [2.0, 4.0], 400.0), run("coded", [2.1, 3.8], 100.0)]}))
+  result = tables.Losses(command="c", files=("a.json",), against="dense")
+  # By hand: 2.1 is 5.0% above 2.0, 3.8 5.0% below 4.0; a quarter of the bytes.
+  assert tables.render(result, tmp_path).splitlines()[3] == (
+      "| `coded` | 2.1000 | 3.8000 | +5.0% / -5.0% | 100 | 0.250 |")
+  with pytest.raises(ValueError, match="one seed"):
+    tables.render(dataclasses.replace(result, at=(5,)), tmp_path)
+
+
+def test_a_pivot_table_lays_one_key_down_and_another_across(tmp_path):
+  tables = _tables()
+  (tmp_path / "grid.json").write_text(json.dumps({"rows": [
+      {"opt": "sgd", "form": "a", "ratio": 1.0}, {"opt": "sgd", "form": "b", "ratio": 2.5},
+      {"opt": "adam", "form": "b", "ratio": 1234.5}]}))
+  result = tables.Pivot(command="c", file="grid.json", down="opt", across="form",
+                        columns=("a", "b"), cell="{ratio:,.1f}x")
+  assert tables.render(result, tmp_path).splitlines()[:4] == [
+      "| opt | a | b |", "|---|---|---|", "| `sgd` | 1.0x | 2.5x |", "| `adam` |  | 1,234.5x |"]
