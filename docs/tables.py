@@ -394,6 +394,14 @@ RESULTS: dict[str, Named] = {
                  "rotated_4_4"),
         files=("charlm_fewbit_3000_2026-12-03.json", "charlm_rotated_3000_2026-12-04.json"),
         against="dense (pmean)", at=(250, 500, 1000, 1500, 2000, 2500)),
+    "digits_signs": Accuracy(
+        command=("cd examples && python train_digits.py --runs \"dense (pmean)\" \"updates 1%\" "
+                 "\"updates, onebit\" \"onebit (gradient)\""),
+        file="digits_onebit_2026-12-02.json", against="dense (pmean)"),
+    "charlm_signs": Losses(
+        command=("python examples/train_charlm.py --runs \"dense (pmean)\" \"updates 1%\" "
+                 "\"updates, onebit\" \"updates, onebit_4\""),
+        files=("charlm_onebit_2026-12-02.json",), against="dense (pmean)"),
     "link_every_exchange": ExchangeTimes(
         command="python benchmarks/network.py --json out.json",
         file="network_2026-12-04.json"),
