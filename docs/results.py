@@ -1,0 +1,234 @@
+"""Every named result the evidence pages show: its JSON, its command, its kind.
+
+Each entry names a table a page includes (``evidence/tables/<name>.md``);
+``docs/tables.py`` says what each kind of result renders.
+"""
+
+from __future__ import annotations
+
+from tables import (
+  Accuracy,
+  CodingTimes,
+  ExchangeTimes,
+  Finals,
+  Interleaved,
+  Losses,
+  ModelTimes,
+  Named,
+  Pivot,
+  Result,
+  Rows,
+  StepTimes,
+  StepUpdates,
+)
+
+RESULTS: dict[str, Named] = {
+    "local_steps_on_a_slow_link": Result(
+        command=("python benchmarks/network_training.py --rate 100mbit --batch B --seed S "
+                 "--runs dense quantized_8_8_fine \"local 4, rotated_4_8\" "
+                 "\"local 4, rotated_4_4\""),
+        groups=(("local_steps_rotated_4_4_100mbit_batch2_seed0_2026-12-06.json",),
+                ("local_steps_rotated_4_4_100mbit_batch2_seed1_2026-12-06.json",),
+                ("local_steps_rotated_4_4_100mbit_batch8_seed0_2026-12-06.json",),
+                ("local_steps_rotated_4_4_100mbit_batch8_seed1_2026-12-06.json",)),
+        against="quantized_8_8_fine"),
+    "local_steps_round_lengths": Result(
+        command=("python benchmarks/network_training.py --local --batch 8 --seed 0 --runs dense "
+                 "\"local 2\" \"local 4\" \"local 4, exact mean\" \"local 8\""),
+        groups=(("local_steps_local_batch8_seed0_2026-12-05.json",
+                 "local_steps_local_batch8_seed0_more_2026-12-05.json"),)),
+    "overlapped_rounds_loss": Result(
+        command=("python benchmarks/network_training.py --local --batch B --seed S --runs "
+                 "\"local 4, rotated_4_4\" \"local 4, rotated_4_4, overlapped eager\" "
+                 "\"local 4, rotated_4_4, overlapped delayed\"` and `... --runs "
+                 "\"local 4, rotated_4_4, overlapped own\""),
+        groups=tuple((f"overlap_local_batch{batch}_seed{seed}_2026-12-07.json",
+                      f"overlap_own_local_batch{batch}_seed{seed}_2026-12-07.json",
+                      f"local_steps_rotated_4_4_100mbit_batch{batch}_seed{seed}_2026-12-06.json")
+                     for batch in (8, 2) for seed in (0, 1)),
+        runs=("dense", "local 4, rotated_4_4", "local 4, rotated_4_4, overlapped own",
+              "local 4, rotated_4_4, overlapped eager", "local 4, rotated_4_4, overlapped delayed"),
+        against="local 4, rotated_4_4", also_against="dense"),
+    "overlapped_shorter_rounds": Result(
+        command=("python benchmarks/network_training.py --local --batch 8 --seed 0 --runs "
+                 "\"local 2, rotated_4_4, overlapped own\" \"local 2, rotated_4_4\""),
+        groups=(("overlap_local_batch8_seed0_2026-12-07.json",
+                 "overlap_shorter_local_batch8_seed0_2026-12-07.json"),),
+        runs=("local 4, rotated_4_4", "local 2, rotated_4_4",
+              "local 2, rotated_4_4, overlapped own"),
+        against="local 4, rotated_4_4"),
+    "overlapped_steps_on_a_slow_link": StepTimes(
+        command=("python benchmarks/network_training.py --rate 100mbit --steps 24 "
+                 "--eval-every 24 --batch 8 --runs quantized_8_8_fine \"local 4, rotated_4_4\" "
+                 "\"local 4, rotated_4_4, overlapped own\" "
+                 "\"local 4, rotated_4_4, overlapped eager\" "
+                 "\"local 2, rotated_4_4, overlapped own\" \"no exchange (compute alone)\""),
+        file="overlap_link_steps_100mbit_batch8_2026-12-07.json",
+        against="quantized_8_8_fine", alone="no exchange (compute alone)"),
+    "training_rotated": Result(
+        command=("python benchmarks/network_training.py --from-json LOCAL.json --link-seconds "
+                 "LINK.json"),
+        groups=tuple((f"network_training_rotated_batch{batch}_seed{seed}_2026-12-04.json",)
+                     for batch in (2, 8) for seed in (0, 1))),
+    "training_rotated_seeds": Finals(
+        command="python benchmarks/network_training.py --local --batch 2 --seed S --runs ...",
+        groups=(*((f"network_training_fine_batch2_seed{seed}_2026-12-03.json",
+                   f"rotated_local_batch2_seed{seed}_2026-12-04.json") for seed in (0, 1)),
+                *((f"fewbit_local_batch2_seed{seed}_2026-12-03.json",
+                   f"fewbit_fine_local_batch2_seed{seed}_2026-12-03.json",
+                   f"rotated_local_batch2_seed{seed}_2026-12-04.json") for seed in (2, 3, 4, 5))),
+        runs=("dense", "quantized_8_8_fine", "rotated_4_8"), steps_of="rotated_4_8"),
+    "training_fine": Result(
+        command=("python benchmarks/network_training.py --from-json LOCAL.json --link-seconds "
+                 "LINK.json"),
+        groups=tuple((f"network_training_fine_batch{batch}_seed{seed}_2026-12-03.json",)
+                     for batch in (8, 2) for seed in (0, 1))),
+    "training_fine_seeds": Finals(
+        command="python benchmarks/network_training.py --local --batch 2 --seed S --runs ...",
+        groups=(*((f"network_training_fine_batch2_seed{seed}_2026-12-03.json",)
+                  for seed in (0, 1)),
+                *((f"fewbit_local_batch2_seed{seed}_2026-12-03.json",
+                   f"fewbit_fine_local_batch2_seed{seed}_2026-12-03.json")
+                  for seed in (2, 3, 4, 5))),
+        runs=("dense", "quantized_8_8", "quantized_8_8_fine")),
+    "training_fewbit": Result(
+        command=("python benchmarks/network_training.py --from-json LOCAL.json --link-seconds "
+                 "LINK.json"),
+        groups=tuple((f"network_training_fewbit_batch{batch}_seed{seed}_2026-12-03.json",)
+                     for batch in (2, 8) for seed in (0, 1))),
+    "training_fewbit_seeds": Finals(
+        command=("python benchmarks/network_training.py --local --batch 2 --seed S --runs dense "
+                 "quantized_8_8"),
+        groups=(*((f"network_training_fewbit_batch2_seed{seed}_2026-12-03.json",)
+                  for seed in (0, 1)),
+                *((f"fewbit_local_batch2_seed{seed}_2026-12-03.json",) for seed in (2, 3, 4, 5))),
+        runs=("dense", "quantized_8_8"), steps_of="quantized_8_8"),
+    "local_steps_round_candidates": Result(
+        command=("python benchmarks/network_training.py --local --batch 8 --seed 0 --runs dense "
+                 "\"local 4\"` and `... --runs \"local 4, exact mean\" \"local 2\" \"local 8\"` "
+                 "and `... --runs \"local 4, rotated_4_8\" \"local 4, top-k 3%\""),
+        groups=(("local_steps_local_batch8_seed0_2026-12-05.json",
+                 "local_steps_local_batch8_seed0_more_2026-12-05.json",
+                 "local_steps_candidates_local_batch8_seed0_2026-12-05.json"),),
+        runs=("dense", "local 2", "local 4", "local 4, exact mean", "local 4, rotated_4_8",
+              "local 4, top-k 3%", "local 8")),
+    "local_steps_first_link_run": Result(
+        command=("python benchmarks/network_training.py --from-json LOCAL.json --link-seconds "
+                 "local_steps_link_steps_100mbit_batch8_2026-12-05.json"),
+        groups=(("local_steps_100mbit_batch8_seed0_2026-12-05.json",),),
+        runs=("dense", "quantized_8_8_fine", "local 2", "local 4", "local 8")),
+    "forms_by_optimizer": Pivot(
+        command="python benchmarks/forms_by_optimizer.py --json out.json",
+        file="forms_by_optimizer_2026-12-04.json", down="optimizer", across="form",
+        columns=("top-k 1%", "8 bits", "4 / 8 bits", "headline"),
+        headings=("top-k 1%", "8 bits", "4 / 8 bits", "`topka2a(0.01)`"),
+        cell="{ratio:,.2f}x ({bytes:,.0f} B)"),
+    "forms_defaults_before_adam": Result(
+        command="python benchmarks/network_training.py --local --batch B --seed S --runs dense "
+                "defaults",
+        groups=(("defaults_local_b4_seed11_2026-12-04.json",),
+                ("defaults_local_b2_seed0_2026-12-04.json",),
+                ("defaults_local_b8_seed0_2026-12-04.json",))),
+    "updates_at_a_larger_batch": Result(
+        command="python benchmarks/network_training.py --seed S --batch 8 --runs dense updates "
+                "defaults",
+        groups=(("network_training_batch8_2026-12-01.json",),
+                ("network_training_batch8_seed1_2026-12-01.json",)),
+        highest=True),
+    "onebit_at_a_larger_batch": Result(
+        command="python benchmarks/network_training.py --batch 8 --seed 0 --runs dense updates "
+                "\"updates, onebit\" \"updates, onebit_4\" onebit \"momentum, variance "
+                "frozen at 30, onebit\"",
+        groups=(("network_training_onebit_batch8_2026-12-02.json",),), highest=True),
+    "onebit_both_batches": Result(
+        command="python benchmarks/network_training.py --batch B --seed S --runs dense updates "
+                "\"updates, onebit\" \"updates, onebit_4\" \"momentum, variance frozen at "
+                "30, onebit\" onebit",
+        groups=(("network_training_onebit_batch2_2026-12-02.json",),
+                ("network_training_onebit_batch2_seed1_2026-12-02.json",),
+                ("network_training_onebit_batch8_seed1_2026-12-02.json",)),
+        highest=True),
+    "onebit_back": Result(
+        command="python benchmarks/network_training.py --batch 8 --seed 0 --runs dense "
+                "\"updates, onebit_1\"",
+        groups=(("network_training_onebit_1_batch8_2026-12-02.json",),), highest=True),
+    "charlm_few_bit": Losses(
+        command=("python examples/train_charlm.py --seeds 0 1 --runs \"dense (pmean)\" "
+                 "quantized_8_8 quantized_4_8 \"updates, onebit_4\"`, then `--runs "
+                 "quantized_8_8_fine` and `--runs rotated_4_8 rotated_4_4"),
+        files=("charlm_fewbit_2026-12-03.json", "charlm_fewbit_fine_2026-12-03.json",
+               "charlm_rotated_2026-12-04.json"),
+        against="dense (pmean)"),
+    "charlm_3000_steps": Losses(
+        command=("python examples/train_charlm.py --steps 3000 --runs \"dense (pmean)\" "
+                 "quantized_8_8 \"updates, onebit_4\"`, then `--steps 3000 --runs rotated_4_8 "
+                 "rotated_4_4"),
+        files=("charlm_fewbit_3000_2026-12-03.json", "charlm_rotated_3000_2026-12-04.json"),
+        against="dense (pmean)", at=(250, 500, 1000, 1500, 2000, 2500)),
+    "digits_signs": Accuracy(
+        command=("cd examples && python train_digits.py --runs \"dense (pmean)\" \"updates 1%\" "
+                 "\"updates, onebit\" \"onebit (gradient)\""),
+        file="digits_onebit_2026-12-02.json", against="dense (pmean)"),
+    "charlm_signs": Losses(
+        command=("python examples/train_charlm.py --runs \"dense (pmean)\" \"updates 1%\" "
+                 "\"updates, onebit\" \"updates, onebit_4\""),
+        files=("charlm_onebit_2026-12-02.json",), against="dense (pmean)"),
+    "link_every_exchange": ExchangeTimes(
+        command="python benchmarks/network.py --json out.json",
+        file="network_2026-12-04.json"),
+    "link_coding": CodingTimes(
+        command="python benchmarks/network.py --json out.json",
+        file="network_2026-12-04.json"),
+    "link_fast": ExchangeTimes(
+        command=("python benchmarks/network.py --rate 100gbit --sizes 1000000 8000000 "
+                 "25000000 --densities 0.01 --ranks --algorithms topka2a topka2a_sparse "
+                 "allgather quantized_8_8_fine quantized_4_8 rotated_4_8 --json out.json"),
+        file="network_2026-12-04_100gbit.json"),
+    "link_fast_coding": CodingTimes(
+        command="the same",
+        file="network_2026-12-04_100gbit.json"),
+    "link_step_updates": StepUpdates(
+        command="python benchmarks/network_step.py --gradients flat gpt2 --json OUT",
+        files=(("before (1fcd0da)", "network_step_1fcd0da_2026-12-01.json"),
+               ("after (d9d8e06)", "network_step_d9d8e06_2026-12-01.json"),
+               ("again (a91be7e)", "network_step_a91be7e_2026-12-01.json"))),
+    "link_regression_found": Interleaved(
+        command="python benchmarks/ab_step.py --a 06f68f3 --b HEAD --rounds 3",
+        file="ab_step_gpt2_06f68f3_vs_a9057c7_2026-12-03.json"),
+    "link_regression_undone": Interleaved(
+        command="the same, after the revert",
+        file="ab_step_gpt2_06f68f3_vs_a5735d0_2026-12-03.json"),
+    "local_steps_memory": Rows(
+        command="python benchmarks/local_steps_memory.py --json out.json",
+        file="local_steps_memory_2026-12-06.json",
+        columns=(("step", "run", ""), ("arguments MB", "arguments_mb", ".0f"),
+                 ("temporaries MB", "temporaries_mb", ".0f"))),
+    "nonfinite_check_forms": Rows(
+        command="python benchmarks/nonfinite_check.py --json out.json",
+        file="nonfinite_check_2026-12-07.json",
+        columns=(("form", "form", ""), ("seconds", "seconds", ".4f"),
+                 ("x one read", "vs_read", ".1f"), ("sees one NaN", "sees_nan", ""))),
+    "nonfinite_check_on_the_link": Interleaved(
+        command=("python benchmarks/ab_step.py --a 711436b --b DIR --rounds 4, DIR holding "
+                 "the library with the check as two reductions"),
+        file="ab_step_gpt2_711436b_vs_nonfinite_sum_2026-12-07.json"),
+    "sparse_allreduces_on_the_link": ExchangeTimes(
+        command=("python benchmarks/network.py --rate 1gbit --processes 4 --sizes 25000000 "
+                 "--densities 0.001 0.01 0.1 --ranks --algorithms dense allgather topka2a "
+                 "topka2a_sparse gtopk oktopk"),
+        file="global_top_k_1gbit_2026-12-07.json"),
+    "sparse_allreduces_on_the_link_earlier": ExchangeTimes(
+        command=("the same, before Ok-Topk sent each owner its entries in index order "
+                 "(8d5c911)"),
+        file="global_top_k_1gbit_earlier_2026-12-07.json"),
+    "sparse_allreduces_digits_plain_sgd": Accuracy(
+        command=("cd examples && python train_digits.py --momentum 0 --learning-rate 0.5 "
+                 "--runs \"topka2a 1%\" \"dense (pmean)\" \"allgather (TopkA) 1%\" "
+                 "\"topka2a_sparse 1%, threshold selection\" \"gtopk 1%\" \"oktopk 1%\""),
+        file="digits_plain_sgd_global_top_k_2026-12-07.json", against="topka2a 1%"),
+    **{f"sparse_allreduces_model_{network}": ModelTimes(
+        algorithms=("dense", "allgather", "topka2a", "topka2a_sparse", "gtopk", "oktopk"),
+        devices=(8, 16, 32), length=25_000_000, density=0.01, network=network)
+       for network in ("eth10", "ib100")},
+}
+"""Every table of the evidence pages, by the name its page includes it under."""
