@@ -22,6 +22,15 @@ from tables import (
   StepUpdates,
 )
 
+FROM_LOCAL_AND_LINK = ("python benchmarks/network_training.py --from-json LOCAL.json "
+                       "--link-seconds LINK.json")
+"""The tables of losses trained on emulated devices, each step timed at its run's link step."""
+
+FAST_LINK = ("python benchmarks/network.py --rate 100gbit --sizes 1000000 8000000 25000000 "
+             "--densities 0.01 --ranks --algorithms topka2a topka2a_sparse allgather "
+             "quantized_8_8_fine quantized_4_8 rotated_4_8 --json out.json")
+"""The run of every form that codes, and the top-k forms, where the wire costs little."""
+
 RESULTS: dict[str, Named] = {
     "local_steps_on_a_slow_link": Result(
         command=("python benchmarks/network_training.py --rate 100mbit --batch B --seed S "
@@ -66,8 +75,7 @@ RESULTS: dict[str, Named] = {
         file="overlap_link_steps_100mbit_batch8_2026-12-07.json",
         against="quantized_8_8_fine", alone="no exchange (compute alone)"),
     "training_rotated": Result(
-        command=("python benchmarks/network_training.py --from-json LOCAL.json --link-seconds "
-                 "LINK.json"),
+        command=FROM_LOCAL_AND_LINK,
         groups=tuple((f"network_training_rotated_batch{batch}_seed{seed}_2026-12-04.json",)
                      for batch in (2, 8) for seed in (0, 1))),
     "training_rotated_seeds": Finals(
@@ -79,8 +87,7 @@ RESULTS: dict[str, Named] = {
                    f"rotated_local_batch2_seed{seed}_2026-12-04.json") for seed in (2, 3, 4, 5))),
         runs=("dense", "quantized_8_8_fine", "rotated_4_8"), steps_of="rotated_4_8"),
     "training_fine": Result(
-        command=("python benchmarks/network_training.py --from-json LOCAL.json --link-seconds "
-                 "LINK.json"),
+        command=FROM_LOCAL_AND_LINK,
         groups=tuple((f"network_training_fine_batch{batch}_seed{seed}_2026-12-03.json",)
                      for batch in (8, 2) for seed in (0, 1))),
     "training_fine_seeds": Finals(
@@ -92,8 +99,7 @@ RESULTS: dict[str, Named] = {
                   for seed in (2, 3, 4, 5))),
         runs=("dense", "quantized_8_8", "quantized_8_8_fine")),
     "training_fewbit": Result(
-        command=("python benchmarks/network_training.py --from-json LOCAL.json --link-seconds "
-                 "LINK.json"),
+        command=FROM_LOCAL_AND_LINK,
         groups=tuple((f"network_training_fewbit_batch{batch}_seed{seed}_2026-12-03.json",)
                      for batch in (2, 8) for seed in (0, 1))),
     "training_fewbit_seeds": Finals(
@@ -179,24 +185,18 @@ RESULTS: dict[str, Named] = {
     "link_coding": CodingTimes(
         command="python benchmarks/network.py --json out.json",
         file="network_2026-12-04.json"),
-    "link_fast": ExchangeTimes(
-        command=("python benchmarks/network.py --rate 100gbit --sizes 1000000 8000000 "
-                 "25000000 --densities 0.01 --ranks --algorithms topka2a topka2a_sparse "
-                 "allgather quantized_8_8_fine quantized_4_8 rotated_4_8 --json out.json"),
-        file="network_2026-12-04_100gbit.json"),
-    "link_fast_coding": CodingTimes(
-        command="the same",
-        file="network_2026-12-04_100gbit.json"),
+    "link_fast": ExchangeTimes(command=FAST_LINK, file="network_2026-12-04_100gbit.json"),
+    "link_fast_coding": CodingTimes(command=FAST_LINK, file="network_2026-12-04_100gbit.json"),
     "link_step_updates": StepUpdates(
         command="python benchmarks/network_step.py --gradients flat gpt2 --json OUT",
         files=(("before (1fcd0da)", "network_step_1fcd0da_2026-12-01.json"),
                ("after (d9d8e06)", "network_step_d9d8e06_2026-12-01.json"),
                ("again (a91be7e)", "network_step_a91be7e_2026-12-01.json"))),
     "link_regression_found": Interleaved(
-        command="python benchmarks/ab_step.py --a 06f68f3 --b HEAD --rounds 3",
+        command="python benchmarks/ab_step.py --a 06f68f3 --b a9057c7 --rounds 3",
         file="ab_step_gpt2_06f68f3_vs_a9057c7_2026-12-03.json"),
     "link_regression_undone": Interleaved(
-        command="the same, after the revert",
+        command="python benchmarks/ab_step.py --a 06f68f3 --b a5735d0 --rounds 3",
         file="ab_step_gpt2_06f68f3_vs_a5735d0_2026-12-03.json"),
     "local_steps_memory": Rows(
         command="python benchmarks/local_steps_memory.py --json out.json",

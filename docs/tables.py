@@ -30,6 +30,19 @@ TABLES = HERE / "evidence" / "tables"
 
 
 @dataclasses.dataclass(frozen=True)
+class OneRun:
+  """A result read from one JSON that one command wrote.
+
+  Attributes:
+    command: the command that wrote the JSON.
+    file: the JSON under ``evidence/data/``.
+  """
+
+  command: str
+  file: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Result:
   """One named result of ``benchmarks/network_training.py``: a table and its provenance.
 
@@ -57,19 +70,15 @@ class Result:
 
 
 @dataclasses.dataclass(frozen=True)
-class StepTimes:
+class StepTimes(OneRun):
   """A short timing run of ``benchmarks/network_training.py`` on the link: each run's step.
 
   Attributes:
-    command: the command that wrote the JSON.
-    file: the JSON under ``evidence/data/``.
     against: the run whose step the others are shown as a share of.
     alone: the run without any exchange (the compute alone), whose step the
       others are shown as a multiple of.
   """
 
-  command: str
-  file: str
   against: str
   alone: str
 
@@ -96,32 +105,23 @@ class Finals:
 
 
 @dataclasses.dataclass(frozen=True)
-class ExchangeTimes:
+class ExchangeTimes(OneRun):
   """One run of ``benchmarks/network.py`` on the link: each exchange's time, and the model's.
 
   Attributes:
-    command: the command that wrote the JSON.
-    file: the JSON under ``evidence/data/``: its rows and the model fitted to them.
     algorithms: the exchanges shown (dense is always shown); ``None`` shows
       every one the run timed.
   """
 
-  command: str
-  file: str
   algorithms: tuple[str, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
-class CodingTimes:
+class CodingTimes(OneRun):
   """The few-bit exchanges of one ``benchmarks/network.py`` run: where their time goes.
 
-  Attributes:
-    command: the command that wrote the JSON.
-    file: the JSON under ``evidence/data/``, with the run's ``codes`` rows.
+  Its JSON holds the run's ``codes`` rows.
   """
-
-  command: str
-  file: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,41 +138,27 @@ class StepUpdates:
 
 
 @dataclasses.dataclass(frozen=True)
-class Interleaved:
-  """One ``benchmarks/ab_step.py`` run: two versions' updates, alternated on one link.
-
-  Attributes:
-    command: the command that wrote the JSON.
-    file: the JSON under ``evidence/data/``.
-  """
-
-  command: str
-  file: str
+class Interleaved(OneRun):
+  """One ``benchmarks/ab_step.py`` run: two versions' updates, alternated on one link."""
 
 
 @dataclasses.dataclass(frozen=True)
-class Rows:
+class Rows(OneRun):
   """A benchmark's JSON rows as they are: one column per key.
 
   Attributes:
-    command: the command that wrote the JSON.
-    file: the JSON under ``evidence/data/``, whose ``"rows"`` is a list of objects.
     columns: (heading, key, format spec) for each column, in order; a
       missing or empty value leaves its cell empty.
   """
 
-  command: str
-  file: str
   columns: tuple[tuple[str, str, str], ...]
 
 
 @dataclasses.dataclass(frozen=True)
-class Pivot:
+class Pivot(OneRun):
   """A benchmark's JSON rows laid out as a grid: one key down, another across.
 
   Attributes:
-    command: the command that wrote the JSON.
-    file: the JSON under ``evidence/data/``, whose ``"rows"`` is a list of objects.
     down: the key whose values name the grid's rows, in the JSON's order.
     across: the key whose values name its columns.
     columns: the values of ``across`` shown, in order.
@@ -180,8 +166,6 @@ class Pivot:
     headings: the columns' headings, where they differ from ``columns``.
   """
 
-  command: str
-  file: str
   down: str
   across: str
   columns: tuple[str, ...]
@@ -233,25 +217,20 @@ class ModelTimes:
 
 
 @dataclasses.dataclass(frozen=True)
-class Accuracy:
+class Accuracy(OneRun):
   """One run of an example's comparison (``examples/comparison.py``'s JSON): the final scores.
 
   Attributes:
-    command: the command that wrote the JSON.
-    file: the JSON under ``evidence/data/``.
     against: the run whose mean final score the others are shown against,
       in points.
   """
 
-  command: str
-  file: str
   against: str
 
 
 Named = (Result | Finals | StepTimes | ExchangeTimes | CodingTimes | StepUpdates | Interleaved
          | Rows | Pivot | ModelTimes | Accuracy | Losses)
 """Every kind of named result."""
-
 
 
 def _rows(group: tuple[str, ...], data: Path) -> tuple[dict, list[dict]]:
@@ -575,8 +554,8 @@ def render_losses(result: Losses, data: Path = DATA) -> str:
   return "\n".join(lines) + "\n"
 
 
-def render(result: Named, data: Path = DATA) -> str:
-  """The result's table in Markdown, with the sentence that says where it comes from.
+def render_result(result: Result, data: Path = DATA) -> str:
+  """A :class:`Result`'s table in Markdown, with the sentence that says where it comes from.
 
   Columns: the group's windows a device and seed (where there are several
   groups), the run, its bytes a step and (on a link) its seconds a step, the
@@ -590,28 +569,6 @@ def render(result: Named, data: Path = DATA) -> str:
     FileNotFoundError: a JSON that is not under ``data``.
     ValueError: groups that measured different targets.
   """
-  if isinstance(result, StepTimes):
-    return render_steps(result, data)
-  if isinstance(result, Finals):
-    return render_finals(result, data)
-  if isinstance(result, ExchangeTimes):
-    return render_exchanges(result, data)
-  if isinstance(result, CodingTimes):
-    return render_coding(result, data)
-  if isinstance(result, StepUpdates):
-    return render_step_updates(result, data)
-  if isinstance(result, Interleaved):
-    return render_interleaved(result, data)
-  if isinstance(result, Rows):
-    return render_rows(result, data)
-  if isinstance(result, Pivot):
-    return render_pivot(result, data)
-  if isinstance(result, ModelTimes):
-    return render_model(result)
-  if isinstance(result, Accuracy):
-    return render_accuracy(result, data)
-  if isinstance(result, Losses):
-    return render_losses(result, data)
   lines, columns = [], []
   for group in result.groups:
     header, rows = _rows(group, data)
@@ -651,6 +608,27 @@ def render(result: Named, data: Path = DATA) -> str:
   files = ", ".join(f"`{name}`" for group in result.groups for name in group)
   lines += ["", f"From `{result.command}`; JSON {files}."]
   return "\n".join(lines) + "\n"
+
+
+RENDERERS = {
+    Result: render_result, Finals: render_finals, StepTimes: render_steps,
+    ExchangeTimes: render_exchanges, CodingTimes: render_coding,
+    StepUpdates: render_step_updates, Interleaved: render_interleaved, Rows: render_rows,
+    Pivot: render_pivot, Accuracy: render_accuracy, Losses: render_losses,
+    ModelTimes: lambda result, data: render_model(result),
+}
+"""Each kind of named result, and the function that renders it."""
+
+
+def render(result: Named, data: Path = DATA) -> str:
+  """The result's table in Markdown, with the sentence that says where it comes from.
+
+  Raises:
+    KeyError: a run the result names that its JSON does not hold.
+    FileNotFoundError: a JSON that is not under ``data``.
+    ValueError: files that measured different targets or seeds.
+  """
+  return RENDERERS[type(result)](result, data)
 
 
 def write_all(out: Path = TABLES, data: Path = DATA) -> list[Path]:
