@@ -11,6 +11,7 @@ from tables import (
   CodingTimes,
   ExchangeTimes,
   Finals,
+  FirstCalls,
   Interleaved,
   Losses,
   ModelTimes,
@@ -179,6 +180,36 @@ RESULTS: dict[str, Named] = {
         command=("python examples/train_charlm.py --runs \"dense (pmean)\" \"updates 1%\" "
                  "\"updates, onebit\" \"updates, onebit_4\""),
         files=("charlm_onebit_2026-12-02.json",), against="dense (pmean)"),
+    "first_call_now": FirstCalls(
+        command="python benchmarks/first_call.py --trials 5 --runs pmean topka2a "
+                "compress_updates",
+        file="first_call_2105f31_2026-12-03.json"),
+    "first_call_at_969e1d2": FirstCalls(
+        command="python benchmarks/first_call.py --trials 5 --runs pmean topka2a "
+                "compress_updates",
+        file="first_call_969e1d2_2026-12-02.json"),
+    "first_call_at_54a7b72": FirstCalls(
+        command="python benchmarks/first_call.py --trials 5 --runs pmean topka2a "
+                "compress_updates \"topka2a, buckets split to overlap the backward pass\"",
+        file="first_call_54a7b72_2026-12-02.json"),
+    "first_call_split": Rows(
+        command="python benchmarks/first_call.py --split --runs pmean topka2a compress_updates "
+                "\"topka2a, one bucket, exact selection\"",
+        file="first_call_split_6cf0a24_2026-12-03.json",
+        columns=(("run", "run", ""), ("estimate s", "estimate_s", ".2f"),
+                 ("lower s", "lower_s", ".2f"), ("compile s", "compile_s", ".2f"),
+                 ("kernels", "kernels", ""), ("sparse collectives", "gathers_and_alltoalls", ""))),
+    "first_call_cache": FirstCalls(
+        command="python benchmarks/first_call.py --trials 3 --runs pmean topka2a "
+                "\"topka2a, compilation cache warm\"",
+        file="first_call_cache_54a7b72_2026-12-02.json"),
+    "first_call_small": FirstCalls(
+        command="python benchmarks/first_call.py --model small --runs pmean topka2a --trials 5",
+        file="first_call_small_2026-12-03.json"),
+    "first_call_small_exact": FirstCalls(
+        command="python benchmarks/first_call.py --model small --runs pmean topka2a "
+                "\"topka2a, one bucket, exact selection\" --trials 5",
+        file="first_call_small_exact_2026-12-03.json"),
     "link_every_exchange": ExchangeTimes(
         command="python benchmarks/network.py --json out.json",
         file="network_2026-12-04.json"),

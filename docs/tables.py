@@ -105,6 +105,16 @@ class Finals:
 
 
 @dataclasses.dataclass(frozen=True)
+class FirstCalls(OneRun):
+  """One ``benchmarks/first_call.py`` run: each step's first call against ``lax.pmean``'s.
+
+  The first call's median over the trials, its ratio to the same trial's
+  pmean first call (median, and the range over the trials), and a later
+  step's seconds.
+  """
+
+
+@dataclasses.dataclass(frozen=True)
 class ExchangeTimes(OneRun):
   """One run of ``benchmarks/network.py`` on the link: each exchange's time, and the model's.
 
@@ -228,8 +238,8 @@ class Accuracy(OneRun):
   against: str
 
 
-Named = (Result | Finals | StepTimes | ExchangeTimes | CodingTimes | StepUpdates | Interleaved
-         | Rows | Pivot | ModelTimes | Accuracy | Losses)
+Named = (Result | Finals | StepTimes | FirstCalls | ExchangeTimes | CodingTimes | StepUpdates
+         | Interleaved | Rows | Pivot | ModelTimes | Accuracy | Losses)
 """Every kind of named result."""
 
 
@@ -456,6 +466,23 @@ def render_interleaved(result: Interleaved, data: Path = DATA) -> str:
   return "\n".join(lines) + "\n"
 
 
+def render_first_calls(result: FirstCalls, data: Path = DATA) -> str:
+  """Each run's first call, its ratio to pmean's with the trials' range, and a later step."""
+  run = json.loads((data / result.file).read_text())
+  lines = ["| run | first call (median) | vs pmean | range | a later step |",
+           "|---|---|---|---|---|"]
+  for row in run["rows"]:
+    spread = ("" if row["ratio"] == 1.0
+              else f"{min(row['ratios']):.2f}x to {max(row['ratios']):.2f}x")
+    step = (f"{row['step_s']:.3f} s" if row["step_s"] >= 0.1
+            else f"{row['step_s'] * 1e3:.1f} ms")
+    lines.append(f"| `{row['run']}` | {row['first_s']:.2f} s | {row['ratio']:.2f}x | "
+                 f"{spread} | {step} |")
+  lines += ["", (f"{len(run['rows'][0]['ratios'])} trials, {run['weights']:,} weights. "
+                 f"From `{result.command}`; JSON `{result.file}`.")]
+  return "\n".join(lines) + "\n"
+
+
 def render_rows(result: Rows, data: Path = DATA) -> str:
   """The JSON's rows, each key in its column and format."""
   run = json.loads((data / result.file).read_text())
@@ -612,6 +639,7 @@ def render_result(result: Result, data: Path = DATA) -> str:
 
 RENDERERS = {
     Result: render_result, Finals: render_finals, StepTimes: render_steps,
+    FirstCalls: render_first_calls,
     ExchangeTimes: render_exchanges, CodingTimes: render_coding,
     StepUpdates: render_step_updates, Interleaved: render_interleaved, Rows: render_rows,
     Pivot: render_pivot, Accuracy: render_accuracy, Losses: render_losses,
