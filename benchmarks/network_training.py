@@ -167,6 +167,9 @@ RUNS = {
                                        "algorithm": "rotated_1_1"} for every in (1, 4)},
     "local 4, rotated_1_1, every 1 from step 100": {
         "form": "local", "every": {0: 4, 100: 1}, "algorithm": "rotated_1_1"},
+    # the sparse all-reduces the paper compares against, before plain SGD
+    **{f"plain SGD, {name}": {"form": "sgd", "algorithm": name} for name in (
+        "dense", "topka2a", "topka2a_sparse", "allgather", "gtopk", "oktopk")},
 }
 """Configurations: name -> options of ``topka2a`` besides the density.
 
@@ -189,10 +192,21 @@ bytes of PowerSGD at rank 4 and at rank 1 on this model (the table's
 to its shard's owner and the owners' means back in 8 bits (``onebit_4``: 4,
 ``onebit_1``: 1): Adam's updates, the frozen-variance momentum, or (plain
 ``"onebit"``) the gradient before a replicated Adam; they ignore the density.
-``"backward_seconds": "estimated"`` plans the buckets to overlap the
-backward pass the step estimates (``TrainStep.backward_seconds``), as
-accelerators' steps do; on CPUs the steps plan without it, since XLA's CPU
-backend runs collectives in line (``benchmarks/overlap.py``).
+``"form": "sgd"`` exchanges the gradient before plain SGD,
+``optax.chain(topka2a(density, algorithm=...), optax.sgd(...))``, at the
+peak learning rate ``--sgd-peak-lr`` (same warm-up and cosine): the setting
+of the sparse all-reduces' papers. ``"backward_seconds": "estimated"``
+plans the buckets to overlap the backward pass the step estimates
+(``TrainStep.backward_seconds``), as accelerators' steps do; on CPUs the
+steps plan without it, since XLA's CPU backend runs collectives in line
+(``benchmarks/overlap.py``).
+"""
+
+SGD_PEAK_LR = 0.02
+"""Plain SGD's learning rate after the warm-up in the ``"plain SGD, ..."`` runs.
+
+Of 0.002, 0.01, 0.02 and 0.05, the largest at which the dense run's 100
+steps (seed 0, batch 2) did not diverge; its loss fell fastest there.
 """
 
 DEFAULT_RUNS = ["dense", "defaults", "updates", "updates, topka2a_sparse",
@@ -243,6 +257,8 @@ def optimizer(name: str, density: float, mesh, schedule, b1: float,
     return topka2a_jax.local_steps(optax.adam(schedule, b1=b1), every=options.pop("every"),
                                    outer=outer, density=density if density_given else None,
                                    mesh=mesh, **options)
+  if form == "sgd":
+    return optax.chain(topka2a_jax.topka2a(density, mesh=mesh, **options), optax.sgd(schedule))
   if form == "updates":
     return topka2a_jax.compress_updates(optax.adam(schedule, b1=b1), density=density,
                                         mesh=mesh, **options)
@@ -367,7 +383,8 @@ def worker(args: argparse.Namespace) -> None:
   rows = []
   for name in args.runs:
     warmup = min(30, args.steps // 4)
-    schedule = optax.warmup_cosine_decay_schedule(0.0, args.peak_lr, warmup,
+    peak = args.sgd_peak_lr if run_options(name).get("form") == "sgd" else args.peak_lr
+    schedule = optax.warmup_cosine_decay_schedule(0.0, peak, warmup,
                                                   max(args.steps, warmup + 1))
     tx = optimizer(name, args.density, mesh, schedule, args.b1, backward)
     options = run_options(name)
@@ -677,6 +694,8 @@ def main() -> int:
   parser.add_argument("--peak-lr", type=float, default=2e-3,
                       help="Adam's learning rate after the warm-up (it then decays "
                            "to 0 by the last step, a cosine)")
+  parser.add_argument("--sgd-peak-lr", type=float, default=SGD_PEAK_LR,
+                      help="the same for the 'plain SGD, ...' runs")
   parser.add_argument("--local", action="store_true",
                       help="one process of emulated CPU devices, no link: losses only")
   parser.add_argument("--json", help="also write the rows here")
@@ -738,7 +757,8 @@ def main() -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     args.worker = str(out)
     print(f"{args.processes} emulated devices in one process, no link; Adam b1 "
-          f"{args.b1}, peak learning rate {args.peak_lr}; density {args.density}; "
+          f"{args.b1}, peak learning rate {args.peak_lr} (plain SGD's "
+          f"{args.sgd_peak_lr}); density {args.density}; "
           f"{args.steps} steps per run; seed {args.seed}; {args.batch} x {CONTEXT} "
           "bytes per device and step")
     worker(args)
@@ -751,8 +771,8 @@ def main() -> int:
     Path(args.json).write_text(json.dumps(
         {"rate": None if args.local else args.rate, "processes": args.processes,
          "density": args.density, "b1": args.b1, "peak_lr": args.peak_lr,
-         "seed": args.seed, "batch": args.batch, "targets": args.targets,
-         "rows": rows}, indent=1))
+         "sgd_peak_lr": args.sgd_peak_lr, "seed": args.seed, "batch": args.batch,
+         "targets": args.targets, "rows": rows}, indent=1))
   return status
 
 
@@ -765,7 +785,8 @@ def train_on_the_link(args: argparse.Namespace, out: Path) -> int:
   return link.run_workers(
       args.rate, 0.0, args.processes, __file__, str(out), "--steps", str(args.steps),
       "--eval-every", str(args.eval_every), "--density", str(args.density),
-      "--b1", str(args.b1), "--peak-lr", str(args.peak_lr), "--seed", str(args.seed),
+      "--b1", str(args.b1), "--peak-lr", str(args.peak_lr),
+      "--sgd-peak-lr", str(args.sgd_peak_lr), "--seed", str(args.seed),
       "--batch", str(args.batch), "--runs", *args.runs)
 
 if __name__ == "__main__":

@@ -252,6 +252,15 @@ RESULTS: dict[str, Named] = {
         command=("the same, before Ok-Topk sent each owner its entries in index order "
                  "(8d5c911)"),
         file="global_top_k_1gbit_earlier_2026-12-07.json"),
+    "sparse_allreduces_link_task_plain_sgd": Finals(
+        command=("python benchmarks/network_training.py --local --seed S --runs \"plain SGD, "
+                 "dense\" \"plain SGD, topka2a\" \"plain SGD, topka2a_sparse\" \"plain SGD, "
+                 "gtopk\" \"plain SGD, oktopk\""),
+        groups=tuple((f"plain_sgd_global_top_k_local_batch2_seed{seed}_2026-12-07.json",)
+                     for seed in (0, 1, 2)),
+        runs=("plain SGD, dense", "plain SGD, topka2a", "plain SGD, topka2a_sparse",
+              "plain SGD, gtopk", "plain SGD, oktopk"),
+        against="plain SGD, dense"),
     "sparse_allreduces_digits_plain_sgd": Accuracy(
         command=("cd examples && python train_digits.py --momentum 0 --learning-rate 0.5 "
                  "--runs \"topka2a 1%\" \"dense (pmean)\" \"allgather (TopkA) 1%\" "
