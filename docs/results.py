@@ -19,6 +19,7 @@ from tables import (
   Pivot,
   Result,
   Rows,
+  Selections,
   StepTimes,
   StepUpdates,
 )
@@ -210,6 +211,9 @@ RESULTS: dict[str, Named] = {
         command="python benchmarks/first_call.py --model small --runs pmean topka2a "
                 "\"topka2a, one bucket, exact selection\" --trials 5",
         file="first_call_small_exact_2026-12-03.json"),
+    "selection_kernels": Selections(
+        command="python benchmarks/selection.py --json out.json",
+        file="selection_2026-12-07.json"),
     "link_every_exchange": ExchangeTimes(
         command="python benchmarks/network.py --json out.json",
         file="network_2026-12-04.json"),

@@ -115,6 +115,11 @@ class FirstCalls(OneRun):
 
 
 @dataclasses.dataclass(frozen=True)
+class Selections(OneRun):
+  """One ``benchmarks/selection.py`` run: each selection's time and the mass it keeps."""
+
+
+@dataclasses.dataclass(frozen=True)
 class ExchangeTimes(OneRun):
   """One run of ``benchmarks/network.py`` on the link: each exchange's time, and the model's.
 
@@ -238,8 +243,8 @@ class Accuracy(OneRun):
   against: str
 
 
-Named = (Result | Finals | StepTimes | FirstCalls | ExchangeTimes | CodingTimes | StepUpdates
-         | Interleaved | Rows | Pivot | ModelTimes | Accuracy | Losses)
+Named = (Result | Finals | StepTimes | FirstCalls | Selections | ExchangeTimes | CodingTimes
+         | StepUpdates | Interleaved | Rows | Pivot | ModelTimes | Accuracy | Losses)
 """Every kind of named result."""
 
 
@@ -483,6 +488,21 @@ def render_first_calls(result: FirstCalls, data: Path = DATA) -> str:
   return "\n".join(lines) + "\n"
 
 
+def render_selections(result: Selections, data: Path = DATA) -> str:
+  """Each size and density: a pass over the buffer, each selection's milliseconds, the mass kept."""
+  rows = json.loads((data / result.file).read_text())
+  lines = [("| elements | density | one pass ms | exact ms | threshold ms | approx ms | "
+            "exact / threshold | threshold mass | approx mass | `\"auto\"` runs |"),
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  for row in rows:
+    times = [f"{row[key] * 1e3:.1f}" for key in ("pass_s", "exact_s", "threshold_s", "approx_s")]
+    lines.append(f"| {row['elements']:,} | {row['density']:g} | " + " | ".join(times)
+                 + f" | {row['exact_s'] / row['threshold_s']:.1f}x | "
+                 f"{row['threshold_mass']:.4f} | {row['approx_mass']:.4f} | {row['auto']} |")
+  lines += ["", f"From `{result.command}`; JSON `{result.file}`."]
+  return "\n".join(lines) + "\n"
+
+
 def render_rows(result: Rows, data: Path = DATA) -> str:
   """The JSON's rows, each key in its column and format."""
   run = json.loads((data / result.file).read_text())
@@ -639,7 +659,7 @@ def render_result(result: Result, data: Path = DATA) -> str:
 
 RENDERERS = {
     Result: render_result, Finals: render_finals, StepTimes: render_steps,
-    FirstCalls: render_first_calls,
+    FirstCalls: render_first_calls, Selections: render_selections,
     ExchangeTimes: render_exchanges, CodingTimes: render_coding,
     StepUpdates: render_step_updates, Interleaved: render_interleaved, Rows: render_rows,
     Pivot: render_pivot, Accuracy: render_accuracy, Losses: render_losses,

@@ -269,3 +269,14 @@ def test_a_pivot_table_lays_one_key_down_and_another_across(tmp_path):
                         columns=("a", "b"), cell="{ratio:,.1f}x")
   assert tables.render(result, tmp_path).splitlines()[:4] == [
       "| opt | a | b |", "|---|---|---|", "| `sgd` | 1.0x | 2.5x |", "| `adam` |  | 1,234.5x |"]
+
+
+def test_a_selections_table_is_each_selections_milliseconds_and_mass(tmp_path):
+  tables = _tables()
+  (tmp_path / "sel.json").write_text(json.dumps([{
+      "elements": 1000, "density": 0.01, "pass_s": 0.0005, "exact_s": 0.012, "threshold_s": 0.004,
+      "approx_s": 0.013, "threshold_mass": 0.99885, "approx_mass": 1.0, "auto": "threshold"}]))
+  table = tables.render(tables.Selections(command="c", file="sel.json"), tmp_path)
+  # By hand: 12 ms over 4 ms is 3.0x.
+  assert table.splitlines()[2] == (
+      "| 1,000 | 0.01 | 0.5 | 12.0 | 4.0 | 13.0 | 3.0x | 0.9989 | 1.0000 | threshold |")
