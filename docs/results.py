@@ -214,6 +214,15 @@ RESULTS: dict[str, Named] = {
     "selection_kernels": Selections(
         command="python benchmarks/selection.py --json out.json",
         file="selection_2026-12-07.json"),
+    **{name: Rows(command=command, file=file,
+                  columns=(("run", "run", ""), ("held-out MSE", "mse", ".4f"),
+                           ("x dense", "ratio", ".2f")))
+       for name, command, file in (
+           ("quickstart", "python examples/quickstart.py --json out.json",
+            "quickstart_2026-12-07.json"),
+           ("quickstart_high_learning_rate",
+            "python examples/quickstart.py --lr 1e-2 --json out.json",
+            "quickstart_lr1e-2_2026-12-07.json"))},
     "link_every_exchange": ExchangeTimes(
         command="python benchmarks/network.py --json out.json",
         file="network_2026-12-04.json"),

@@ -9,7 +9,7 @@ values. Each run is the plain-jit route: ``tx.init(params)`` and a jitted
 step from :func:`topka2a_jax.train_step`; no shard_map is written here.
 
 Run:
-  python examples/quickstart.py [--steps 400] [--lr 3e-3]
+  python examples/quickstart.py [--steps 400] [--lr 3e-3] [--json out.json]
 
 On a machine with accelerators, drop the XLA_FLAGS line: the mesh then spans
 the real devices.
@@ -22,6 +22,7 @@ os.environ.setdefault(
 )  # 8 CPU devices; must be set before JAX starts
 
 import argparse
+import json
 import time
 
 import jax
@@ -107,6 +108,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, default=400)
   parser.add_argument("--lr", type=float, default=3e-3, help="Adam's learning rate")
+  parser.add_argument("--json", help="also write each run's held-out MSE here")
   args = parser.parse_args()
 
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
@@ -114,13 +116,18 @@ def main():
   print(f"{jax.device_count()} devices, {args.steps} steps, adam({args.lr:g}); "
         f"held-out MSE before training: {initial:.4f}\n")
   print(f"{'run':32s} {'held-out MSE':>12s} {'vs dense':>9s} {'seconds':>8s}")
-  dense = None
+  dense, rows = None, []
   for name, options in RUNS.items():
     start = time.perf_counter()
     loss = train(mesh, options, args.steps, args.lr)
     dense = dense or loss
+    rows.append({"run": name, "mse": loss, "ratio": loss / dense})
     print(f"{name:32s} {loss:12.4f} {loss / dense:8.2f}x "
           f"{time.perf_counter() - start:8.1f}")
+  if args.json:
+    with open(args.json, "w") as out:
+      json.dump({"steps": args.steps, "lr": args.lr, "initial": initial, "rows": rows}, out,
+                indent=1)
 
 
 if __name__ == "__main__":
