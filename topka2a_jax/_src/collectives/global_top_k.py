@@ -413,7 +413,9 @@ def oktopk(
   sent = jnp.cumsum(goes) - 1  # each going entry's rank among those going
   per_region = jnp.zeros(num_devices, jnp.int32).at[owner].add(goes.astype(jnp.int32))
   rank = sent - (jnp.cumsum(per_region) - per_region)[owner]
-  slot = jnp.where(goes, owner * capacity + rank, num_devices * capacity)
+  # Each entry that stays gets a slot of its own past the message, which the
+  # scatter drops: its indices are unique, as it promises XLA.
+  slot = jnp.where(goes, owner * capacity + rank, num_devices * capacity + jnp.arange(k))
   out_values = jnp.zeros(num_devices * capacity, dtype).at[slot].set(
       picked, mode="drop", unique_indices=True)
   out_indices = jnp.zeros(num_devices * capacity, jnp.int32).at[slot].set(
