@@ -82,16 +82,19 @@ DRAINED = {
     "topka2a, bfloat16 residuals": optax.chain(topka2a_jax.topka2a(
         0.05, min_size=64, residual_dtype=jnp.bfloat16), optax.sgd(0.1)),
 }
+"""Linear optimizers, so that what is delivered later does not depend on when:
+the parameters after a full drain are fixed by what was owed at the save."""
 
 GLOBAL_TOP_K = {name: optax.chain(topka2a_jax.topka2a(0.05, algorithm=name, min_size=64),
                                   optax.sgd(0.1)) for name in ("gtopk", "oktopk")}
 """The global top-k exchanges, whose merges and owners hold back mass: on two resizes."""
 
+OPTIMIZERS = {**DRAINED, **GLOBAL_TOP_K}
+"""Every optimizer a restart test drains, by name."""
+
 DRAIN_STEPS = {"oktopk": 200}
 """Steps that drain what each owes (60 unless named): Ok-Topk's owners hold
 back most of what they receive, and it comes back a step later."""
-"""Linear optimizers, so that what is delivered later does not depend on when:
-the parameters after a full drain are fixed by what was owed at the save."""
 
 
 def zero_loss(params, x):
@@ -111,7 +114,7 @@ def drained(state, mesh, tx, steps=60):
 @functools.cache
 def saved_run(name, devices, directory):
   """Three real steps on ``devices``, saved; and the uninterrupted drain after them."""
-  tx, mesh = {**DRAINED, **GLOBAL_TOP_K}[name], sub_mesh(devices)
+  tx, mesh = OPTIMIZERS[name], sub_mesh(devices)
   state = resumable.train(resumable.fresh(mesh, tx), mesh, range(3), tx)
   at_save = jax.tree.map(lambda p: np.asarray(p, np.float64), state["params"])
   topka2a_jax.save(Path(directory) / f"{name}_{devices}", state, mesh)
@@ -126,7 +129,7 @@ def test_a_restart_on_another_device_count_delivers_what_was_owed(
   check_a_restart_delivers_what_was_owed(tmp_path_factory, name, old, new)
 
 
-@pytest.mark.parametrize(("name", "old", "new"), [("gtopk", 8, 3), ("oktopk", 4, 8)])
+@pytest.mark.parametrize(("name", "old", "new"), [("gtopk", 8, 3), ("oktopk", 4, 2)])
 def test_a_global_top_k_restart_delivers_what_was_owed(tmp_path_factory, name, old, new):
   check_a_restart_delivers_what_was_owed(tmp_path_factory, name, old, new)
 
@@ -135,7 +138,7 @@ def check_a_restart_delivers_what_was_owed(tmp_path_factory, name, old, new):
   directory = tmp_path_factory.getbasetemp() / "drained"
   directory.mkdir(exist_ok=True)
   at_save, want = saved_run(name, old, str(directory))
-  tx, mesh = {**DRAINED, **GLOBAL_TOP_K}[name], sub_mesh(new)
+  tx, mesh = OPTIMIZERS[name], sub_mesh(new)
   restored = topka2a_jax.restore(directory / f"{name}_{old}",
                                  resumable.fresh(mesh, tx), mesh)
   got = drained(restored, mesh, tx, DRAIN_STEPS.get(name, 60))
