@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import json
 import sys
 import tempfile
@@ -125,10 +126,9 @@ def _runs(mesh, shapes, density: float, names: tuple[str, ...] = ROWS) -> dict:
   # The mean is applied as it is (plain SGD): say so, as a chain would show it.
   # A version from before ``follows=`` (``benchmarks/ab_step.py`` runs older
   # ones) planned for plain SGD by default.
-  try:
-    defaults = topka2a_jax.topka2a(density, mesh=mesh, follows="sgd")
-  except TypeError:
-    defaults = topka2a_jax.topka2a(density, mesh=mesh)
+  planned_for = ({"follows": "sgd"} if "follows" in inspect.signature(
+      topka2a_jax.topka2a).parameters else {})
+  defaults = topka2a_jax.topka2a(density, mesh=mesh, **planned_for)
 
   def dropped():
     state = topka2a_jax.init(defaults, fresh_params(), mesh)
