@@ -182,13 +182,13 @@ def _chunk_codes(values: np.ndarray, bits: int) -> tuple[np.ndarray, float]:
   """
   if bits == 1:
     scale = float(np.float32(np.abs(values).mean()))
-    return np.array([scale if x >= 0 else -scale for x in values]), scale
+    return np.where(values >= 0, scale, -scale), scale
   levels = 2 ** (bits - 1) - 1
   scale = float(np.float32(np.abs(values).max() / levels))
   if scale == 0:
     return np.zeros(len(values)), scale
-  return np.array([min(levels, max(-levels, round(x / scale))) * scale
-                   for x in values]), scale
+  # np.round, as Python's round, takes a half to the even neighbour.
+  return np.clip(np.round(values / scale), -levels, levels) * scale, scale
 
 
 def _coded(row: np.ndarray, start: int, n: int, bits: int, chunk: int) -> np.ndarray:
@@ -219,8 +219,9 @@ ROTATION_SEED = 20240701
 """The documented seed of the rotation's signs (numpy's ``default_rng``)."""
 
 
+@functools.cache
 def rotation(length: int) -> tuple[np.ndarray, np.ndarray]:
-  """The rotation of one chunk and its inverse, as float64 matrices.
+  """The rotation of one chunk and its inverse, as float64 matrices (read-only, made once).
 
   ``2^-ceil(m/2) H D`` and ``2^-floor(m/2) D H``, ``H`` the Sylvester
   Hadamard matrix of ``length = 2^m`` and ``D`` the diagonal of signs: -1
@@ -232,7 +233,9 @@ def rotation(length: int) -> tuple[np.ndarray, np.ndarray]:
     h = np.block([[h, h], [h, -h]])
   d = np.diag(np.where(np.random.default_rng(ROTATION_SEED).integers(0, 2, length) == 1,
                        -1.0, 1.0))
-  return h @ d * 2.0 ** -math.ceil(m / 2), d @ h * 2.0 ** -(m // 2)
+  forward, inverse = h @ d * 2.0 ** -math.ceil(m / 2), d @ h * 2.0 ** -(m // 2)
+  forward.flags.writeable = inverse.flags.writeable = False
+  return forward, inverse
 
 
 def _rotated_codes(row: np.ndarray, bits: int, chunk: int):

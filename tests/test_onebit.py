@@ -8,7 +8,7 @@ import pytest
 import reference
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from sharded import per_device
+from sharded import on_each_device, per_device
 
 import topka2a_jax
 from topka2a_jax._src import sizes
@@ -56,11 +56,11 @@ def test_ten_steps_of_error_feedback_match_the_model(mesh, name):
   rng = np.random.default_rng(1)
   grads = [rng.normal(size=(8, 3000)) for _ in range(10)]
   fn = COLLECTIVES[name]
-  step = lambda g, r: fn(g + r, "data", 1.0, chunk=128)
+  step = on_each_device(lambda g, r: fn(g + r, "data", 1.0, chunk=128), mesh)
   residual = want_residual = np.zeros((8, 3000))
   for grad in grads:
     with jax.enable_x64():
-      mean, residual = per_device(step, mesh, grad, residual)
+      mean, residual = step(grad, residual)
     want_mean, want_residual = reference.ALGORITHMS[name](grad + want_residual, 1.0,
                                                           chunk=128)
     np.testing.assert_allclose(mean[0], want_mean, rtol=0, atol=1e-11)
