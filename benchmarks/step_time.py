@@ -66,12 +66,12 @@ def main():
           for selection in ("exact", "threshold"))
       rows.append({"algorithm": algorithm, "buckets": label,
                    "density": args.density, "exact_s": exact,
-                   "threshold_s": threshold})
+                   "threshold_s": threshold, "speedup": exact / threshold})
       print(f"{algorithm:16s} {label:>10s} {exact:9.3f} {threshold:10.3f} "
             f"{exact / threshold:7.2f}x", flush=True)
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(rows, f, indent=2)
+      json.dump({"rows": rows, "repeats": args.repeats}, f, indent=2)
 
 
 if __name__ == "__main__":

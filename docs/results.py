@@ -20,6 +20,7 @@ from tables import (
   Result,
   Rows,
   Selections,
+  Startups,
   StepTimes,
   StepUpdates,
 )
@@ -211,6 +212,9 @@ RESULTS: dict[str, Named] = {
         command="python benchmarks/first_call.py --model small --runs pmean topka2a "
                 "\"topka2a, one bucket, exact selection\" --trials 5",
         file="first_call_small_exact_2026-12-03.json"),
+    "startup": Startups(
+        command="python benchmarks/startup.py --trials 7 --checkout /tmp/b6546c8",
+        file="startup_5b066d9_vs_b6546c8_2026-12-03.json", revisions=("5b066d9", "b6546c8")),
     "selection_kernels": Selections(
         command="python benchmarks/selection.py --json out.json",
         file="selection_2026-12-07.json"),

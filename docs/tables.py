@@ -115,6 +115,17 @@ class FirstCalls(OneRun):
 
 
 @dataclasses.dataclass(frozen=True)
+class Startups(OneRun):
+  """One ``benchmarks/startup.py --checkout DIR`` run: each command's start, on two revisions.
+
+  Attributes:
+    revisions: the library's revision and the checkout's, as the columns name them.
+  """
+
+  revisions: tuple[str, str]
+
+
+@dataclasses.dataclass(frozen=True)
 class Selections(OneRun):
   """One ``benchmarks/selection.py`` run: each selection's time and the mass it keeps."""
 
@@ -243,8 +254,8 @@ class Accuracy(OneRun):
   against: str
 
 
-Named = (Result | Finals | StepTimes | FirstCalls | Selections | ExchangeTimes | CodingTimes
-         | StepUpdates | Interleaved | Rows | Pivot | ModelTimes | Accuracy | Losses)
+Named = (Result | Finals | StepTimes | FirstCalls | Startups | Selections | ExchangeTimes
+         | CodingTimes | StepUpdates | Interleaved | Rows | Pivot | ModelTimes | Accuracy | Losses)
 """Every kind of named result."""
 
 
@@ -488,6 +499,32 @@ def render_first_calls(result: FirstCalls, data: Path = DATA) -> str:
   return "\n".join(lines) + "\n"
 
 
+def render_startups(result: Startups, data: Path = DATA) -> str:
+  """Each command's median seconds and its ratio to ``import jax``, on both revisions."""
+  run = json.loads((data / result.file).read_text())
+  rows = {row["command"]: row for row in run["rows"]}
+  ours, theirs = result.revisions
+  lines = [(f"| command | `{ours}` (median) | vs `import jax` | `{theirs}` (median) "
+            "| vs `import jax` |"), "|---|---|---|---|---|"]
+
+  def cells(row: dict | None) -> list[str]:
+    if row is None:
+      return ["", ""]
+    low, high = row["ratio_range"]
+    spread = "" if low == high else f" ({low:.2f}x to {high:.2f}x)"
+    return [f"{row['seconds']:.2f} s", f"{row['ratio']:.2f}x{spread}"]
+
+  for command, row in rows.items():
+    if "[" in command:
+      continue
+    checkout = next((other for name, other in rows.items()
+                     if name.startswith(f"{command} [")), None)
+    lines.append("| " + " | ".join([f"`{command}`", *cells(row), *cells(checkout)]) + " |")
+  lines += ["", (f"{len(run['trials'])} trials, each command in a fresh interpreter. "
+                 f"From `{result.command}`; JSON `{result.file}`.")]
+  return "\n".join(lines) + "\n"
+
+
 def render_selections(result: Selections, data: Path = DATA) -> str:
   """Each size and density: a pass over the buffer, each selection's milliseconds, the mass kept."""
   rows = json.loads((data / result.file).read_text())
@@ -549,18 +586,19 @@ def render_model(result: ModelTimes) -> str:
 
 
 def render_accuracy(result: Accuracy, data: Path = DATA) -> str:
-  """Each run's final score over the seeds (mean, then each seed's), and its bytes a step."""
+  """Each run's final score (mean, each seed's), last five evaluations' mean, bytes a step."""
   run = json.loads((data / result.file).read_text())
   means = {r["name"]: sum(s[-1] for s in r["scores"]) / len(r["scores"]) for r in run["runs"]}
   base = means[result.against]
   lines = [(f"| run | final accuracy, mean | each seed | points against "
-            f"`{result.against}` | bytes a step |"), "|---|---|---|---|---|"]
+            f"`{result.against}` | last five, mean | bytes a step |"), "|---|---|---|---|---|---|"]
   for r in run["runs"]:
     seeds = " / ".join(f"{s[-1]:.2%}" for s in r["scores"])
     points = round(100 * (means[r["name"]] - base), 2) + 0.0  # no "-0.00"
     versus = "" if r["name"] == result.against else f"{points:+.2f}"
+    late = statistics.fmean(score for s in r["scores"] for score in s[-5:])
     lines.append(f"| `{r['name']}` | {means[r['name']]:.2%} | {seeds} | {versus} | "
-                 f"{r['bytes_per_step']:,.0f} |")
+                 f"{late:.2%} | {r['bytes_per_step']:,.0f} |")
   meta = run["meta"]
   lines += ["", (f"{meta['steps']} steps, seeds {', '.join(map(str, meta['seeds']))}. "
                  f"From `{result.command}`; JSON `{result.file}`.")]
@@ -659,7 +697,7 @@ def render_result(result: Result, data: Path = DATA) -> str:
 
 RENDERERS = {
     Result: render_result, Finals: render_finals, StepTimes: render_steps,
-    FirstCalls: render_first_calls, Selections: render_selections,
+    FirstCalls: render_first_calls, Startups: render_startups, Selections: render_selections,
     ExchangeTimes: render_exchanges, CodingTimes: render_coding,
     StepUpdates: render_step_updates, Interleaved: render_interleaved, Rows: render_rows,
     Pivot: render_pivot, Accuracy: render_accuracy, Losses: render_losses,

@@ -208,14 +208,14 @@ def test_an_accuracy_table_is_the_comparisons_json(tmp_path):
   (tmp_path / "scores.json").write_text(json.dumps(run))
   table = tables.render(tables.Accuracy(command="c", file="scores.json", against="a"),
                         tmp_path)
-  # By hand: a's mean 92.5%, b's 91%: 1.5 points below.
+  # By hand: a's mean 92.5%, b's 91%: 1.5 points below; over both evaluations
+  # (fewer than five) a's mean is 71.25%, b's 70.5%.
   assert table.splitlines()[2:4] == [
-      "| `a` | 92.50% | 90.00% / 95.00% |  | 1,000 |",
-      "| `b` | 91.00% | 92.00% / 90.00% | -1.50 | 10 |"]
+      "| `a` | 92.50% | 90.00% / 95.00% |  | 71.25% | 1,000 |",
+      "| `b` | 91.00% | 92.00% / 90.00% | -1.50 | 70.50% | 10 |"]
 
 
-STILL_TYPED_BY_HAND = {"accuracy.md", "compressed_tensor.md", "first_call.md",
-                       "nodes.md", "selection.md",
+STILL_TYPED_BY_HAND = {"accuracy.md", "compressed_tensor.md", "nodes.md", "selection.md",
                        "training.md"}
 """Evidence pages whose tables are still typed; each leaves this set as it is generated."""
 
@@ -280,3 +280,20 @@ def test_a_selections_table_is_each_selections_milliseconds_and_mass(tmp_path):
   # By hand: 12 ms over 4 ms is 3.0x.
   assert table.splitlines()[2] == (
       "| 1,000 | 0.01 | 0.5 | 12.0 | 4.0 | 13.0 | 3.0x | 0.9989 | 1.0000 | threshold |")
+
+
+def test_a_startups_table_is_each_command_on_both_revisions_against_import_jax(tmp_path):
+  tables = _tables()
+  trials = [{"import jax": 1.0, "plan": 0.1, "plan [old]": 1.2},
+            {"import jax": 2.0, "plan": 0.3, "plan [old]": 2.0}]
+  rows = [{"command": "import jax", "seconds": 1.5, "ratio": 1.0, "ratio_range": [1.0, 1.0]},
+          {"command": "plan", "seconds": 0.2, "ratio": 0.125, "ratio_range": [0.1, 0.15]},
+          {"command": "plan [old]", "seconds": 1.6, "ratio": 1.1, "ratio_range": [1.0, 1.2]}]
+  (tmp_path / "s.json").write_text(json.dumps({"trials": trials, "rows": rows}))
+  result = tables.Startups(command="c", file="s.json", revisions=("new", "old"))
+  # By hand: plan's ratios 0.1 and 0.15 (median 0.125 shown as 0.12x, round half to even).
+  assert tables.render(result, tmp_path).splitlines()[:4] == [
+      "| command | `new` (median) | vs `import jax` | `old` (median) | vs `import jax` |",
+      "|---|---|---|---|---|",
+      "| `import jax` | 1.50 s | 1.00x |  |  |",
+      "| `plan` | 0.20 s | 0.12x (0.10x to 0.15x) | 1.60 s | 1.10x (1.00x to 1.20x) |"]
