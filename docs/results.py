@@ -174,6 +174,9 @@ RESULTS: dict[str, Named] = {
                  "rotated_4_4"),
         files=("charlm_fewbit_3000_2026-12-03.json", "charlm_rotated_3000_2026-12-04.json"),
         against="dense (pmean)", at=(250, 500, 1000, 1500, 2000, 2500)),
+    "digits_defaults": Accuracy(
+        command="python examples/train_digits.py",
+        file="digits_defaults_2026-12-07.json", against="dense (pmean)"),
     "digits_signs": Accuracy(
         command=("cd examples && python train_digits.py --runs \"dense (pmean)\" \"updates 1%\" "
                  "\"updates, onebit\" \"onebit (gradient)\""),
@@ -215,6 +218,12 @@ RESULTS: dict[str, Named] = {
     "startup": Startups(
         command="python benchmarks/startup.py --trials 7 --checkout /tmp/b6546c8",
         file="startup_5b066d9_vs_b6546c8_2026-12-03.json", revisions=("5b066d9", "b6546c8")),
+    "selection_in_a_step": Rows(
+        command="python benchmarks/step_time.py --json out.json",
+        file="step_time_2026-12-07.json",
+        columns=(("algorithm", "algorithm", ""), ("buckets", "buckets", ""),
+                 ("exact s", "exact_s", ".3f"), ("threshold s", "threshold_s", ".3f"),
+                 ("exact / threshold", "speedup", ".2f"))),
     "selection_kernels": Selections(
         command="python benchmarks/selection.py --json out.json",
         file="selection_2026-12-07.json"),

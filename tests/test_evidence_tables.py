@@ -1,33 +1,19 @@
 """The evidence pages' tables are rendered from the committed JSON, not typed."""
 
 import dataclasses
-import importlib.util
 import json
 import pathlib
 import re
-import sys
 
+import evidence
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURE = pathlib.Path(__file__).resolve().parent / "data" / "training_fixture.json"
 
 
-def _tables():
-  """``docs/tables.py``, imported as the documentation build imports it."""
-  if str(ROOT / "docs") not in sys.path:
-    sys.path.insert(0, str(ROOT / "docs"))
-  return importlib.import_module("tables")
-
-
-def _results():
-  """``docs/results.py``: every named result the pages include."""
-  _tables()
-  return importlib.import_module("results")
-
-
 def test_a_table_is_the_json_it_names_and_changes_with_it(tmp_path):
-  tables = _tables()
+  tables = evidence.tables()
   result = tables.Result(command="python benchmarks/network_training.py --rate 100mbit",
                          groups=(("run.json",),))
   (tmp_path / "run.json").write_text(FIXTURE.read_text())
@@ -52,7 +38,7 @@ def test_a_table_is_the_json_it_names_and_changes_with_it(tmp_path):
 
 
 def test_a_table_names_a_run_its_json_does_not_hold(tmp_path):
-  tables = _tables()
+  tables = evidence.tables()
   (tmp_path / "run.json").write_text(FIXTURE.read_text())
   result = tables.Result(command="c", groups=(("run.json",),), runs=("dense", "local 8"))
   with pytest.raises(KeyError, match="local 8"):
@@ -63,7 +49,7 @@ def test_a_table_names_a_run_its_json_does_not_hold(tmp_path):
 
 
 def test_every_table_a_page_includes_is_a_named_result_that_renders():
-  tables, results = _tables(), _results()
+  tables, results = evidence.tables(), evidence.results()
   include = re.compile(r"```\{include\} (?:\.\./)*tables/(\w+)\.md")
   included = {name for page in (ROOT / "docs").rglob("*.md")
               for name in include.findall(page.read_text())}
@@ -76,7 +62,7 @@ def test_every_table_a_page_includes_is_a_named_result_that_renders():
 
 
 def test_a_step_times_table_is_its_json_with_each_exchange_beside_the_next_round(tmp_path):
-  tables = _tables()
+  tables = evidence.tables()
   (tmp_path / "steps.json").write_text(
       (FIXTURE.parent / "steps_fixture.json").read_text())
   result = tables.StepTimes(command="c", file="steps.json", against="quantized_8_8_fine",
@@ -104,7 +90,7 @@ def test_a_step_times_table_is_its_json_with_each_exchange_beside_the_next_round
 
 
 def test_an_exchange_times_table_puts_the_fitted_model_beside_each_measurement(tmp_path):
-  tables = _tables()
+  tables = evidence.tables()
   # A link of α = 1 ms and 1e8 bytes/s, no selection cost; 4 processes,
   # 1,000 elements. By hand: dense is 6 messages and 1.5 * 4,000 = 6,000
   # bytes: 6 ms + 0.06 ms = 6.060 ms. TopkA at 0.01: k = 10 pairs of 4 + 2
@@ -141,7 +127,7 @@ def test_an_exchange_times_table_puts_the_fitted_model_beside_each_measurement(t
 
 
 def test_a_coding_table_is_each_few_bit_exchange_beside_its_coding_and_wire(tmp_path):
-  tables = _tables()
+  tables = evidence.tables()
   run = {"rate": "1gbit", "processes": 4, "rows": [
       {"size": 8, "algorithm": "quantized_8_8", "density": 1.0, "seconds": 0.5},
       {"size": 8, "algorithm": "quantized_8_8", "density": 1.0, "kind": "codes",
@@ -154,7 +140,7 @@ def test_a_coding_table_is_each_few_bit_exchange_beside_its_coding_and_wire(tmp_
 
 
 def test_step_updates_and_interleaved_runs_are_their_jsons_side_by_side(tmp_path):
-  tables = _tables()
+  tables = evidence.tables()
   header = {"rate": "1gbit", "processes": 4, "density": 0.01}
   for name, seconds in (("a.json", 0.5), ("b.json", 0.25)):
     (tmp_path / name).write_text(json.dumps({**header, "flat_limit_s": 0.1, "rows": [
@@ -177,7 +163,7 @@ def test_step_updates_and_interleaved_runs_are_their_jsons_side_by_side(tmp_path
 
 
 def test_a_rows_table_is_each_key_in_its_format(tmp_path):
-  tables = _tables()
+  tables = evidence.tables()
   (tmp_path / "rows.json").write_text(json.dumps({"rows": [
       {"form": "x", "seconds": 0.01234, "seen": "yes"}, {"form": "y", "seconds": 2.0}]}))
   result = tables.Rows(command="c", file="rows.json",
@@ -188,7 +174,7 @@ def test_a_rows_table_is_each_key_in_its_format(tmp_path):
 
 
 def test_a_model_table_is_the_cost_model_by_device_count():
-  tables = _tables()
+  tables = evidence.tables()
   result = tables.ModelTimes(algorithms=("dense", "allgather"), devices=(2, 4),
                              length=1_000_000, density=0.01, network="eth10")
   table = tables.render(result)
@@ -201,7 +187,7 @@ def test_a_model_table_is_the_cost_model_by_device_count():
 
 
 def test_an_accuracy_table_is_the_comparisons_json(tmp_path):
-  tables = _tables()
+  tables = evidence.tables()
   run = {"meta": {"steps": 10, "seeds": [0, 1]},
          "runs": [{"name": "a", "scores": [[0.5, 0.9], [0.5, 0.95]], "bytes_per_step": 1000.0},
                   {"name": "b", "scores": [[0.5, 0.92], [0.5, 0.9]], "bytes_per_step": 10.0}]}
@@ -215,8 +201,7 @@ def test_an_accuracy_table_is_the_comparisons_json(tmp_path):
       "| `b` | 91.00% | 92.00% / 90.00% | -1.50 | 70.50% | 10 |"]
 
 
-STILL_TYPED_BY_HAND = {"accuracy.md", "compressed_tensor.md", "nodes.md", "selection.md",
-                       "training.md"}
+STILL_TYPED_BY_HAND = {"accuracy.md", "compressed_tensor.md", "nodes.md", "training.md"}
 """Evidence pages whose tables are still typed; each leaves this set as it is generated."""
 
 
@@ -231,7 +216,7 @@ def test_no_evidence_page_types_a_table_by_hand_beyond_those_still_to_move():
 
 
 def test_a_finals_table_is_each_seeds_final_loss_and_one_runs_steps(tmp_path):
-  tables = _tables()
+  tables = evidence.tables()
   for seed, (dense, coded) in enumerate([(2.0, 2.05), (2.2, 2.09)]):
     rows = [{"run": "dense", "final": dense,
              "targets": {"2.6": {"steps": 10}, "2.4": {"steps": 20}}},
@@ -247,7 +232,7 @@ def test_a_finals_table_is_each_seeds_final_loss_and_one_runs_steps(tmp_path):
 
 
 def test_a_losses_table_is_each_seeds_final_loss_against_one_run(tmp_path):
-  tables = _tables()
+  tables = evidence.tables()
   run = lambda name, finals, sent: {"name": name, "eval_steps": [5, 10], "bytes_per_step": sent,
                                     "scores": [[3.0, final] for final in finals]}
   (tmp_path / "a.json").write_text(json.dumps({"meta": {"seeds": [0, 1]}, "runs": [
@@ -261,7 +246,7 @@ def test_a_losses_table_is_each_seeds_final_loss_against_one_run(tmp_path):
 
 
 def test_a_pivot_table_lays_one_key_down_and_another_across(tmp_path):
-  tables = _tables()
+  tables = evidence.tables()
   (tmp_path / "grid.json").write_text(json.dumps({"rows": [
       {"opt": "sgd", "form": "a", "ratio": 1.0}, {"opt": "sgd", "form": "b", "ratio": 2.5},
       {"opt": "adam", "form": "b", "ratio": 1234.5}]}))
@@ -272,7 +257,7 @@ def test_a_pivot_table_lays_one_key_down_and_another_across(tmp_path):
 
 
 def test_a_selections_table_is_each_selections_milliseconds_and_mass(tmp_path):
-  tables = _tables()
+  tables = evidence.tables()
   (tmp_path / "sel.json").write_text(json.dumps([{
       "elements": 1000, "density": 0.01, "pass_s": 0.0005, "exact_s": 0.012, "threshold_s": 0.004,
       "approx_s": 0.013, "threshold_mass": 0.99885, "approx_mass": 1.0, "auto": "threshold"}]))
@@ -283,7 +268,7 @@ def test_a_selections_table_is_each_selections_milliseconds_and_mass(tmp_path):
 
 
 def test_a_startups_table_is_each_command_on_both_revisions_against_import_jax(tmp_path):
-  tables = _tables()
+  tables = evidence.tables()
   trials = [{"import jax": 1.0, "plan": 0.1, "plan [old]": 1.2},
             {"import jax": 2.0, "plan": 0.3, "plan [old]": 2.0}]
   rows = [{"command": "import jax", "seconds": 1.5, "ratio": 1.0, "ratio_range": [1.0, 1.0]},
