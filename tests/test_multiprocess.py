@@ -28,10 +28,10 @@ def run(command, **env):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm, route, files, per_process", [
-    ("topka2a", "shard_map", 25, 2), ("dense", "shard_map", 25, 2),
+    ("topka2a", "shard_map", 25, 2),
     ("topka2a", "train_step", 15, 2), ("powersgd", "train_step", 15, 2),
     ("topka2a", "two_level", 15, 4), ("topka2a_sparse", "two_level", 15, 4),
-    ("onebit", "train_step", 15, 2), ("rotated_4_8", "train_step", 15, 2),
+    ("rotated_4_8", "train_step", 15, 2),
     ("quantized_8_8_fine", "train_step_adam", 15, 1),  # one device a process
     ("quantized_8_8_fine", "local_steps", 15, 1),
     ("rotated_4_4", "local_overlapped", 10, 2),  # the exchange held past the next step
