@@ -177,6 +177,9 @@ RESULTS: dict[str, Named] = {
     "digits_defaults": Accuracy(
         command="python examples/train_digits.py",
         file="digits_defaults_2026-12-07.json", against="dense (pmean)"),
+    "digits_all": Accuracy(
+        command="python examples/train_digits.py --all",
+        file="digits_all_2026-12-07.json", against="dense (pmean)"),
     "digits_signs": Accuracy(
         command=("cd examples && python train_digits.py --runs \"dense (pmean)\" \"updates 1%\" "
                  "\"updates, onebit\" \"onebit (gradient)\""),
