@@ -112,6 +112,13 @@ RESULTS: dict[str, Named] = {
                   for seed in (0, 1)),
                 *((f"fewbit_local_batch2_seed{seed}_2026-12-03.json",) for seed in (2, 3, 4, 5))),
         runs=("dense", "quantized_8_8"), steps_of="quantized_8_8"),
+    "training_on_the_link": Result(
+        command=("python benchmarks/network_training.py --batch B --seed 0 --runs quantized_8_8` "
+                 "(the link), beside dense from `" + FROM_LOCAL_AND_LINK),
+        groups=tuple((f"link_quantized_8_8_batch{batch}_seed0_2026-12-03.json",
+                      f"network_training_fewbit_batch{batch}_seed0_2026-12-03.json")
+                     for batch in (8, 2)),
+        runs=("dense", "quantized_8_8")),
     "local_steps_round_candidates": Result(
         command=("python benchmarks/network_training.py --local --batch 8 --seed 0 --runs dense "
                  "\"local 4\"` and `... --runs \"local 4, exact mean\" \"local 2\" \"local 8\"` "
