@@ -191,6 +191,11 @@ RESULTS: dict[str, Named] = {
         command=("cd examples && python train_digits.py --runs \"dense (pmean)\" \"updates 1%\" "
                  "\"updates, onebit\" \"onebit (gradient)\""),
         file="digits_onebit_2026-12-02.json", against="dense (pmean)"),
+    "charlm_600": Losses(
+        command=("python examples/train_charlm.py --runs \"dense (pmean)\" \"topka2a 1%\" "
+                 "\"topka2a 5%\" \"topka2a 1%, no error feedback\" \"allgather (TopkA) 1%\" "
+                 "\"topka2a 1%, 100 dense warm-up steps\""),
+        files=("charlm_600_2026-12-07.json",), against="dense (pmean)"),
     "charlm_signs": Losses(
         command=("python examples/train_charlm.py --runs \"dense (pmean)\" \"updates 1%\" "
                  "\"updates, onebit\" \"updates, onebit_4\""),
