@@ -334,7 +334,8 @@ def report(by_node: list[list[dict]], nodes: int, per_node: int, rate: str) -> l
     r.update(model_seconds=model.seconds + selection, model_card_bytes=model.outer_bytes)
     one_axis = next(f for f in rows if f["algorithm"] == r["algorithm"]
                     and f["density"] == r["density"] and route_label(f) == "one axis")
-    r.update(seconds_vs_one_axis=r["seconds"] / one_axis["seconds"],
+    r.update(route_label=route_label(r),
+             seconds_vs_one_axis=r["seconds"] / one_axis["seconds"],
              bytes_vs_one_axis=r["card_bytes"] / one_axis["card_bytes"])
     print(f"{r['algorithm']:15s} {r['density']:7g} {route_label(r):>9s} "
           f"{r['seconds']:8.4f} {r['model_seconds']:7.4f} "

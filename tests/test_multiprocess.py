@@ -581,3 +581,27 @@ def test_a_process_that_ends_publishes_every_step_it_dispatched():
     stall_watch.dispatched(done)
   stall_watch.stop()  # at once, before a poll could see the three
   assert store.values["topka2a_jax/steps/1"] == "3"
+
+
+CONFIGURED_AFTER_INITIALIZE = """
+import jax
+import topka2a_jax.distributed
+
+topka2a_jax.distributed.initialize()
+jax.config.update("jax_num_cpu_devices", 2)  # JAX takes it only before its backends start
+print("devices", jax.local_device_count(), flush=True)
+"""
+
+
+def test_initialize_leaves_jax_to_be_configured_as_jax_distributed_initialize_does(tmp_path):
+  """Settings read when JAX's backends start may still be made after initialize().
+
+  The stall watch it arms once read this process's rank from
+  ``jax.process_index()``, which starts the backends: a setting made after
+  it then raised, and a benchmark that gives gloo its network card could not.
+  """
+  script = tmp_path / "configure.py"
+  script.write_text(CONFIGURED_AFTER_INITIALIZE)
+  done = run([sys.executable, *LAUNCHER, "-n", "1", str(script)], XLA_FLAGS="")
+  assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+  assert "devices 2" in done.stdout

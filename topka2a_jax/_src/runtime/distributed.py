@@ -145,8 +145,20 @@ def arm_stall_watch(timeout_seconds: float, client: Any) -> bool:
         "uses to name the processes behind. Training goes on without it; pass "
         "stall_timeout_seconds=None to silence this.", RuntimeWarning, stacklevel=3)
     return False
-  watchdog.arm(timeout_seconds, jax.process_index(), client)
+  watchdog.arm(timeout_seconds, _process_id(), client)
   return True
+
+
+def _process_id() -> int:
+  """This process's rank as ``jax.distributed.initialize`` recorded it.
+
+  ``jax.process_index()`` would start JAX's backends, which a program may
+  still mean to configure after :func:`initialize` (replace the CPU backend's
+  factory, for one); ``jax.distributed.initialize`` itself starts none.
+  """
+  from jax._src import distributed as jax_distributed
+
+  return jax_distributed.global_state.process_id
 
 
 def initialize(*, fail_fast: bool = True,
