@@ -63,6 +63,13 @@ LEGENDS = {
     "local 4": 'local_steps(adam, every=4, algorithm="quantized_8_8_fine")',
     "local 4, rotated_4_8": 'local_steps(adam, every=4, algorithm="rotated_4_8")',
     "local 4, rotated_4_4": "local_steps(adam, every=4)",
+    "topka2a 1%": 'chain(topka2a(0.01, algorithm="topka2a", selection="exact"), adam)',
+    "topka2a 5%": 'chain(topka2a(0.05, algorithm="topka2a", selection="exact"), adam)',
+    "topka2a 1%, no error feedback":
+        'chain(topka2a(0.01, algorithm="topka2a", error_feedback=False), adam)',
+    "allgather (TopkA) 1%": 'chain(topka2a(0.01, algorithm="allgather"), adam)',
+    "topka2a 1%, 100 dense warm-up steps":
+        'chain(topka2a(0.01, algorithm="topka2a", warmup_steps=100), adam)',
 }
 """What a user writes for each run of ``benchmarks/network_training.py`` and
 ``examples/train_charlm.py`` (``adam`` is the run's ``optax.adam``); the

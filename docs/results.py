@@ -233,6 +233,17 @@ RESULTS: dict[str, Named] = {
     "startup": Startups(
         command="python benchmarks/startup.py --trials 7 --checkout /tmp/b6546c8",
         file="startup_5b066d9_vs_b6546c8_2026-12-03.json", revisions=("5b066d9", "b6546c8")),
+    "nodes_flat_and_two_level": Rows(
+        command="python benchmarks/network_nodes.py --json out.json",
+        file="network_nodes_2026-12-07.json",
+        columns=(("algorithm", "algorithm", ""), ("density", "density", "g"),
+                 ("route", "route_label", ""), ("seconds", "seconds", ".2f"),
+                 ("model seconds", "model_seconds", ".2f"), ("card bytes", "card_bytes", ",.0f"),
+                 ("model card bytes", "model_card_bytes", ",.0f"),
+                 ("seconds vs one axis", "seconds_vs_one_axis", ".2f"),
+                 ("bytes vs one axis", "bytes_vs_one_axis", ".3f")),
+        where=(("algorithm", ("dense", "allgather", "topka2a", "topka2a_sparse", "gtopk",
+                              "oktopk")),)),
     "selection_in_a_step": Rows(
         command="python benchmarks/step_time.py --json out.json",
         file="step_time_2026-12-07.json",

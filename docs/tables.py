@@ -175,9 +175,12 @@ class Rows(OneRun):
   Attributes:
     columns: (heading, key, format spec) for each column, in order; a
       missing or empty value leaves its cell empty.
+    where: (key, values) pairs: only the rows whose key holds one of the
+      values are shown; empty shows every row.
   """
 
   columns: tuple[tuple[str, str, str], ...]
+  where: tuple[tuple[str, tuple], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -546,6 +549,8 @@ def render_rows(result: Rows, data: Path = DATA) -> str:
   lines = ["| " + " | ".join(head for head, _, _ in result.columns) + " |",
            "|" + "---|" * len(result.columns)]
   for row in run["rows"]:
+    if any(row.get(key) not in values for key, values in result.where):
+      continue
     cells = ["" if row.get(key) in (None, "") else format(row[key], spec).replace("|", "\\|")
              for _, key, spec in result.columns]
     lines.append("| " + " | ".join(cells) + " |")
