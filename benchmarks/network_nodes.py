@@ -337,7 +337,7 @@ def report(by_node: list[list[dict]], nodes: int, per_node: int, rate: str) -> l
     r.update(route_label=route_label(r),
              seconds_vs_one_axis=r["seconds"] / one_axis["seconds"],
              bytes_vs_one_axis=r["card_bytes"] / one_axis["card_bytes"])
-    print(f"{r['algorithm']:15s} {r['density']:7g} {route_label(r):>9s} "
+    print(f"{r['algorithm']:15s} {r['density']:7g} {r['route_label']:>9s} "
           f"{r['seconds']:8.4f} {r['model_seconds']:7.4f} "
           f"{r['seconds'] / r['model_seconds'] - 1:+7.0%} "
           f"{r['card_bytes'] / 1e6:8.2f} {model.outer_bytes / 1e6:7.2f} "
